@@ -1,0 +1,13 @@
+"""What runs on each rank: ring attention, sequence layouts, and the sequence gather.
+
+- ``shard(x, dim, group=, layout=)``: this rank's part of a full tensor.
+- ``gather(x, dim, group=, layout=)``: the full tensor from every rank's part.
+- ``ring_attention(q, k, v, ...)``: exact SDPA over a sharded sequence
+  (``torch.ops.ringify.ring_attention`` underneath).
+"""
+
+from ringify.runtime.gather import gather
+from ringify.runtime.layout import LAYOUTS, shard
+from ringify.runtime.ring_attention import ring_attention
+
+__all__ = ["LAYOUTS", "gather", "ring_attention", "shard"]

@@ -1,0 +1,167 @@
+"""Attention on one (query block, key block) pair with ATen's fused kernels, and the LSE merge.
+
+Shapes (SDPA layout): q_BHsD (H query heads), k_BKtD / v_BKtD (K kv heads,
+H % K == 0), out_BHsD, lse_BHs. Every kernel returns the log-sum-exp of each
+query row, which is what lets blocks be merged exactly and lets the backward
+recompute a block's softmax from the *global* ``out`` and ``lse``.
+
+Kernel choice follows the device of the inputs:
+- CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (handles GQA natively).
+  Half-precision blocks run the float32 kernel: partial results are never
+  rounded to 8 mantissa bits (so the error does not grow with the ring), and on
+  CPUs without AMX the float32 kernel is also the faster one (measured 3x in the
+  backward on the reference machine);
+- CUDA: flash for fp16/bf16, memory-efficient for fp32; float64 (no fused CUDA
+  kernel) uses the math formulation below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Blocks are merged in float32, or float64 when the inputs are float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def block_forward(
+    q_BHsD: torch.Tensor, k_BKtD: torch.Tensor, v_BKtD: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale) v; causal masks are top-left aligned."""
+    if q_BHsD.device.type == "cpu":
+        q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHsD, k_BKtD, v_BKtD, 0.0, is_causal, scale=scale
+        )
+    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    if q_BHsD.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(
+            q_BHsD, k_BHtD, v_BHtD, 0.0, is_causal, False, scale=scale
+        )
+        return out, lse
+    if q_BHsD.dtype == torch.float32:
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+            q_BHsD, k_BHtD, v_BHtD, None, True, 0.0, is_causal, scale=scale
+        )
+        return out, lse[..., : q_BHsD.shape[2]]  # the kernel pads lse rows to a multiple of 32
+    return math_forward(q_BHsD, k_BHtD, v_BHtD, is_causal=is_causal, scale=scale)
+
+
+def block_backward(
+    dout_BHsD: torch.Tensor,
+    q_BHsD: torch.Tensor,
+    k_BKtD: torch.Tensor,
+    v_BKtD: torch.Tensor,
+    out_BHsD: torch.Tensor,
+    lse_BHs: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
+
+    With the global ``out`` and ``lse`` the kernel's recomputed probabilities are
+    the global ones, so the block gradients sum exactly to the full gradient.
+    """
+    if q_BHsD.device.type == "cpu":
+        dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _cpu_kernel_inputs(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
+        )
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, 0.0, is_causal, scale=scale
+        )
+    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    s, t = q_BHsD.shape[2], k_BKtD.shape[2]
+    if q_BHsD.dtype in (torch.float16, torch.bfloat16):
+        no_rng = torch.zeros(2, dtype=torch.int64, device=q_BHsD.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs.float(),
+            None, None, s, t, 0.0, is_causal, no_rng, no_rng, scale=scale,
+        )  # fmt: skip
+    elif q_BHsD.dtype == torch.float32:
+        padded_lse = F.pad(lse_BHs.float(), (0, -s % 32))
+        no_rng = torch.zeros((), dtype=torch.int64, device=q_BHsD.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, None, out_BHsD, padded_lse,
+            no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
+        )  # fmt: skip
+    else:
+        dq, dk, dv = math_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
+        )
+    return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
+
+
+def math_forward(
+    q_BHsD: torch.Tensor, k_BHtD: torch.Tensor, v_BHtD: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unfused reference formulation for dtypes no fused kernel serves (O(s*t) memory)."""
+    scores = (q_BHsD @ k_BHtD.transpose(-1, -2)) * scale
+    if is_causal:
+        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v_BHtD, lse
+
+
+def math_backward(
+    dout_BHsD: torch.Tensor,
+    q_BHsD: torch.Tensor,
+    k_BHtD: torch.Tensor,
+    v_BHtD: torch.Tensor,
+    out_BHsD: torch.Tensor,
+    lse_BHs: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash-attention backward identities: dS = P * (dP - rowsum(dO * O))."""
+    scores = (q_BHsD @ k_BHtD.transpose(-1, -2)) * scale
+    if is_causal:
+        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
+    probs = torch.exp(scores - lse_BHs.to(scores.dtype).unsqueeze(-1))
+    dprobs = dout_BHsD @ v_BHtD.transpose(-1, -2)
+    delta = (dout_BHsD * out_BHsD).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    return dscores @ k_BHtD, dscores.transpose(-1, -2) @ q_BHsD, probs.transpose(-1, -2) @ dout_BHsD
+
+
+def merge_block(
+    out_acc_BHsD: torch.Tensor, lse_acc_BHs: torch.Tensor, out_BHsD: torch.Tensor, lse_BHs: torch.Tensor
+) -> None:
+    """Fold one block's ``(out, lse)`` into the running accumulators, in place.
+
+    out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written as a
+    lerp with weight sigmoid(lse - lse_acc) so nothing is exponentiated unguarded.
+    """
+    acc = out_acc_BHsD.dtype
+    lse_BHs = lse_BHs.to(acc)
+    weight = torch.sigmoid(lse_BHs - lse_acc_BHs).unsqueeze(-1)
+    out_acc_BHsD.lerp_(out_BHsD.to(acc), weight)
+    lse_acc_BHs.sub_(F.logsigmoid(lse_acc_BHs - lse_BHs))
+
+
+def _cpu_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
+
+
+def _above_diagonal(scores: torch.Tensor) -> torch.Tensor:
+    s, t = scores.shape[-2:]
+    return torch.ones(s, t, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _expand_kv(q_BHsD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+    """Repeat kv heads for GQA, for kernels that need H == K (local to one block only)."""
+    groups = q_BHsD.shape[1] // kv_BKtD.shape[1]
+    return kv_BKtD if groups == 1 else kv_BKtD.repeat_interleave(groups, dim=1)
+
+
+def _sum_kv_groups(dkv_BHtD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+    b, h, t, d = dkv_BHtD.shape
+    kv_heads = kv_BKtD.shape[1]
+    if h == kv_heads:
+        return dkv_BHtD
+    return dkv_BHtD.view(b, kv_heads, h // kv_heads, t, d).sum(2)

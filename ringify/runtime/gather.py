@@ -1,0 +1,65 @@
+"""``gather``: the full tensor from every rank's sequence shard, as a compile-friendly custom op.
+
+Its backward is a local slice, not a reduce-scatter: every rank is assumed to
+compute the same thing from the gathered tensor (the exit of a ringified
+model), so each rank's gradient for its own part is its slice of the incoming one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringify.runtime.groups import check_backend_serves, resolve_ring, ring_by_name
+from ringify.runtime.layout import check_layout, check_splittable, shard_for_rank, unshard
+
+
+@torch.library.custom_op("ringify::gather", mutates_args=())
+def gather_op(x: torch.Tensor, dim: int, group_name: str, layout: str) -> torch.Tensor:
+    ring = ring_by_name(group_name)
+    if ring.size == 1:
+        return x.clone()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(ring.size)]
+    dist.all_gather(parts, x, group=ring.group)
+    return unshard(parts, dim, layout)
+
+
+@gather_op.register_fake
+def _(x, dim, group_name, layout):
+    shape = list(x.shape)
+    shape[dim] *= ring_by_name(group_name).size
+    return x.new_empty(shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name, ctx.layout = inputs
+
+
+def _backward(ctx, grad):
+    ring = ring_by_name(ctx.group_name)
+    return shard_for_rank(grad, ctx.dim, ring.rank, ring.size, ctx.layout), None, None, None
+
+
+gather_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gather(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """The full tensor from every rank's part ``x`` along ``dim``, in global order.
+
+    Differentiable: the backward hands each rank its own slice of the incoming
+    gradient (every rank is assumed to compute the same thing downstream).
+    """
+    ring = resolve_ring(group)
+    check_layout(layout)
+    dim = dim % x.dim()
+    if layout == "zigzag":
+        check_splittable(x.shape[dim] * ring.size, ring.size, layout, what="gathered")
+    check_backend_serves(ring, x.device)
+    return gather_op(x, dim, ring.name, layout)

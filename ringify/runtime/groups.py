@@ -1,0 +1,77 @@
+"""Which ring a call runs on: process-group resolution shared by every runtime op.
+
+Custom ops cannot take a ``ProcessGroup`` argument, so a group travels as its
+name (``""`` means "no ring": torch.distributed is not initialised or the group
+has one rank), as ``torch.distributed._functional_collectives`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+LOCAL = ""
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A resolved ring: the group, this rank's place in it, and its size."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @property
+    def name(self) -> str:
+        return LOCAL if self.group is None else self.group.group_name
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def resolve_ring(group: dist.ProcessGroup | None) -> Ring:
+    """The ring for ``group`` (``None``: the default group), or a local one-rank ring."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError(
+                "a process group was passed but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group() first or pass group=None"
+            )
+        return Ring(None, 0, 1)
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size == 1:
+        return Ring(None, 0, 1)
+    return Ring(group, dist.get_rank(group), size)
+
+
+def ring_by_name(group_name: str) -> Ring:
+    """The ring a custom op was given by name."""
+    if group_name == LOCAL:
+        return Ring(None, 0, 1)
+    group = _resolve_process_group(group_name)
+    return Ring(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def check_backend_serves(ring: Ring, device: torch.device) -> None:
+    """Raise if the ring's backend has no implementation for tensors on ``device``.
+
+    Sending a CPU tensor over an NCCL-only group (or a CUDA tensor over a
+    gloo-only one) would otherwise fail deep inside the first P2P call, or hang.
+    """
+    if ring.group is None:
+        return
+    config = dist.get_backend_config(ring.group)  # e.g. "cpu:gloo,cuda:nccl" or "gloo"
+    served = set()
+    for part in config.split(","):
+        dev, _, backend = part.rpartition(":")
+        served |= {dev} if dev else set(dist.Backend.backend_capability.get(backend, ()))
+    if device.type not in served:
+        raise ValueError(
+            f"the ring's process group (backend {config!r}) cannot move {device.type} tensors; "
+            f"move q, k and v to one of {sorted(served)} or create the group with a backend "
+            f"for {device.type} (gloo for cpu, nccl for cuda)"
+        )

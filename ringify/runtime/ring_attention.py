@@ -1,0 +1,284 @@
+"""Ring attention: exact SDPA over a sequence sharded across the ranks of a ring.
+
+``torch.ops.ringify.ring_attention(q, k, v, is_causal, scale, group_name, layout)
+-> (out, lse)`` is a custom op with a fake kernel and autograd, whose backward is
+the custom op ``ringify::ring_attention_backward``; AOTAutograd and Inductor see
+each as one opaque node.
+
+Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
+key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
+
+Forward, P ranks: the local K/V block travels round the ring for P-1 steps; at
+step i this rank holds the block of rank (rank - i) mod P, computes its
+attention with a fused kernel while the next block is already in flight, and
+merges the result into float32 accumulators by log-sum-exp.
+Backward: K/V travel again; the dK/dV accumulator of each block travels with it,
+every rank adds its contribution, and after P steps it arrives home.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ringify.runtime.block_attention import (
+    accumulation_dtype,
+    block_backward,
+    block_forward,
+    merge_block,
+)
+from ringify.runtime.groups import Ring, check_backend_serves, resolve_ring, ring_by_name
+from ringify.runtime.layout import LAYOUTS, check_layout
+from ringify.runtime.ring import pack, start_rotation, unpack
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_KV_TAG, _DKV_TAG = 0, 1
+_ALL = slice(None)
+
+
+def _block_plan(rank: int, src: int, rows: int, is_causal: bool, layout: str):
+    """Which part of the block (q rows, k rows, causal?) rank ``rank`` computes against
+    the K/V block of rank ``src``; ``None`` when the block lies above the diagonal.
+
+    Zigzag ranks hold chunks (r, 2P-1-r). For src < r the tail chunk of src lies
+    after both of ours (only its head chunk counts); for src > r both of src's
+    chunks lie before our tail chunk and after our head chunk.
+    """
+    if not is_causal:
+        return _ALL, _ALL, False
+    if src == rank:
+        return _ALL, _ALL, True
+    if layout == "contiguous":
+        return (_ALL, _ALL, False) if src < rank else None
+    half = rows // 2
+    if src < rank:
+        return _ALL, slice(0, half), False
+    return slice(half, None), _ALL, False
+
+
+@torch.library.custom_op("ringify::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = ring_by_name(group_name)
+    acc = accumulation_dtype(q.dtype)
+    if ring.size == 1:
+        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
+        return out.to(q.dtype).contiguous(), lse.to(acc).contiguous()
+    _check_ranks_agree(ring, q, k, v, is_causal, scale, layout)
+
+    rows = q.shape[2]
+    kv = pack(k, v)
+    out_acc = lse_acc = None
+    for step in range(ring.size):
+        pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
+        plan = _block_plan(ring.rank, (ring.rank - step) % ring.size, rows, is_causal, layout)
+        if plan is not None:
+            q_rows, k_rows, causal = plan
+            k_blk, v_blk = unpack(kv, k, v)
+            out_blk, lse_blk = block_forward(
+                q[:, :, q_rows], k_blk[:, :, k_rows], v_blk[:, :, k_rows], is_causal=causal, scale=scale
+            )
+            if out_acc is None:  # step 0 is the diagonal block, which covers every row
+                out_acc, lse_acc = out_blk.to(acc), lse_blk.to(acc).contiguous()
+            else:
+                merge_block(out_acc[:, :, q_rows], lse_acc[:, :, q_rows], out_blk, lse_blk)
+        if pending is not None:
+            kv = pending.wait()
+    return out_acc.to(q.dtype).contiguous(), lse_acc
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, is_causal, scale, group_name, layout):
+    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op("ringify::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ring = ring_by_name(group_name)
+    grad_out = grad_out.contiguous()
+    if ring.size == 1:
+        dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+        return tuple(g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v)))
+
+    acc = accumulation_dtype(q.dtype)
+    rows = q.shape[2]
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = pack(k, v)
+    dkv = pending_dkv = None
+    for step in range(ring.size):
+        pending_kv = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
+        plan = _block_plan(ring.rank, (ring.rank - step) % ring.size, rows, is_causal, layout)
+        grads = None
+        if plan is not None:
+            q_rows, k_rows, causal = plan
+            k_blk, v_blk = unpack(kv, k, v)
+            grads = block_backward(
+                grad_out[:, :, q_rows], q[:, :, q_rows], k_blk[:, :, k_rows], v_blk[:, :, k_rows],
+                out[:, :, q_rows], lse[:, :, q_rows], is_causal=causal, scale=scale,
+            )  # fmt: skip
+        # The accumulator of the block held now: fresh at step 0, else it came with the block.
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device) if step == 0 else pending_dkv.wait()
+        if grads is not None:
+            dq_blk, dk_blk, dv_blk = grads
+            dk_acc, dv_acc = unpack(dkv, k, v)
+            dq_acc[:, :, q_rows] += dq_blk
+            dk_acc[:, :, k_rows] += dk_blk
+            dv_acc[:, :, k_rows] += dv_blk
+        pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
+        if pending_kv is not None:
+            kv = pending_kv.wait()
+    dk, dv = unpack(pending_dkv.wait(), k, v)  # P rotations: our own block's total is home
+    # dk and dv are views of one buffer; outputs of a custom op must not alias.
+    return dq_acc.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+
+
+@ring_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, layout):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.is_causal, ctx.scale, ctx.group_name, ctx.layout = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(
+        grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.group_name, ctx.layout
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the full sequence, restricted to this rank's rows.
+
+    q, k, v are this rank's shards ``(B, H, S_local, D)`` under ``layout`` (see
+    ``ringify.runtime.shard``). ``group=None`` is the default process group;
+    without torch.distributed, or with one rank, this is plain local attention.
+    """
+    ring = resolve_ring(group)
+    check_layout(layout)
+    check_inputs(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                 enable_gqa=enable_gqa, layout=layout)  # fmt: skip
+    check_backend_serves(ring, q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, _ = ring_attention_op(q, k, v, is_causal, scale, ring.name, layout)
+    return out
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    layout: str,
+) -> None:
+    """Raise a ``ValueError`` naming the fix for inputs the ring cannot compute exactly."""
+    if attn_mask is not None:
+        raise ValueError(
+            "ring_attention does not take attn_mask yet; for a causal mask pass is_causal=True"
+        )
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"ring_attention does not support dropout (dropout_p={dropout_p}); pass dropout_p=0.0 "
+            "(put the model in eval mode or set its attention dropout to 0)"
+        )
+    if any(t.dim() != 4 for t in (q, k, v)):
+        raise ValueError(
+            "q, k and v must be 4-D (batch, heads, seq, head_dim); got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if len({q.dtype, k.dtype, v.dtype}) > 1 or q.dtype not in _DTYPES:
+        raise ValueError(
+            f"q, k and v must share one dtype among {[str(d) for d in _DTYPES]}; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if len({q.device, k.device, v.device}) > 1:
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
+    if k.shape != v.shape or b != bk or d != dk:
+        raise ValueError(
+            "k and v must have q's batch size and head_dim and match each other; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if s != sk:
+        raise ValueError(
+            f"ring_attention is self-attention: q and k need the same local sequence length "
+            f"(got {s} and {sk}); cross-attention is not supported"
+        )
+    if h != hk and not enable_gqa:
+        raise ValueError(
+            f"q has {h} heads but k/v have {hk}; pass enable_gqa=True for grouped-query attention"
+        )
+    if h % hk:
+        raise ValueError(
+            f"grouped-query attention needs q's heads ({h}) to be a multiple of k/v's heads ({hk})"
+        )
+    if is_causal and layout == "zigzag" and s % 2:
+        raise ValueError(
+            f"the zigzag layout holds two equal chunks per rank, but the local sequence length "
+            f"is {s} (odd); shard the full sequence with ringify.runtime.shard(..., "
+            f"layout='zigzag') from a length divisible by 2 * ring_size"
+        )
+
+
+def _check_ranks_agree(ring: Ring, q, k, v, is_causal: bool, scale: float, layout: str) -> None:
+    """Raise on every rank (instead of hanging the ring) if the ranks disagree on the call."""
+    mine = [*q.shape, k.shape[1], _DTYPES.index(q.dtype), is_causal, scale, LAYOUTS.index(layout)]
+    local = torch.tensor(mine, dtype=torch.float64, device=q.device)
+    everyone = [torch.empty_like(local) for _ in range(ring.size)]
+    dist.all_gather(everyone, local, group=ring.group)
+    rows = [t.tolist() for t in everyone]
+    if any(row != rows[0] for row in rows):
+        names = ("batch", "heads", "seq", "head_dim", "kv_heads", "dtype", "is_causal", "scale", "layout")
+        described = "; ".join(
+            f"rank {r}: " + ", ".join(f"{n}={x:g}" for n, x in zip(names, row, strict=True))
+            for r, row in enumerate(rows)
+        )
+        raise ValueError(
+            "the ranks of the ring called ring_attention with different arguments; every rank must "
+            f"pass shards of the same shape, dtype and flags ({described})"
+        )

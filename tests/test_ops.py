@@ -1,0 +1,151 @@
+"""The custom ops under torch.library.opcheck, gradcheck and torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringify.runtime import gather, ring_attention, shard
+from ringify.runtime.layout import unshard
+
+
+def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
+    """q, k, v (requires_grad) of this rank's shard, and the group name the ops take."""
+    import torch.distributed as dist
+
+    from ringify.runtime.groups import resolve_ring
+
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(2, h, seq, 8, generator=g, dtype=dtype) for h in (4, 2, 2)]
+    group = dist.group.WORLD if dist.is_initialized() else None
+    local = [shard(t, 2, layout=layout).clone().requires_grad_() for t in full]
+    return local, resolve_ring(group).name
+
+
+def opcheck_ops():
+    """opcheck both ops (every rank runs the same sequence of calls, so the ring stays in step)."""
+    (q, k, v), name = ring_args(16)
+    for is_causal in (False, True):
+        args = (q, k, v, is_causal, 0.3, name, "zigzag")
+        torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
+        out, lse = torch.ops.ringify.ring_attention(*args)
+        # The backward op is not differentiable itself (no double backward): plain tensors.
+        tensors = (torch.randn_like(out), q, k, v, out, lse)
+        bwd_args = (*(t.detach() for t in tensors), is_causal, 0.3, name, "zigzag")
+        torch.library.opcheck(torch.ops.ringify.ring_attention_backward.default, bwd_args)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag"))
+    return True
+
+
+def gradcheck_ring():
+    (q, k, v), _ = ring_args(8, seed=1)  # the local op: torch.distributed is not initialised
+    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=True, enable_gqa=True, layout="zigzag")
+    return torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck(ranks, world):
+    assert opcheck_ops() if world == 1 else all(ranks(world).run(opcheck_ops))
+
+
+def test_gradcheck():
+    # Single process only: on a ring, a rank's dk/dv hold the gradient of every
+    # rank's output, which no local finite difference sees. Multi-rank gradients
+    # are compared with full-sequence SDPA in test_ring_attention.py.
+    assert gradcheck_ring()
+
+
+def eager_and_compiled(backend):
+    """ring_attention then gather, eager and compiled with fullgraph=True; local results."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    (q, k, v), _ = ring_args(16, dtype=torch.float32)
+
+    def attend(q, k, v):
+        out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, layout="zigzag")
+        return gather(out, 2, layout="zigzag").square().sum()
+
+    results = []
+    for fn in (attend, torch.compile(attend, backend=backend, fullgraph=True)):
+        loss = fn(q, k, v)
+        grads = torch.autograd.grad(loss, (q, k, v))
+        results.append([loss.detach(), *grads])
+    return results
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_matches_eager(ranks, world, backend):
+    per_rank = [eager_and_compiled(backend)] if world == 1 else ranks(world).run(eager_and_compiled, backend)
+    for eager, compiled in per_rank:
+        for e, c in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def compiled_graph_has_one_ring_node():
+    """The op is one opaque node for AOTAutograd: exactly one forward and one backward call."""
+    import torch._dynamo
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    (q, k, v), _ = ring_args(16, dtype=torch.float32)
+    backend = AotEagerAndRecordGraphs()
+    fn = torch.compile(lambda q, k, v: ring_attention(q, k, v, enable_gqa=True), backend=backend, fullgraph=True)
+    fn(q, k, v).sum().backward()
+    count = lambda graphs, op: sum(n.target is op for g in graphs for n in g.graph.nodes)
+    return (
+        count(backend.fw_graphs, torch.ops.ringify.ring_attention.default),
+        count(backend.bw_graphs, torch.ops.ringify.ring_attention_backward.default),
+    )
+
+
+def test_compiled_graph_has_one_ring_node(ranks):
+    assert ranks(2).run(compiled_graph_has_one_ring_node) == [(1, 1), (1, 1)]
+
+
+def shard_gather_roundtrip(layout):
+    x = torch.arange(2 * 24, dtype=torch.float64).view(2, 24).requires_grad_()
+    part = shard(x, 1, layout=layout)
+    full = gather(part * 1.0, 1, layout=layout)
+    (full * torch.arange(24.0, dtype=torch.float64)).sum().backward()
+    return part.detach(), full.detach(), x.grad
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_and_gather(ranks, world, layout):
+    x = torch.arange(2 * 24, dtype=torch.float64).view(2, 24)
+    chunks = x.chunk(world * (2 if layout == "zigzag" else 1), dim=1)
+    per_rank = ranks(world).run(shard_gather_roundtrip, layout)
+    for rank, (part, full, grad) in enumerate(per_rank):
+        own = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+        assert torch.equal(part, torch.cat([chunks[i] for i in own], 1))
+        assert torch.equal(full, x)
+        # gather's backward is this rank's slice of the incoming gradient; shard's
+        # backward scatters it back to this rank's positions.
+        weights = torch.arange(24.0, dtype=torch.float64).expand(2, 24)
+        expected = torch.zeros_like(x)
+        mask = torch.zeros(24, dtype=torch.bool)
+        for i in own:
+            mask[i * chunks[0].shape[1] : (i + 1) * chunks[0].shape[1]] = True
+        expected[:, mask] = weights[:, mask]
+        assert torch.equal(grad, expected)
+    assert torch.equal(unshard([p for p, _, _ in per_rank], 1, layout), x)
+
+
+def group_of_one_rank():
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    (q, k, v), _ = ring_args(16, layout="contiguous")
+    own = groups[dist.get_rank()]
+    out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, group=own)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return (out - ref).abs().max().item()
+
+
+def test_group_of_one_rank_is_local_attention(ranks):
+    assert ranks(2).run(group_of_one_rank) == [0.0, 0.0]

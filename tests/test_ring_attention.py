@@ -1,0 +1,120 @@
+"""ring_attention on 1, 2 and 4 gloo ranks against F.scaled_dot_product_attention on the full sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringify.runtime import ring_attention, shard
+from ringify.runtime.layout import unshard
+
+# Tolerances: float64 results must agree to rounding (1e-10 on O(1) values);
+# float32 blocks and merges round at 6e-8 relative, a few hundred operations deep;
+# bfloat16 is compared to a float64 truth elsewhere (test_bf16_error_does_not_grow).
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(batch, h, seq, dim, generator=g, dtype=torch.float64).to(dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    return q, k, v, dout
+
+
+def ring_forward_backward(q, k, v, dout, layout, kwargs):
+    """On every rank: shard, run ring_attention forward and backward, return local results."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    q, k, v, dout = (
+        shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
+        for t in (q, k, v, dout)
+    )
+    out = ring_attention(q, k, v, layout=layout, **kwargs)
+    out.backward(dout)
+    del world, rank
+    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def reference(q, k, v, dout, kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def run_ring(ranks, world, inputs, layout, kwargs):
+    if world == 1:
+        per_rank = [ring_forward_backward(*inputs, layout, kwargs)]
+    else:
+        per_rank = ranks(world).run(ring_forward_backward, *inputs, layout, kwargs)
+    return [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
+
+
+def assert_matches(got, want, tol):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        # Relative to the largest entry: bf16 rounds at 2**-8 of a value's magnitude.
+        err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
+        assert err <= tol, f"{name}: max error {err:.3g} > {tol:g}"
+
+
+CASES = [
+    # batch, heads, kv_heads, seq, dim, kwargs
+    pytest.param(2, 4, 4, 48, 16, {}, id="mha"),
+    pytest.param(1, 4, 4, 40, 8, {"scale": 0.37}, id="scale"),
+    pytest.param(2, 6, 2, 24, 8, {"enable_gqa": True}, id="gqa"),
+    pytest.param(1, 4, 1, 56, 8, {"enable_gqa": True}, id="mqa"),
+]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "seq", "dim", "extra"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_matches_sdpa(ranks, world, layout, is_causal, batch, heads, kv_heads, seq, dim, extra, dtype):
+    inputs = make_inputs(batch, heads, kv_heads, seq, dim, dtype)
+    kwargs = {"is_causal": is_causal, **extra}
+    got = run_ring(ranks, world, inputs, layout, kwargs)
+    assert_matches(got, reference(*inputs, kwargs), TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_bfloat16_matches_sdpa(ranks, world, is_causal):
+    inputs = make_inputs(2, 4, 2, 40, 16, torch.bfloat16)
+    kwargs = {"is_causal": is_causal, "enable_gqa": True}
+    got = run_ring(ranks, world, inputs, "zigzag", kwargs)
+    assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.bfloat16])
+
+
+def relative_error(x, truth):
+    return ((x.double() - truth).norm() / truth.norm()).item()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_bf16_error_does_not_grow(ranks, world):
+    """bf16 ring error vs a float64 truth stays within 1.2x of single-process bf16 SDPA's."""
+    inputs = make_inputs(2, 4, 2, 128, 32, torch.bfloat16)
+    kwargs = {"is_causal": True, "enable_gqa": True}
+    truth = reference(*(t.double() for t in inputs), kwargs)
+    sdpa = reference(*inputs, kwargs)
+    if world == 8:  # oversubscribed: a throwaway pool, not kept for the session
+        from rank_pool import RankPool
+
+        pool = RankPool(8)
+        try:
+            per_rank = pool.run(ring_forward_backward, *inputs, "zigzag", kwargs)
+        finally:
+            pool.close()
+        got = [unshard([r[i] for r in per_rank], 2, "zigzag") for i in range(4)]
+    else:
+        got = run_ring(ranks, world, inputs, "zigzag", kwargs)
+    for name, g, s, t in zip(("out", "dq", "dk", "dv"), got, sdpa, truth, strict=True):
+        ring_err, sdpa_err = relative_error(g, t), relative_error(s, t)
+        assert ring_err <= 1.2 * sdpa_err, f"{name}: ring {ring_err:.3g} vs sdpa {sdpa_err:.3g}"

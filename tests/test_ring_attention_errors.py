@@ -1,0 +1,73 @@
+"""Bad input to ring_attention / shard / gather: a ValueError naming the fix, before any communication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringify.runtime import gather, ring_attention, shard
+
+
+def qkv(heads=4, kv_heads=4, seq=16, dim=8, dtype=torch.float32):
+    return (
+        torch.randn(1, heads, seq, dim, dtype=dtype),
+        torch.randn(1, kv_heads, seq, dim, dtype=dtype),
+        torch.randn(1, kv_heads, seq, dim, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "match"),
+    [
+        (lambda: qkv(), {"dropout_p": 0.1}, "dropout"),
+        (lambda: qkv(), {"attn_mask": torch.ones(16, 16, dtype=torch.bool)}, "attn_mask"),
+        (lambda: qkv(heads=4, kv_heads=2), {}, "enable_gqa=True"),
+        (lambda: qkv(heads=6, kv_heads=4), {"enable_gqa": True}, "multiple"),
+        (lambda: (qkv()[0], *qkv(seq=8)[1:]), {}, "same local sequence length"),
+        (lambda: (qkv()[0], qkv(dim=4)[1], qkv()[2]), {}, "head_dim"),
+        (lambda: (qkv()[0][0], *qkv()[1:]), {}, "4-D"),
+        (lambda: (qkv()[0].double(), *qkv()[1:]), {}, "one dtype"),
+        (lambda: qkv(seq=15), {"is_causal": True, "layout": "zigzag"}, "zigzag"),
+        (lambda: qkv(), {"layout": "striped"}, "layout must be one of"),
+    ],
+    ids=["dropout", "mask", "gqa-flag", "gqa-heads", "cross", "head-dim", "3d", "dtype", "zigzag-odd", "layout"],
+)
+def test_bad_input(make, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ring_attention(*make(), **kwargs)
+
+
+def test_shard_length_not_divisible():
+    with pytest.raises(ValueError, match=r"pad or trim it to a multiple of 2"):
+        shard(torch.randn(2, 5), 1, layout="zigzag")
+
+
+def test_group_without_distributed():
+    with pytest.raises(ValueError, match="not initialised"):
+        gather(torch.randn(4), 0, group=object())
+
+
+def disagreeing_ranks():
+    import torch.distributed as dist
+
+    seq = 8 if dist.get_rank() == 0 else 12  # rank 1 holds a longer shard
+    q, k, v = qkv(seq=seq)
+    ring_attention(q, k, v)
+
+
+def test_ranks_disagree_on_shapes(ranks):
+    """Mismatched shards raise on every rank instead of hanging the ring."""
+    with pytest.raises(ValueError, match=r"different arguments.*rank 1: .*seq=12"):
+        ranks(2).run(disagreeing_ranks, timeout=60)
+
+
+def backend_cannot_serve():
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="cuda:gloo")  # serves CUDA tensors only
+    ring_attention(*qkv(), group=group)
+
+
+def test_backend_cannot_serve_device(ranks):
+    with pytest.raises(ValueError, match=r"cannot move cpu tensors"):
+        ranks(2).run(backend_cannot_serve, timeout=60)
