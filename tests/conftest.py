@@ -1,5 +1,4 @@
 import pytest
-
 from rank_pool import RankPool
 
 _pools: dict[int, RankPool] = {}

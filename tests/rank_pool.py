@@ -89,7 +89,9 @@ class RankPool:
                 rank, ok, value = self._results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
-                raise TimeoutError(f"ranks did not finish within {timeout}s (pool restarted)") from None
+                raise TimeoutError(
+                    f"ranks did not finish within {timeout}s (pool restarted)"
+                ) from None
             if ok:
                 results[rank] = value
             else:

@@ -79,7 +79,11 @@ def eager_and_compiled(backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_compiled_matches_eager(ranks, world, backend):
-    per_rank = [eager_and_compiled(backend)] if world == 1 else ranks(world).run(eager_and_compiled, backend)
+    per_rank = (
+        [eager_and_compiled(backend)]
+        if world == 1
+        else ranks(world).run(eager_and_compiled, backend)
+    )
     for eager, compiled in per_rank:
         for e, c in zip(eager, compiled, strict=True):
             torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
@@ -93,7 +97,9 @@ def compiled_graph_has_one_ring_node():
     torch._dynamo.reset()
     (q, k, v), _ = ring_args(16, dtype=torch.float32)
     backend = AotEagerAndRecordGraphs()
-    fn = torch.compile(lambda q, k, v: ring_attention(q, k, v, enable_gqa=True), backend=backend, fullgraph=True)
+    fn = torch.compile(
+        lambda q, k, v: ring_attention(q, k, v, enable_gqa=True), backend=backend, fullgraph=True
+    )
     fn(q, k, v).sum().backward()
     count = lambda graphs, op: sum(n.target is op for g in graphs for n in g.graph.nodes)
     return (

@@ -77,7 +77,9 @@ CASES = [
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "seq", "dim", "extra"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_matches_sdpa(ranks, world, layout, is_causal, batch, heads, kv_heads, seq, dim, extra, dtype):
+def test_matches_sdpa(
+    ranks, world, layout, is_causal, batch, heads, kv_heads, seq, dim, extra, dtype
+):
     inputs = make_inputs(batch, heads, kv_heads, seq, dim, dtype)
     kwargs = {"is_causal": is_causal, **extra}
     got = run_ring(ranks, world, inputs, layout, kwargs)

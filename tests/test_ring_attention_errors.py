@@ -30,7 +30,18 @@ def qkv(heads=4, kv_heads=4, seq=16, dim=8, dtype=torch.float32):
         (lambda: qkv(seq=15), {"is_causal": True, "layout": "zigzag"}, "zigzag"),
         (lambda: qkv(), {"layout": "striped"}, "layout must be one of"),
     ],
-    ids=["dropout", "mask", "gqa-flag", "gqa-heads", "cross", "head-dim", "3d", "dtype", "zigzag-odd", "layout"],
+    ids=[
+        "dropout",
+        "mask",
+        "gqa-flag",
+        "gqa-heads",
+        "cross",
+        "head-dim",
+        "3d",
+        "dtype",
+        "zigzag-odd",
+        "layout",
+    ],
 )
 def test_bad_input(make, kwargs, match):
     with pytest.raises(ValueError, match=match):

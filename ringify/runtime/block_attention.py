@@ -29,7 +29,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_forward(
-    q_BHsD: torch.Tensor, k_BKtD: torch.Tensor, v_BKtD: torch.Tensor, *, is_causal: bool, scale: float
+    q_BHsD: torch.Tensor,
+    k_BKtD: torch.Tensor,
+    v_BKtD: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale) v; causal masks are top-left aligned."""
     if q_BHsD.device.type == "cpu":
@@ -97,7 +102,12 @@ def block_backward(
 
 
 def math_forward(
-    q_BHsD: torch.Tensor, k_BHtD: torch.Tensor, v_BHtD: torch.Tensor, *, is_causal: bool, scale: float
+    q_BHsD: torch.Tensor,
+    k_BHtD: torch.Tensor,
+    v_BHtD: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused reference formulation for dtypes no fused kernel serves (O(s*t) memory)."""
     scores = (q_BHsD @ k_BHtD.transpose(-1, -2)) * scale
@@ -130,7 +140,10 @@ def math_backward(
 
 
 def merge_block(
-    out_acc_BHsD: torch.Tensor, lse_acc_BHs: torch.Tensor, out_BHsD: torch.Tensor, lse_BHs: torch.Tensor
+    out_acc_BHsD: torch.Tensor,
+    lse_acc_BHs: torch.Tensor,
+    out_BHsD: torch.Tensor,
+    lse_BHs: torch.Tensor,
 ) -> None:
     """Fold one block's ``(out, lse)`` into the running accumulators, in place.
 

@@ -45,7 +45,9 @@ def check_splittable(seq_len: int, ring_size: int, layout: str, what: str = "seq
         )
 
 
-def shard_for_rank(x: torch.Tensor, dim: int, rank: int, ring_size: int, layout: str) -> torch.Tensor:
+def shard_for_rank(
+    x: torch.Tensor, dim: int, rank: int, ring_size: int, layout: str
+) -> torch.Tensor:
     """Rank ``rank``'s part of the full tensor ``x`` along ``dim`` (a view where possible)."""
     check_layout(layout)
     check_splittable(x.shape[dim], ring_size, layout)

@@ -38,8 +38,12 @@ def start_rotation(ring: Ring, tensor: torch.Tensor, *, tag: int = 0) -> Pending
     assert ring.group is not None and ring.size > 1
     received = torch.empty_like(tensor)
     ops = [
-        dist.P2POp(dist.isend, tensor, group=ring.group, group_peer=(ring.rank + 1) % ring.size, tag=tag),
-        dist.P2POp(dist.irecv, received, group=ring.group, group_peer=(ring.rank - 1) % ring.size, tag=tag),
+        dist.P2POp(
+            dist.isend, tensor, group=ring.group, group_peer=(ring.rank + 1) % ring.size, tag=tag
+        ),
+        dist.P2POp(
+            dist.irecv, received, group=ring.group, group_peer=(ring.rank - 1) % ring.size, tag=tag
+        ),
     ]
     return PendingStep(dist.batch_isend_irecv(ops), received, tensor)
 

@@ -85,7 +85,11 @@ def ring_attention_op(
             q_rows, k_rows, causal = plan
             k_blk, v_blk = unpack(kv, k, v)
             out_blk, lse_blk = block_forward(
-                q[:, :, q_rows], k_blk[:, :, k_rows], v_blk[:, :, k_rows], is_causal=causal, scale=scale
+                q[:, :, q_rows],
+                k_blk[:, :, k_rows],
+                v_blk[:, :, k_rows],
+                is_causal=causal,
+                scale=scale,
             )
             if out_acc is None:  # step 0 is the diagonal block, which covers every row
                 out_acc, lse_acc = out_blk.to(acc), lse_blk.to(acc).contiguous()
@@ -119,7 +123,9 @@ def ring_attention_backward_op(
     grad_out = grad_out.contiguous()
     if ring.size == 1:
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
-        return tuple(g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v)))
+        return tuple(
+            g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True)
+        )
 
     acc = accumulation_dtype(q.dtype)
     rows = q.shape[2]
@@ -138,7 +144,11 @@ def ring_attention_backward_op(
                 out[:, :, q_rows], lse[:, :, q_rows], is_causal=causal, scale=scale,
             )  # fmt: skip
         # The accumulator of the block held now: fresh at step 0, else it came with the block.
-        dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device) if step == 0 else pending_dkv.wait()
+        dkv = (
+            torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
+            if step == 0
+            else pending_dkv.wait()
+        )
         if grads is not None:
             dq_blk, dk_blk, dv_blk = grads
             dk_acc, dv_acc = unpack(dkv, k, v)
@@ -237,7 +247,9 @@ def check_inputs(
             f"got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if len({q.device, k.device, v.device}) > 1:
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}"
+        )
     (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
     if k.shape != v.shape or b != bk or d != dk:
         raise ValueError(
@@ -273,7 +285,17 @@ def _check_ranks_agree(ring: Ring, q, k, v, is_causal: bool, scale: float, layou
     dist.all_gather(everyone, local, group=ring.group)
     rows = [t.tolist() for t in everyone]
     if any(row != rows[0] for row in rows):
-        names = ("batch", "heads", "seq", "head_dim", "kv_heads", "dtype", "is_causal", "scale", "layout")
+        names = (
+            "batch",
+            "heads",
+            "seq",
+            "head_dim",
+            "kv_heads",
+            "dtype",
+            "is_causal",
+            "scale",
+            "layout",
+        )
         described = "; ".join(
             f"rank {r}: " + ", ".join(f"{n}={x:g}" for n, x in zip(names, row, strict=True))
             for r, row in enumerate(rows)
