@@ -1,5 +1,6 @@
 import pytest
-from rank_pool import RankPool
+
+from ringify.testing import RankPool
 
 _pools: dict[int, RankPool] = {}
 

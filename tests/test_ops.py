@@ -27,12 +27,12 @@ def opcheck_ops():
     """opcheck both ops (every rank runs the same sequence of calls, so the ring stays in step)."""
     (q, k, v), name = ring_args(16)
     for is_causal in (False, True):
-        args = (q, k, v, is_causal, 0.3, name, "zigzag")
+        args = (q, k, v, is_causal, 0.3, name, "zigzag", 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)
         # The backward op is not differentiable itself (no double backward): plain tensors.
         tensors = (torch.randn_like(out), q, k, v, out, lse)
-        bwd_args = (*(t.detach() for t in tensors), is_causal, 0.3, name, "zigzag")
+        bwd_args = (*(t.detach() for t in tensors), is_causal, 0.3, name, "zigzag", 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention_backward.default, bwd_args)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag"))

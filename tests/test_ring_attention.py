@@ -24,19 +24,25 @@ def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
     return q, k, v, dout
 
 
-def ring_forward_backward(q, k, v, dout, layout, kwargs):
-    """On every rank: shard, run ring_attention forward and backward, return local results."""
-    import torch.distributed as dist
+def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
+    """On every rank: shard, run ring attention forward and backward, return local results.
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    With ``tiles_per_chunk`` the op is called directly with that tiling instead of
+    the one ``ring_attention`` picks from the shard's length.
+    """
     q, k, v, dout = (
         shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
         for t in (q, k, v, dout)
     )
-    out = ring_attention(q, k, v, layout=layout, **kwargs)
+    if tiles_per_chunk is None:
+        out = ring_attention(q, k, v, layout=layout, **kwargs)
+    else:
+        import torch.distributed as dist
+
+        scale = kwargs.get("scale", q.shape[-1] ** -0.5)
+        args = (kwargs["is_causal"], scale, dist.group.WORLD.group_name, layout, tiles_per_chunk)
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     out.backward(dout)
-    del world, rank
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
@@ -87,6 +93,20 @@ def test_matches_sdpa(
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", [2, 3])
+def test_tiled_matches_sdpa(ranks, world, layout, is_causal, tiles):
+    """Several K/V tiles per chunk, each its own trip round the ring (7 rows: uneven tiles)."""
+    seq = 7 * 2 * world
+    inputs = make_inputs(2, 6, 2, seq, 8, torch.float64)
+    kwargs = {"is_causal": is_causal, "enable_gqa": True}
+    per_rank = ranks(world).run(ring_forward_backward, *inputs, layout, kwargs, tiles)
+    got = [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
+    assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_bfloat16_matches_sdpa(ranks, world, is_causal):
     inputs = make_inputs(2, 4, 2, 40, 16, torch.bfloat16)
@@ -107,7 +127,7 @@ def test_bf16_error_does_not_grow(ranks, world):
     truth = reference(*(t.double() for t in inputs), kwargs)
     sdpa = reference(*inputs, kwargs)
     if world == 8:  # oversubscribed: a throwaway pool, not kept for the session
-        from rank_pool import RankPool
+        from ringify.testing import RankPool
 
         pool = RankPool(8)
         try:

@@ -149,12 +149,13 @@ def merge_block(
 
     out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written as a
     lerp with weight sigmoid(lse - lse_acc) so nothing is exponentiated unguarded.
+    An empty accumulator (lse_acc = -inf) takes the block exactly (weight 1).
     """
     acc = out_acc_BHsD.dtype
     lse_BHs = lse_BHs.to(acc)
     weight = torch.sigmoid(lse_BHs - lse_acc_BHs).unsqueeze(-1)
     out_acc_BHsD.lerp_(out_BHsD.to(acc), weight)
-    lse_acc_BHs.sub_(F.logsigmoid(lse_acc_BHs - lse_BHs))
+    torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 
 
 def _cpu_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

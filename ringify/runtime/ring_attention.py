@@ -8,12 +8,13 @@ each as one opaque node.
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 
-Forward, P ranks: the local K/V block travels round the ring for P-1 steps; at
-step i this rank holds the block of rank (rank - i) mod P, computes its
-attention with a fused kernel while the next block is already in flight, and
-merges the result into float32 accumulators by log-sum-exp.
-Backward: K/V travel again; the dK/dV accumulator of each block travels with it,
-every rank adds its contribution, and after P steps it arrives home.
+Forward, P ranks: each K/V tile of the shard (see ``tiles.py``) travels round
+the ring for P-1 steps; at step i this rank holds the tile of rank
+(rank - i) mod P, attends to it from each of its query tiles with a fused
+kernel while the next tile is already in flight, and merges the results into
+float32 accumulators by log-sum-exp.
+Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
+with it, every rank adds its contribution, and after P steps it arrives home.
 """
 
 from __future__ import annotations
@@ -31,31 +32,16 @@ from ringify.runtime.block_attention import (
 )
 from ringify.runtime.groups import Ring, check_backend_serves, resolve_ring, ring_by_name
 from ringify.runtime.layout import LAYOUTS, check_layout
-from ringify.runtime.ring import pack, start_rotation, unpack
+from ringify.runtime.ring import start_rotation
+from ringify.runtime.tiles import rank_tiles, tiles_per_chunk, visibility
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _KV_TAG, _DKV_TAG = 0, 1
-_ALL = slice(None)
 
 
-def _block_plan(rank: int, src: int, rows: int, is_causal: bool, layout: str):
-    """Which part of the block (q rows, k rows, causal?) rank ``rank`` computes against
-    the K/V block of rank ``src``; ``None`` when the block lies above the diagonal.
-
-    Zigzag ranks hold chunks (r, 2P-1-r). For src < r the tail chunk of src lies
-    after both of ours (only its head chunk counts); for src > r both of src's
-    chunks lie before our tail chunk and after our head chunk.
-    """
-    if not is_causal:
-        return _ALL, _ALL, False
-    if src == rank:
-        return _ALL, _ALL, True
-    if layout == "contiguous":
-        return (_ALL, _ALL, False) if src < rank else None
-    half = rows // 2
-    if src < rank:
-        return _ALL, slice(0, half), False
-    return slice(half, None), _ALL, False
+def _shard_tiles(ring: Ring, rank: int, rows: int, is_causal: bool, layout: str, tiles: int):
+    # Without a causal mask positions do not matter: tile the shard as one chunk.
+    return rank_tiles(rank, ring.size, rows, layout if is_causal else "contiguous", tiles)
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -67,6 +53,7 @@ def ring_attention_op(
     scale: float,
     group_name: str,
     layout: str,
+    tiles_per_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
@@ -76,32 +63,34 @@ def ring_attention_op(
     _check_ranks_agree(ring, q, k, v, is_causal, scale, layout)
 
     rows = q.shape[2]
-    kv = pack(k, v)
-    out_acc = lse_acc = None
-    for step in range(ring.size):
-        pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-        plan = _block_plan(ring.rank, (ring.rank - step) % ring.size, rows, is_causal, layout)
-        if plan is not None:
-            q_rows, k_rows, causal = plan
-            k_blk, v_blk = unpack(kv, k, v)
-            out_blk, lse_blk = block_forward(
-                q[:, :, q_rows],
-                k_blk[:, :, k_rows],
-                v_blk[:, :, k_rows],
-                is_causal=causal,
-                scale=scale,
-            )
-            if out_acc is None:  # step 0 is the diagonal block, which covers every row
-                out_acc, lse_acc = out_blk.to(acc), lse_blk.to(acc).contiguous()
-            else:
-                merge_block(out_acc[:, :, q_rows], lse_acc[:, :, q_rows], out_blk, lse_blk)
-        if pending is not None:
-            kv = pending.wait()
-    return out_acc.to(q.dtype).contiguous(), lse_acc
+    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    # Each K/V tile makes its own trip round the ring; at step i this rank holds
+    # tile j of rank (rank - i) and attends to it from each of its query tiles.
+    for j, own in enumerate(mine):
+        kv = [k[:, :, own.rows], v[:, :, own.rows]]
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
+            k_tile = _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk)[j]
+            for q_tile in mine:
+                causal = visibility(q_tile, k_tile, is_causal)
+                if causal is None:
+                    continue
+                out_blk, lse_blk = block_forward(
+                    q[:, :, q_tile.rows], *kv, is_causal=causal, scale=scale
+                )
+                merge_block(
+                    out_acc[:, :, q_tile.rows], lse_acc[:, :, q_tile.rows], out_blk, lse_blk
+                )
+            if pending is not None:
+                kv = pending.wait()
+    return out_acc.to(q.dtype), lse_acc
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, layout):
+def _(q, k, v, is_causal, scale, group_name, layout, tiles_per_chunk):
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
@@ -118,6 +107,7 @@ def ring_attention_backward_op(
     scale: float,
     group_name: str,
     layout: str,
+    tiles_per_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
@@ -129,47 +119,63 @@ def ring_attention_backward_op(
 
     acc = accumulation_dtype(q.dtype)
     rows = q.shape[2]
+    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = pack(k, v)
-    dkv = pending_dkv = None
-    for step in range(ring.size):
-        pending_kv = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-        plan = _block_plan(ring.rank, (ring.rank - step) % ring.size, rows, is_causal, layout)
-        grads = None
-        if plan is not None:
-            q_rows, k_rows, causal = plan
-            k_blk, v_blk = unpack(kv, k, v)
-            grads = block_backward(
-                grad_out[:, :, q_rows], q[:, :, q_rows], k_blk[:, :, k_rows], v_blk[:, :, k_rows],
-                out[:, :, q_rows], lse[:, :, q_rows], is_causal=causal, scale=scale,
-            )  # fmt: skip
-        # The accumulator of the block held now: fresh at step 0, else it came with the block.
-        dkv = (
-            torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
-            if step == 0
-            else pending_dkv.wait()
-        )
-        if grads is not None:
-            dq_blk, dk_blk, dv_blk = grads
-            dk_acc, dv_acc = unpack(dkv, k, v)
-            dq_acc[:, :, q_rows] += dq_blk
-            dk_acc[:, :, k_rows] += dk_blk
-            dv_acc[:, :, k_rows] += dv_blk
-        pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
-        if pending_kv is not None:
-            kv = pending_kv.wait()
-    dk, dv = unpack(pending_dkv.wait(), k, v)  # P rotations: our own block's total is home
-    # dk and dv are views of one buffer; outputs of a custom op must not alias.
-    return dq_acc.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for j, own in enumerate(mine):
+        kv = [k[:, :, own.rows], v[:, :, own.rows]]
+        pending_dkv = None
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            pending_kv = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
+            k_tile = _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk)[j]
+            dkv_here = None  # this rank's contribution to the K/V tile's gradient
+            for q_tile in mine:
+                causal = visibility(q_tile, k_tile, is_causal)
+                if causal is None:
+                    continue
+                r = q_tile.rows
+                dq_blk, *dkv_blk = block_backward(
+                    grad_out[:, :, r],
+                    q[:, :, r],
+                    *kv,
+                    out[:, :, r],
+                    lse[:, :, r],
+                    is_causal=causal,
+                    scale=scale,
+                )
+                dq_acc[:, :, r] += dq_blk
+                if dkv_here is None:
+                    dkv_here = [g.to(acc) for g in dkv_blk]
+                else:
+                    torch._foreach_add_(dkv_here, dkv_blk)
+            # The tile's gradient accumulator: started here at step 0, else it travelled with the tile.
+            if step == 0:
+                dkv = (
+                    dkv_here
+                    if dkv_here is not None
+                    else [torch.zeros_like(t, dtype=acc) for t in kv]
+                )
+            else:
+                dkv = pending_dkv.wait()
+                if dkv_here is not None:
+                    torch._foreach_add_(dkv, dkv_here)
+            pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
+            if pending_kv is not None:
+                kv = pending_kv.wait()
+        # After P rotations the tile's accumulator is back home with every rank's share.
+        dk_home, dv_home = pending_dkv.wait()
+        dk[:, :, own.rows], dv[:, :, own.rows] = dk_home, dv_home
+    return dq_acc.to(q.dtype), dk, dv
 
 
 @ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, layout):
+def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, layout, tiles_per_chunk):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.is_causal, ctx.scale, ctx.group_name, ctx.layout = inputs
+    q, k, v, *ctx.flags = inputs  # is_causal, scale, group_name, layout, tiles_per_chunk
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
@@ -177,10 +183,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(
-        grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.group_name, ctx.layout
-    )
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = ring_attention_backward_op(grad_out, q, k, v, out, lse, *ctx.flags)
+    return dq, dk, dv, *([None] * len(ctx.flags))
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -211,7 +215,8 @@ def ring_attention(
                  enable_gqa=enable_gqa, layout=layout)  # fmt: skip
     check_backend_serves(ring, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, _ = ring_attention_op(q, k, v, is_causal, scale, ring.name, layout)
+    tiles = tiles_per_chunk(q.shape[2], layout if is_causal else "contiguous")
+    out, _ = ring_attention_op(q, k, v, is_causal, scale, ring.name, layout, tiles)
     return out
 
 

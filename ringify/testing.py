@@ -1,4 +1,4 @@
-"""Reusable gloo rank processes for multi-rank tests on CPU.
+"""Reusable gloo rank processes for multi-rank tests and benchmarks on CPU (not public API).
 
 A ``RankPool(world_size)`` spawns its ranks once (a free TCP port, one torch
 thread each, a short process-group timeout) and then runs any number of jobs:

@@ -1,0 +1,54 @@
+"""Tiles: the unit of work and of communication of the ring.
+
+Each chunk a rank holds (one for ``contiguous``, two for ``zigzag``) is cut into
+the same ``tiles_per_chunk`` row ranges on every rank, so every tile is a
+contiguous range of global positions and all tiles lie on one global grid,
+ordered by ``(chunk index, tile index)``. Under a causal mask a (query tile,
+key tile) pair is therefore either entirely visible, exactly the diagonal
+(``is_causal`` aligned top-left), or entirely masked and skipped: no
+partial masks, for either layout.
+
+Working tile by tile keeps the ring's buffers (K/V in flight, one block's
+output or gradients) at O(rows / tiles) instead of O(rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringify.runtime.layout import chunks_per_rank, rank_chunks
+
+# Tiles smaller than this cost more in kernel calls and merges than they save in memory.
+MIN_TILE_ROWS = 256
+# Tiles per rank above which the buffers no longer shrink meaningfully (1/8 of the shard).
+MAX_TILES_PER_RANK = 8
+
+
+@dataclass(frozen=True)
+class Tile:
+    rows: slice  # local rows of the shard
+    key: tuple[int, int]  # (global chunk, tile within chunk): orders tiles by global position
+
+
+def tiles_per_chunk(rows: int, layout: str) -> int:
+    """How many tiles each chunk of a ``rows``-row shard is cut into."""
+    chunk_rows = rows // chunks_per_rank(layout)
+    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_RANK // chunks_per_rank(layout)))
+
+
+def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
+    """The tiles of rank ``rank``'s shard, in local order."""
+    chunk_rows = rows // chunks_per_rank(layout)
+    bounds = [chunk_rows * t // per_chunk for t in range(per_chunk + 1)]
+    return [
+        Tile(slice(c * chunk_rows + bounds[t], c * chunk_rows + bounds[t + 1]), (chunk, t))
+        for c, chunk in enumerate(rank_chunks(rank, ring_size, layout))
+        for t in range(per_chunk)
+    ]
+
+
+def visibility(q_tile: Tile, k_tile: Tile, is_causal: bool) -> bool | None:
+    """``None``: skip (all keys after all queries); else the ``is_causal`` flag for the kernel."""
+    if not is_causal or q_tile.key > k_tile.key:
+        return False
+    return True if q_tile.key == k_tile.key else None
