@@ -9,6 +9,9 @@ all in the same run, and prints markdown tables.
 Time: each rank's forward and backward wall time (ranks start each phase after
 a barrier); a ring's time is its slowest rank's; the minimum over round-robin
 repeats (this 2-core VM is noisy: the same run varies by up to 30%).
+Efficiency: T_sdpa / (P * T_slowest_rank). The row "sdpa concurrent" runs the
+single-process problem on both ranks at once: its efficiency (T_sdpa / its time)
+is the ceiling this machine's two cores allow a 2-rank run.
 Memory: the rank process's peak resident set while it creates its inputs and runs
 forward and backward, minus its resident set just before (``/proc/self/clear_refs``
 resets the peak; glibc's mmap threshold is pinned so freed tensors leave the
@@ -49,7 +52,7 @@ def _attention(impl: str, is_causal: bool, layout: str):
 
     from ringify.runtime import ring_attention
 
-    if impl == "sdpa":
+    if impl in ("sdpa", "sdpa_concurrent"):
         fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
         return fwd, lambda out, dout: out.backward(dout)
     if impl == "ringify":
@@ -95,7 +98,9 @@ def measure(impl: str, seq: int, is_causal: bool, layout: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    rows = seq // dist.get_world_size()
+    # sdpa_concurrent: every rank runs the whole single-process problem at once; its
+    # slowdown against a lone run is this machine's ceiling for 2-rank efficiency.
+    rows = seq if impl == "sdpa_concurrent" else seq // dist.get_world_size()
     fwd, bwd = _attention(impl, is_causal, layout)
     grad = impl != "torch_ring"
 
@@ -147,6 +152,7 @@ def main() -> None:
                 configs += [("ringify", 2, ring_layout), ("ringify_untiled", 2, ring_layout)]
                 configs += [("torch_ring", 2, "contiguous")]
                 configs += [("torch_ring", 2, "zigzag")] if is_causal else []
+                configs += [("sdpa_concurrent", 2, "contiguous")]
                 # Round-robin repeats, so that a slow spell of the machine hits every configuration.
                 best: dict[tuple, dict] = {}
                 for _ in range(repeats):
@@ -161,6 +167,7 @@ def main() -> None:
                         best[config] = {key: min(r[key], old[key]) for key in r}
                 base = best[configs[0]]
                 for (impl, world, layout), r in best.items():
+                    split = 1 if impl == "sdpa_concurrent" else world  # ranks sharing the work
                     rows.append({
                         "S": seq,
                         "mask": "causal" if is_causal else "none",
@@ -168,12 +175,12 @@ def main() -> None:
                         "P": world,
                         "fwd s": round(r["fwd"], 3),
                         "bwd s": round(r["bwd"], 3),
-                        "fwd eff": round(base["fwd"] / (world * r["fwd"]), 3),
-                        "bwd eff": round(base["bwd"] / (world * r["bwd"]), 3),
+                        "fwd eff": round(base["fwd"] / (split * r["fwd"]), 3),
+                        "bwd eff": round(base["bwd"] / (split * r["bwd"]), 3),
                         "mem fwd MiB": round(r["mem_fwd"] / 2**20, 1),
                         "mem fwd+bwd MiB": round(r["mem_all"] / 2**20, 1),
-                        "mem fwd / (sdpa/P)": round(r["mem_fwd"] * world / base["mem_fwd"], 2),
-                        "mem fwd+bwd / (sdpa/P)": round(r["mem_all"] * world / base["mem_all"], 2),
+                        "mem fwd / (sdpa/P)": round(r["mem_fwd"] * split / base["mem_fwd"], 2),
+                        "mem fwd+bwd / (sdpa/P)": round(r["mem_all"] * split / base["mem_all"], 2),
                     })  # fmt: skip
                     print(tabulate([rows[-1]], headers="keys", tablefmt="github"), flush=True)
     finally:

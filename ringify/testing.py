@@ -1,7 +1,7 @@
 """Reusable gloo rank processes for multi-rank tests and benchmarks on CPU (not public API).
 
 A ``RankPool(world_size)`` spawns its ranks once (a free TCP port, one torch
-thread each, a short process-group timeout) and then runs any number of jobs:
+thread each, a short process-group timeout; ``backend="nccl"`` puts rank r on GPU r) and then runs any number of jobs:
 ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns the
 per-rank results, or re-raises the first rank's exception. A job that does not
 finish within its timeout kills the pool, so a hung ring fails a test in
@@ -27,14 +27,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, path: list[str], jobs, results) -> None:
+def _worker(
+    rank: int, world_size: int, backend: str, port: int, path: list[str], jobs, results
+) -> None:
     sys.path[:] = path
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -57,8 +61,9 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], jobs, result
 
 
 class RankPool:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size = world_size
+        self.backend = backend
         self._procs = []
 
     def _start(self) -> None:
@@ -69,7 +74,15 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, list(sys.path), self._jobs[r], self._results),
+                args=(
+                    r,
+                    self.world_size,
+                    self.backend,
+                    port,
+                    list(sys.path),
+                    self._jobs[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)

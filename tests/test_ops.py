@@ -23,10 +23,16 @@ def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
     return local, resolve_ring(group).name
 
 
+def as_model_layout(t):
+    """The same values laid out as a model's q.view(B, S, H, D).transpose(1, 2): non-contiguous."""
+    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+
+
 def opcheck_ops():
     """opcheck both ops (every rank runs the same sequence of calls, so the ring stays in step)."""
-    (q, k, v), name = ring_args(16)
-    for is_causal in (False, True):
+    qkv, name = ring_args(16)
+    strided = [as_model_layout(t) for t in qkv]
+    for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
         args = (q, k, v, is_causal, 0.3, name, "zigzag", 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)

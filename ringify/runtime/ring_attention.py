@@ -1,9 +1,10 @@
 """Ring attention: exact SDPA over a sequence sharded across the ranks of a ring.
 
-``torch.ops.ringify.ring_attention(q, k, v, is_causal, scale, group_name, layout)
--> (out, lse)`` is a custom op with a fake kernel and autograd, whose backward is
-the custom op ``ringify::ring_attention_backward``; AOTAutograd and Inductor see
-each as one opaque node.
+``torch.ops.ringify.ring_attention(q, k, v, is_causal, scale, group_name, layout,
+tiles_per_chunk) -> (out, lse)`` is a custom op with a fake kernel and autograd,
+whose backward is the custom op ``ringify::ring_attention_backward``; AOTAutograd
+and Inductor see each as one opaque node. Every output is contiguous, whatever
+the inputs' strides, so that the fake kernels can say so.
 
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
@@ -121,7 +122,7 @@ def ring_attention_backward_op(
     rows = q.shape[2]
     mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     for j, own in enumerate(mine):
         kv = [k[:, :, own.rows], v[:, :, own.rows]]
         pending_dkv = None
@@ -171,7 +172,7 @@ def ring_attention_backward_op(
 
 @ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, layout, tiles_per_chunk):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

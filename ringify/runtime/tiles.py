@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
 
-# Tiles smaller than this cost more in kernel calls and merges than they save in memory.
-MIN_TILE_ROWS = 256
+# Every tile's trip round the ring synchronises neighbouring ranks once per step;
+# below ~1024 rows that costs more time than the smaller buffers are worth
+# (measured on CPU, benchmarks/RESULTS.md: 512-row tiles were up to 1.6x slower).
+MIN_TILE_ROWS = 1024
 # Tiles per rank above which the buffers no longer shrink meaningfully (1/8 of the shard).
 MAX_TILES_PER_RANK = 8
 
