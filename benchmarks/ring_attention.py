@@ -77,18 +77,35 @@ def _attention(impl: str, is_causal: bool, layout: str):
 
     def fwd(q, k, v):
         out, lse = cp._templated_ring_attention(
-            group, 2, aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v,
-            is_causal=is_causal, dropout_p=0.0, scale=None,
-        )  # fmt: skip
+            group,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            q,
+            k,
+            v,
+            is_causal=is_causal,
+            dropout_p=0.0,
+            scale=None,
+        )
         return q, k, v, out, lse
 
     def bwd(state, dout):
         q, k, v, out, lse = state
         cp._templated_ring_attention_backward(
-            group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-            grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-            logsumexp=lse, is_causal=is_causal, dropout_p=0.0, scale=None,
-        )  # fmt: skip
+            group,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=dout,
+            grad_out_name="grad_out",
+            query=q,
+            key=k,
+            value=v,
+            out=out,
+            logsumexp=lse,
+            is_causal=is_causal,
+            dropout_p=0.0,
+            scale=None,
+        )
 
     return fwd, bwd
 
@@ -168,20 +185,24 @@ def main() -> None:
                 base = best[configs[0]]
                 for (impl, world, layout), r in best.items():
                     split = 1 if impl == "sdpa_concurrent" else world  # ranks sharing the work
-                    rows.append({
-                        "S": seq,
-                        "mask": "causal" if is_causal else "none",
-                        "impl": _label(impl, layout),
-                        "P": world,
-                        "fwd s": round(r["fwd"], 3),
-                        "bwd s": round(r["bwd"], 3),
-                        "fwd eff": round(base["fwd"] / (split * r["fwd"]), 3),
-                        "bwd eff": round(base["bwd"] / (split * r["bwd"]), 3),
-                        "mem fwd MiB": round(r["mem_fwd"] / 2**20, 1),
-                        "mem fwd+bwd MiB": round(r["mem_all"] / 2**20, 1),
-                        "mem fwd / (sdpa/P)": round(r["mem_fwd"] * split / base["mem_fwd"], 2),
-                        "mem fwd+bwd / (sdpa/P)": round(r["mem_all"] * split / base["mem_all"], 2),
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "S": seq,
+                            "mask": "causal" if is_causal else "none",
+                            "impl": _label(impl, layout),
+                            "P": world,
+                            "fwd s": round(r["fwd"], 3),
+                            "bwd s": round(r["bwd"], 3),
+                            "fwd eff": round(base["fwd"] / (split * r["fwd"]), 3),
+                            "bwd eff": round(base["bwd"] / (split * r["bwd"]), 3),
+                            "mem fwd MiB": round(r["mem_fwd"] / 2**20, 1),
+                            "mem fwd+bwd MiB": round(r["mem_all"] / 2**20, 1),
+                            "mem fwd / (sdpa/P)": round(r["mem_fwd"] * split / base["mem_fwd"], 2),
+                            "mem fwd+bwd / (sdpa/P)": round(
+                                r["mem_all"] * split / base["mem_all"], 2
+                            ),
+                        }
+                    )
                     print(tabulate([rows[-1]], headers="keys", tablefmt="github"), flush=True)
     finally:
         one.close()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ringify.runtime import gather, ring_attention, shard
 from ringify.runtime.layout import unshard
+from ringify.testing import RankPool
 
 
 def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
@@ -42,6 +43,8 @@ def opcheck_ops():
         torch.library.opcheck(torch.ops.ringify.ring_attention_backward.default, bwd_args)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag"))
+    full = torch.randn(3, 8, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.ringify.take_shard.default, (full, 1, name, "zigzag"))
     return True
 
 
@@ -93,6 +96,25 @@ def test_compiled_matches_eager(ranks, world, backend):
     for eager, compiled in per_rank:
         for e, c in zip(eager, compiled, strict=True):
             torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_compile_cache_serves_every_rank_its_own_graph(tmp_path, monkeypatch):
+    """Fresh ranks meeting a compile cache that other ranks filled still compute their own part.
+
+    The on-disk caches are shared by every rank of a machine and keyed by the
+    forward graph; anything rank-dependent baked in while tracing (such as the
+    rank in gather's backward) would be served to the wrong rank.
+    """
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # inherited by the spawned ranks
+    for _ in range(2):  # the first pair of ranks fills the cache, the second reads it
+        pool = RankPool(2)
+        try:
+            per_rank = pool.run(eager_and_compiled, "inductor")
+        finally:
+            pool.close()
+        for eager, compiled in per_rank:
+            for e, c in zip(eager, compiled, strict=True):
+                torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
 def compiled_graph_has_one_ring_node():

@@ -84,16 +84,40 @@ def block_backward(
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):
         no_rng = torch.zeros(2, dtype=torch.int64, device=q_BHsD.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs.float(),
-            None, None, s, t, 0.0, is_causal, no_rng, no_rng, scale=scale,
-        )  # fmt: skip
+            dout_BHsD,
+            q_BHsD,
+            k_BHtD,
+            v_BHtD,
+            out_BHsD,
+            lse_BHs.float(),
+            None,
+            None,
+            s,
+            t,
+            0.0,
+            is_causal,
+            no_rng,
+            no_rng,
+            scale=scale,
+        )
     elif q_BHsD.dtype == torch.float32:
         padded_lse = F.pad(lse_BHs.float(), (0, -s % 32))
         no_rng = torch.zeros((), dtype=torch.int64, device=q_BHsD.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, None, out_BHsD, padded_lse,
-            no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
-        )  # fmt: skip
+            dout_BHsD,
+            q_BHsD,
+            k_BHtD,
+            v_BHtD,
+            None,
+            out_BHsD,
+            padded_lse,
+            no_rng,
+            no_rng,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
+        )
     else:
         dq, dk, dv = math_backward(
             dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale

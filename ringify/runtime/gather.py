@@ -3,6 +3,11 @@
 Its backward is a local slice, not a reduce-scatter: every rank is assumed to
 compute the same thing from the gathered tensor (the exit of a ringified
 model), so each rank's gradient for its own part is its slice of the incoming one.
+
+The slice is itself a custom op (``ringify::take_shard``) that looks the rank
+up when it runs. Reading the rank while tracing would bake it into the compiled
+backward, and the compile caches, shared by every rank of a machine and keyed
+by the forward graph, would then hand one rank another's backward.
 """
 
 from __future__ import annotations
@@ -32,13 +37,26 @@ def _(x, dim, group_name, layout):
     return x.new_empty(shape)
 
 
+@torch.library.custom_op("ringify::take_shard", mutates_args=())
+def take_shard_op(x: torch.Tensor, dim: int, group_name: str, layout: str) -> torch.Tensor:
+    """This rank's part of the full tensor ``x`` (a fresh tensor: op outputs never alias inputs)."""
+    ring = ring_by_name(group_name)
+    return shard_for_rank(x, dim, ring.rank, ring.size, layout).clone()
+
+
+@take_shard_op.register_fake
+def _(x, dim, group_name, layout):
+    shape = list(x.shape)
+    shape[dim] //= ring_by_name(group_name).size
+    return x.new_empty(shape)
+
+
 def _setup_context(ctx, inputs, output):
     _, ctx.dim, ctx.group_name, ctx.layout = inputs
 
 
 def _backward(ctx, grad):
-    ring = ring_by_name(ctx.group_name)
-    return shard_for_rank(grad, ctx.dim, ring.rank, ring.size, ctx.layout), None, None, None
+    return take_shard_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout), None, None, None
 
 
 gather_op.register_autograd(_backward, setup_context=_setup_context)

@@ -9,10 +9,10 @@ the inputs' strides, so that the fake kernels can say so.
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 
-Forward, P ranks: each K/V tile of the shard (see ``tiles.py``) travels round
-the ring for P-1 steps; at step i this rank holds the tile of rank
-(rank - i) mod P, attends to it from each of its query tiles with a fused
-kernel while the next tile is already in flight, and merges the results into
+Forward, P ranks: the K/V tiles of each sub-ring (see ``tiles.py``) travel round
+the ring for P-1 steps; at step i this rank holds the tiles of rank
+(rank - i) mod P, attends to them from each of its query tiles with a fused
+kernel while the next tiles are already in flight, and merges the results into
 float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home.
@@ -34,7 +34,7 @@ from ringify.runtime.block_attention import (
 from ringify.runtime.groups import Ring, check_backend_serves, resolve_ring, ring_by_name
 from ringify.runtime.layout import LAYOUTS, check_layout
 from ringify.runtime.ring import start_rotation
-from ringify.runtime.tiles import rank_tiles, tiles_per_chunk, visibility
+from ringify.runtime.tiles import rank_tiles, sub_ring_tiles, tiles_per_chunk, visibility
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _KV_TAG, _DKV_TAG = 0, 1
@@ -67,24 +67,27 @@ def ring_attention_op(
     mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    # Each K/V tile makes its own trip round the ring; at step i this rank holds
-    # tile j of rank (rank - i) and attends to it from each of its query tiles.
-    for j, own in enumerate(mine):
-        kv = [k[:, :, own.rows], v[:, :, own.rows]]
+    # Each sub-ring's K/V tiles make their own trip round the ring; at step i this
+    # rank holds the tiles of rank (rank - i) and attends to them from each query tile.
+    for j in range(tiles_per_chunk):
+        own = sub_ring_tiles(mine, j)
+        kv = [x[:, :, t.rows] for x in (k, v) for t in own]
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-            k_tile = _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk)[j]
-            for q_tile in mine:
-                causal = visibility(q_tile, k_tile, is_causal)
-                if causal is None:
-                    continue
-                out_blk, lse_blk = block_forward(
-                    q[:, :, q_tile.rows], *kv, is_causal=causal, scale=scale
-                )
-                merge_block(
-                    out_acc[:, :, q_tile.rows], lse_acc[:, :, q_tile.rows], out_blk, lse_blk
-                )
+            held = sub_ring_tiles(
+                _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
+            )
+            for k_tile, k_blk, v_blk in zip(held, kv[: len(own)], kv[len(own) :], strict=True):
+                for q_tile in mine:
+                    causal = visibility(q_tile, k_tile, is_causal)
+                    if causal is None:
+                        continue
+                    r = q_tile.rows
+                    out_blk, lse_blk = block_forward(
+                        q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
+                    )
+                    merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
             if pending is not None:
                 kv = pending.wait()
     return out_acc.to(q.dtype), lse_acc
@@ -123,50 +126,60 @@ def ring_attention_backward_op(
     mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    for j, own in enumerate(mine):
-        kv = [k[:, :, own.rows], v[:, :, own.rows]]
+    for j in range(tiles_per_chunk):
+        own = sub_ring_tiles(mine, j)
+        kv = [x[:, :, t.rows] for x in (k, v) for t in own]
         pending_dkv = None
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             pending_kv = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-            k_tile = _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk)[j]
-            dkv_here = None  # this rank's contribution to the K/V tile's gradient
-            for q_tile in mine:
-                causal = visibility(q_tile, k_tile, is_causal)
-                if causal is None:
-                    continue
-                r = q_tile.rows
-                dq_blk, *dkv_blk = block_backward(
-                    grad_out[:, :, r],
-                    q[:, :, r],
-                    *kv,
-                    out[:, :, r],
-                    lse[:, :, r],
-                    is_causal=causal,
-                    scale=scale,
-                )
-                dq_acc[:, :, r] += dq_blk
-                if dkv_here is None:
-                    dkv_here = [g.to(acc) for g in dkv_blk]
-                else:
-                    torch._foreach_add_(dkv_here, dkv_blk)
-            # The tile's gradient accumulator: started here at step 0, else it travelled with the tile.
+            held = sub_ring_tiles(
+                _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
+            )
+            dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
+            for i, (k_tile, k_blk, v_blk) in enumerate(
+                zip(held, kv[: len(own)], kv[len(own) :], strict=True)
+            ):
+                for q_tile in mine:
+                    causal = visibility(q_tile, k_tile, is_causal)
+                    if causal is None:
+                        continue
+                    r = q_tile.rows
+                    dq_blk, dk_blk, dv_blk = block_backward(
+                        grad_out[:, :, r],
+                        q[:, :, r],
+                        k_blk,
+                        v_blk,
+                        out[:, :, r],
+                        lse[:, :, r],
+                        is_causal=causal,
+                        scale=scale,
+                    )
+                    dq_acc[:, :, r] += dq_blk
+                    for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
+                        if dkv_here[slot] is None:
+                            dkv_here[slot] = grad.to(acc)
+                        else:
+                            dkv_here[slot] += grad
+            # The tiles' gradient accumulators: started here at step 0, else they travelled
+            # with the tiles. (A tile no query tile saw contributes zeros.)
             if step == 0:
-                dkv = (
-                    dkv_here
-                    if dkv_here is not None
-                    else [torch.zeros_like(t, dtype=acc) for t in kv]
-                )
+                dkv = [
+                    torch.zeros_like(t, dtype=acc) if g is None else g
+                    for g, t in zip(dkv_here, kv, strict=True)
+                ]
             else:
                 dkv = pending_dkv.wait()
-                if dkv_here is not None:
-                    torch._foreach_add_(dkv, dkv_here)
+                for total, here in zip(dkv, dkv_here, strict=True):
+                    if here is not None:
+                        total += here
             pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
             if pending_kv is not None:
                 kv = pending_kv.wait()
-        # After P rotations the tile's accumulator is back home with every rank's share.
-        dk_home, dv_home = pending_dkv.wait()
-        dk[:, :, own.rows], dv[:, :, own.rows] = dk_home, dv_home
+        # After P rotations the accumulators are back home with every rank's share.
+        home = pending_dkv.wait()
+        for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
+            dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
     return dq_acc.to(q.dtype), dk, dv
 
 
@@ -212,8 +225,16 @@ def ring_attention(
     """
     ring = resolve_ring(group)
     check_layout(layout)
-    check_inputs(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                 enable_gqa=enable_gqa, layout=layout)  # fmt: skip
+    check_inputs(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        layout=layout,
+    )
     check_backend_serves(ring, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     tiles = tiles_per_chunk(q.shape[2], layout if is_causal else "contiguous")
