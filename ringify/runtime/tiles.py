@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
 
-# Every tile's trip round the ring synchronises neighbouring ranks once per step;
-# below ~1024 rows that costs more time than the smaller buffers are worth
-# (measured on CPU, benchmarks/RESULTS.md: 512-row tiles were up to 1.6x slower).
-MIN_TILE_ROWS = 1024
+# Each step of a sub-ring synchronises neighbouring ranks once; carrying fewer
+# than ~1024 rows per step costs more time than the smaller buffers are worth
+# (measured on CPU, benchmarks/RESULTS.md: 512-row steps were up to 1.6x slower).
+MIN_SUB_RING_ROWS = 1024
 # Sub-rings above which the buffers no longer shrink meaningfully (1/8 of the shard each).
-MAX_TILES_PER_CHUNK = 8
+MAX_SUB_RINGS = 8
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ class Tile:
 
 
 def tiles_per_chunk(rows: int, layout: str) -> int:
-    """How many tiles each chunk of a ``rows``-row shard is cut into."""
-    chunk_rows = rows // chunks_per_rank(layout)
-    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_CHUNK))
+    """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into."""
+    sub_rings = max(1, min(rows // MIN_SUB_RING_ROWS, MAX_SUB_RINGS))
+    return min(sub_rings, rows // chunks_per_rank(layout))
 
 
 def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
