@@ -34,7 +34,7 @@ from ringify.runtime.block_attention import (
 from ringify.runtime.groups import Ring, check_backend_serves, resolve_ring, ring_by_name
 from ringify.runtime.layout import LAYOUTS, check_layout
 from ringify.runtime.ring import start_rotation
-from ringify.runtime.tiles import rank_tiles, sub_ring_tiles, tiles_per_chunk, visibility
+from ringify.runtime.tiles import Tile, rank_tiles, sub_ring_tiles, tiles_per_chunk, visibility
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _KV_TAG, _DKV_TAG = 0, 1
@@ -43,6 +43,15 @@ _KV_TAG, _DKV_TAG = 0, 1
 def _shard_tiles(ring: Ring, rank: int, rows: int, is_causal: bool, layout: str, tiles: int):
     # Without a causal mask positions do not matter: tile the shard as one chunk.
     return rank_tiles(rank, ring.size, rows, layout if is_causal else "contiguous", tiles)
+
+
+def _tile_pairs(mine: list[Tile], held: list[Tile], is_causal: bool):
+    """(index into ``held``, query rows, kernel's is_causal) for every tile pair with work."""
+    for i, k_tile in enumerate(held):
+        for q_tile in mine:
+            causal = visibility(q_tile, k_tile, is_causal)
+            if causal is not None:
+                yield i, q_tile.rows, causal
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -78,16 +87,12 @@ def ring_attention_op(
             held = sub_ring_tiles(
                 _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
             )
-            for k_tile, k_blk, v_blk in zip(held, kv[: len(own)], kv[len(own) :], strict=True):
-                for q_tile in mine:
-                    causal = visibility(q_tile, k_tile, is_causal)
-                    if causal is None:
-                        continue
-                    r = q_tile.rows
-                    out_blk, lse_blk = block_forward(
-                        q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
-                    )
-                    merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
+            for i, r, causal in _tile_pairs(mine, held, is_causal):
+                k_blk, v_blk = kv[i], kv[len(own) + i]  # kv holds the k tiles, then the v tiles
+                out_blk, lse_blk = block_forward(
+                    q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
+                )
+                merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
             if pending is not None:
                 kv = pending.wait()
     return out_acc.to(q.dtype), lse_acc
@@ -137,37 +142,28 @@ def ring_attention_backward_op(
                 _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
             )
             dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
-            for i, (k_tile, k_blk, v_blk) in enumerate(
-                zip(held, kv[: len(own)], kv[len(own) :], strict=True)
-            ):
-                for q_tile in mine:
-                    causal = visibility(q_tile, k_tile, is_causal)
-                    if causal is None:
-                        continue
-                    r = q_tile.rows
-                    dq_blk, dk_blk, dv_blk = block_backward(
-                        grad_out[:, :, r],
-                        q[:, :, r],
-                        k_blk,
-                        v_blk,
-                        out[:, :, r],
-                        lse[:, :, r],
-                        is_causal=causal,
-                        scale=scale,
-                    )
-                    dq_acc[:, :, r] += dq_blk
-                    for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
-                        if dkv_here[slot] is None:
-                            dkv_here[slot] = grad.to(acc)
-                        else:
-                            dkv_here[slot] += grad
+            for i, r, causal in _tile_pairs(mine, held, is_causal):
+                dq_blk, dk_blk, dv_blk = block_backward(
+                    grad_out[:, :, r],
+                    q[:, :, r],
+                    kv[i],
+                    kv[len(own) + i],
+                    out[:, :, r],
+                    lse[:, :, r],
+                    is_causal=causal,
+                    scale=scale,
+                )
+                dq_acc[:, :, r] += dq_blk
+                for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
+                    if dkv_here[slot] is None:
+                        dkv_here[slot] = grad.to(acc)
+                    else:
+                        dkv_here[slot] += grad
             # The tiles' gradient accumulators: started here at step 0, else they travelled
-            # with the tiles. (A tile no query tile saw contributes zeros.)
+            # with the tiles.
             if step == 0:
-                dkv = [
-                    torch.zeros_like(t, dtype=acc) if g is None else g
-                    for g, t in zip(dkv_here, kv, strict=True)
-                ]
+                assert all(g is not None for g in dkv_here), "own tiles meet their own queries"
+                dkv = dkv_here
             else:
                 dkv = pending_dkv.wait()
                 for total, here in zip(dkv, dkv_here, strict=True):
