@@ -155,8 +155,8 @@ def ring_attention_backward_op(
                 )
                 dq_acc[:, :, r] += dq_blk
                 for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
-                    if dkv_here[slot] is None:
-                        dkv_here[slot] = grad.to(acc)
+                    if dkv_here[slot] is None:  # contiguous, so it can be sent as it is
+                        dkv_here[slot] = grad.to(acc, memory_format=torch.contiguous_format)
                     else:
                         dkv_here[slot] += grad
             # The tiles' gradient accumulators: started here at step 0, else they travelled

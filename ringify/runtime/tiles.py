@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
 
-# Each step of a sub-ring synchronises neighbouring ranks once; carrying fewer
-# than ~1024 rows per step costs more time than the smaller buffers are worth
-# (measured on CPU, benchmarks/RESULTS.md: 512-row steps were up to 1.6x slower).
-MIN_SUB_RING_ROWS = 1024
+# Each step of a sub-ring synchronises neighbouring ranks once and each tile pair
+# is one kernel call; below ~512 rows per step those overheads outgrow the savings
+# (CPU flash kernel, one thread: 512-row tiles cost ~5% more than one whole block,
+# 256-row tiles ~25%).
+MIN_SUB_RING_ROWS = 512
 # Sub-rings above which the buffers no longer shrink meaningfully (1/8 of the shard each).
 MAX_SUB_RINGS = 8
 
