@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
 
-# Each step of a sub-ring synchronises neighbouring ranks once and each tile pair
-# is one kernel call; below ~512 rows per step those overheads outgrow the savings
-# (CPU flash kernel, one thread: 512-row tiles cost ~5% more than one whole block,
-# 256-row tiles ~25%).
-MIN_SUB_RING_ROWS = 512
-# Sub-rings above which the buffers no longer shrink meaningfully (1/8 of the shard each).
-MAX_SUB_RINGS = 8
+# Each tile pair is one kernel call plus one merge, ~1-3 ms of fixed cost on CPU:
+# tiles under 1024 rows multiply the pairs per step beyond what the smaller
+# buffers are worth. At 2 ranks, 512-row tiles ran 1.2-1.7x slower than
+# 1024-row ones for 1.1x instead of 1.25-1.4x memory (benchmarks/RESULTS.md).
+MIN_TILE_ROWS = 1024
+# Tiles per chunk above which the buffers no longer shrink meaningfully.
+MAX_TILES_PER_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Tile:
 
 def tiles_per_chunk(rows: int, layout: str) -> int:
     """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into."""
-    sub_rings = max(1, min(rows // MIN_SUB_RING_ROWS, MAX_SUB_RINGS))
-    return min(sub_rings, rows // chunks_per_rank(layout))
+    chunk_rows = rows // chunks_per_rank(layout)
+    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_CHUNK))
 
 
 def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
