@@ -45,6 +45,27 @@ def _shard_tiles(ring: Ring, rank: int, rows: int, is_causal: bool, layout: str,
     return rank_tiles(rank, ring.size, rows, layout if is_causal else "contiguous", tiles)
 
 
+def _ring_visits(ring: Ring, k, v, rows: int, is_causal: bool, layout: str, tiles: int):
+    """Walk every sub-ring round the ring: yields ``(own, step, held, kv)``.
+
+    ``own``: this rank's tiles of the sub-ring; ``held``: the tiles of rank
+    (rank - step) held at this step; ``kv``: their K tiles, then their V tiles.
+    The rotation to the next step is started before yielding, so it is in flight
+    while the caller computes, and waited on when the caller asks for the next step.
+    """
+    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles)
+    for j in range(tiles):
+        own = sub_ring_tiles(mine, j)
+        kv = [x[:, :, t.rows] for x in (k, v) for t in own]
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
+            held = sub_ring_tiles(_shard_tiles(ring, src, rows, is_causal, layout, tiles), j)
+            yield own, step, held, kv
+            if pending is not None:
+                kv = pending.wait()
+
+
 def _tile_pairs(mine: list[Tile], held: list[Tile], is_causal: bool):
     """(index into ``held``, query rows, kernel's is_causal) for every tile pair with work."""
     for i, k_tile in enumerate(held):
@@ -76,25 +97,15 @@ def ring_attention_op(
     mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    # Each sub-ring's K/V tiles make their own trip round the ring; at step i this
-    # rank holds the tiles of rank (rank - i) and attends to them from each query tile.
-    for j in range(tiles_per_chunk):
-        own = sub_ring_tiles(mine, j)
-        kv = [x[:, :, t.rows] for x in (k, v) for t in own]
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-            held = sub_ring_tiles(
-                _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
+    # Each sub-ring's K/V tiles make their own trip round the ring; at each step this
+    # rank attends to the tiles it holds from each of its query tiles.
+    for own, _, held, kv in _ring_visits(ring, k, v, rows, is_causal, layout, tiles_per_chunk):
+        for i, r, causal in _tile_pairs(mine, held, is_causal):
+            k_blk, v_blk = kv[i], kv[len(own) + i]
+            out_blk, lse_blk = block_forward(
+                q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
             )
-            for i, r, causal in _tile_pairs(mine, held, is_causal):
-                k_blk, v_blk = kv[i], kv[len(own) + i]  # kv holds the k tiles, then the v tiles
-                out_blk, lse_blk = block_forward(
-                    q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
-                )
-                merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
-            if pending is not None:
-                kv = pending.wait()
+            merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -131,51 +142,41 @@ def ring_attention_backward_op(
     mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    for j in range(tiles_per_chunk):
-        own = sub_ring_tiles(mine, j)
-        kv = [x[:, :, t.rows] for x in (k, v) for t in own]
-        pending_dkv = None
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            pending_kv = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-            held = sub_ring_tiles(
-                _shard_tiles(ring, src, rows, is_causal, layout, tiles_per_chunk), j
+    pending_dkv = None  # the accumulators of the held tiles, on their way to the next rank
+    for own, step, held, kv in _ring_visits(ring, k, v, rows, is_causal, layout, tiles_per_chunk):
+        dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
+        for i, r, causal in _tile_pairs(mine, held, is_causal):
+            dq_blk, dk_blk, dv_blk = block_backward(
+                grad_out[:, :, r],
+                q[:, :, r],
+                kv[i],
+                kv[len(own) + i],
+                out[:, :, r],
+                lse[:, :, r],
+                is_causal=causal,
+                scale=scale,
             )
-            dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
-            for i, r, causal in _tile_pairs(mine, held, is_causal):
-                dq_blk, dk_blk, dv_blk = block_backward(
-                    grad_out[:, :, r],
-                    q[:, :, r],
-                    kv[i],
-                    kv[len(own) + i],
-                    out[:, :, r],
-                    lse[:, :, r],
-                    is_causal=causal,
-                    scale=scale,
-                )
-                dq_acc[:, :, r] += dq_blk
-                for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
-                    if dkv_here[slot] is None:  # contiguous, so it can be sent as it is
-                        dkv_here[slot] = grad.to(acc, memory_format=torch.contiguous_format)
-                    else:
-                        dkv_here[slot] += grad
-            # The tiles' gradient accumulators: started here at step 0, else they travelled
-            # with the tiles.
-            if step == 0:
-                assert all(g is not None for g in dkv_here), "own tiles meet their own queries"
-                dkv = dkv_here
-            else:
-                dkv = pending_dkv.wait()
-                for total, here in zip(dkv, dkv_here, strict=True):
-                    if here is not None:
-                        total += here
-            pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
-            if pending_kv is not None:
-                kv = pending_kv.wait()
-        # After P rotations the accumulators are back home with every rank's share.
-        home = pending_dkv.wait()
-        for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
-            dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
+            dq_acc[:, :, r] += dq_blk
+            for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
+                if dkv_here[slot] is None:  # contiguous, so it can be sent as it is
+                    dkv_here[slot] = grad.to(acc, memory_format=torch.contiguous_format)
+                else:
+                    dkv_here[slot] += grad
+        # The tiles' gradient accumulators: started here at step 0, else they travelled
+        # with the tiles.
+        if step == 0:
+            assert all(g is not None for g in dkv_here), "own tiles meet their own queries"
+            dkv = dkv_here
+        else:
+            dkv = pending_dkv.wait()
+            for total, here in zip(dkv, dkv_here, strict=True):
+                if here is not None:
+                    total += here
+        pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
+        if step == ring.size - 1:  # after P rotations the accumulators are home
+            home = pending_dkv.wait()
+            for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
+                dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
     return dq_acc.to(q.dtype), dk, dv
 
 
