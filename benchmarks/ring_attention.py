@@ -28,20 +28,9 @@ import time
 
 from tabulate import tabulate
 
+from ringify.testing import reset_peak_memory, resident_bytes
+
 H, D = 8, 64
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _attention(impl: str, is_causal: bool, layout: str):
@@ -63,7 +52,10 @@ def _attention(impl: str, is_causal: bool, layout: str):
     ):  # the op with one K/V tile per chunk: fewer sync points, more memory
         name = dist.group.WORLD.group_name
         op = torch.ops.ringify.ring_attention
-        fwd = lambda q, k, v: op(q, k, v, is_causal, q.shape[-1] ** -0.5, name, layout, 1)[0]
+        world = dist.get_world_size()
+        fwd = lambda q, k, v: op(
+            q, k, v, None, is_causal, q.shape[-1] ** -0.5, name, layout, 1, q.shape[2] * world
+        )[0]
         return fwd, lambda out, dout: out.backward(dout)
 
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
@@ -123,19 +115,19 @@ def measure(impl: str, seq: int, is_causal: bool, layout: str) -> dict:
 
     def run(rows: int) -> tuple[float, float, int, int]:
         gc.collect()
-        base = _kib("VmRSS:")
-        _reset_peak()
+        base = resident_bytes("VmRSS:")
+        reset_peak_memory()
         q, k, v, dout = (torch.randn(1, H, rows, D, requires_grad=grad and i < 3) for i in range(4))
         dist.barrier()
         t0 = time.perf_counter()
         state = fwd(q, k, v)
         t1 = time.perf_counter()
-        mem_fwd = _kib("VmHWM:") - base
+        mem_fwd = resident_bytes("VmHWM:") - base
         dist.barrier()
         t2 = time.perf_counter()
         bwd(state, dout)
         t3 = time.perf_counter()
-        mem_all = _kib("VmHWM:") - base
+        mem_all = resident_bytes("VmHWM:") - base
         return t1 - t0, t3 - t2, mem_fwd, mem_all
 
     run(256)  # warm-up: kernels, allocator, communicators

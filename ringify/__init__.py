@@ -1,11 +1,14 @@
-"""ringify: sequence parallelism for an unmodified PyTorch model.
+"""ringify: sequence parallelism for an unmodified PyTorch model, through a graph pass.
 
-In place today: ``ringify.runtime`` — ``ring_attention`` (exact SDPA over a
-sequence sharded across a ring of ranks, a ``torch.library`` custom op),
-``shard`` and ``gather``. The graph pass ``ringify(model, ring_size=...)`` that
-applies it to a whole model comes next (``../shared/DESIGN.md``).
+``ringify(model, ring_size=P)`` traces the model, shards the sequence dimension
+of its whole graph over a ring of P ranks, and replaces every
+``scaled_dot_product_attention`` with ring attention (``ringify.runtime``);
+with ``dilation=Dilation(...)``, with LongNet's dilated attention on the ring.
 """
 
 from ringify import runtime
+from ringify.module import RingifiedModule, ringify
+from ringify.report import Report
+from ringify.runtime.dilation import Dilation
 
-__all__ = ["runtime"]
+__all__ = ["Dilation", "Report", "RingifiedModule", "ringify", "runtime"]

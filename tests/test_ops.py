@@ -34,15 +34,27 @@ def opcheck_ops():
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
-        args = (q, k, v, is_causal, 0.3, name, "zigzag", 2)
+        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", 2, q.shape[2] * 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)
         # The backward op is not differentiable itself (no double backward): plain tensors.
         tensors = (torch.randn_like(out), q, k, v, out, lse)
-        bwd_args = (*(t.detach() for t in tensors), is_causal, 0.3, name, "zigzag", 2)
+        bwd_args = (*(t.detach() for t in tensors), *args[3:])
         torch.library.opcheck(torch.ops.ringify.ring_attention_backward.default, bwd_args)
+    # The dilated op: a segment inside each rank's chunk and one spanning the ring.
+    (q, k, v), _ = ring_args(16, layout="contiguous")
+    k, v = (x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in (k, v))
+    for is_causal in (False, True):
+        args = (q, k, v, is_causal, 0.3, name, [4, 16], [2, 2])
+        torch.library.opcheck(torch.ops.ringify.dilated_attention.default, args)
+        out, lse = torch.ops.ringify.dilated_attention(*args)
+        tensors = (torch.randn_like(out), q, k, v, out, lse)
+        bwd_args = (*(t.detach() for t in tensors), *args[3:])
+        torch.library.opcheck(torch.ops.ringify.dilated_attention_backward.default, bwd_args)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag"))
+    strided = torch.randn(4, 3, dtype=torch.float64).t()
+    torch.library.opcheck(torch.ops.ringify.gather.default, (strided, 1, name, "zigzag"))
     full = torch.randn(3, 8, dtype=torch.float64)
     torch.library.opcheck(torch.ops.ringify.take_shard.default, (full, 1, name, "zigzag"))
     return True

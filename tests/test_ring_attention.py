@@ -34,13 +34,17 @@ def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
         shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
         for t in (q, k, v, dout)
     )
+    if kwargs.get("attn_mask") is not None:  # this rank's query rows, every key column
+        kwargs = {**kwargs, "attn_mask": shard(kwargs["attn_mask"], -2, layout=layout)}
     if tiles_per_chunk is None:
         out = ring_attention(q, k, v, layout=layout, **kwargs)
     else:
         import torch.distributed as dist
 
         scale = kwargs.get("scale", q.shape[-1] ** -0.5)
-        args = (kwargs["is_causal"], scale, dist.group.WORLD.group_name, layout, tiles_per_chunk)
+        name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
+        mask, is_causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
+        args = (mask, is_causal, scale, name, layout, tiles_per_chunk, full)
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
@@ -113,6 +117,75 @@ def test_bfloat16_matches_sdpa(ranks, world, is_causal):
     kwargs = {"is_causal": is_causal, "enable_gqa": True}
     got = run_ring(ranks, world, inputs, "zigzag", kwargs)
     assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.bfloat16])
+
+
+def sliding_window(seq, window):
+    pos = torch.arange(seq)
+    offset = pos[:, None] - pos[None, :]
+    return ((offset >= 0) & (offset < window))[None, None]
+
+
+def masks(seq, heads, dtype):
+    g = torch.Generator().manual_seed(3)
+    padding = torch.ones(2, 1, seq, seq, dtype=torch.bool)
+    padding[0, ..., seq - 5 :] = False  # the first sequence's last 5 keys are padding
+    return {
+        "window": sliding_window(seq, 5),
+        "padding": padding,
+        "bias": torch.randn(1, heads, seq, seq, generator=g, dtype=dtype),
+        "bool-with-empty-rows": torch.rand(2, heads, seq, seq, generator=g) < 0.05,
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("mask", ["window", "padding", "bias", "bool-with-empty-rows"])
+@pytest.mark.parametrize("tiles", [None, 2])
+def test_mask_matches_sdpa(ranks, world, layout, mask, tiles):
+    """A kept mask: rows sharded with the queries, columns cut per ring step by the op."""
+    if tiles is not None and world == 1:
+        pytest.skip("tiling needs a ring")
+    seq = 8 * world
+    inputs = make_inputs(2, 4, 2, seq, 8, torch.float64)
+    kwargs = {"attn_mask": masks(seq, 4, torch.float64)[mask], "enable_gqa": True}
+    if tiles is None:
+        got = run_ring(ranks, world, inputs, layout, kwargs)
+    else:
+        per_rank = ranks(world).run(ring_forward_backward, *inputs, layout, kwargs, tiles)
+        got = [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
+    assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.float64])
+
+
+def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal):
+    import torch.distributed as dist
+
+    q, k, v, dout = (
+        shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
+        for t in (q, k, v, dout)
+    )
+    name = dist.group.WORLD.group_name if dist.is_initialized() else ""
+    out, _ = torch.ops.ringify.ring_attention(
+        q, k, v, None, is_causal, 0.35, name, layout, 1, key_len
+    )
+    out.backward(dout)
+    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_padding_keys_are_cut(ranks, world, layout, is_causal):
+    """Keys at positions >= key_len (the pass's padding) are ignored, and get no gradient."""
+    seq, key_len = 8 * world, 8 * world - 5
+    inputs = make_inputs(1, 2, 2, seq, 8, torch.float64)
+    per_rank = ranks(world).run(padded_forward_backward, *inputs, layout, key_len, is_causal)
+    got = [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
+    mask = torch.ones(seq, seq, dtype=torch.bool)
+    mask[:, key_len:] = False
+    if is_causal:
+        mask &= torch.ones(seq, seq, dtype=torch.bool).tril()
+    want = reference(*inputs, {"attn_mask": mask, "scale": 0.35})
+    assert_matches(got, want, TOLERANCES[torch.float64])
 
 
 def relative_error(x, truth):

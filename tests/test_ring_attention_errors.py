@@ -20,7 +20,14 @@ def qkv(heads=4, kv_heads=4, seq=16, dim=8, dtype=torch.float32):
     ("make", "kwargs", "match"),
     [
         (lambda: qkv(), {"dropout_p": 0.1}, "dropout"),
-        (lambda: qkv(), {"attn_mask": torch.ones(16, 16, dtype=torch.bool)}, "attn_mask"),
+        (lambda: qkv(), {"attn_mask": torch.ones(8, 16, dtype=torch.bool)}, "does not broadcast"),
+        (lambda: qkv(), {"attn_mask": torch.ones(16, 16, dtype=torch.int64)}, "bool"),
+        (
+            lambda: qkv(),
+            {"attn_mask": torch.ones(16, 16, dtype=torch.bool), "is_causal": True},
+            "not both",
+        ),
+        (lambda: qkv(), {"attn_mask": torch.zeros(16, 16, requires_grad=True)}, "differentiable"),
         (lambda: qkv(heads=4, kv_heads=2), {}, "enable_gqa=True"),
         (lambda: qkv(heads=6, kv_heads=4), {"enable_gqa": True}, "multiple"),
         (lambda: (qkv()[0], *qkv(seq=8)[1:]), {}, "same local sequence length"),
@@ -32,7 +39,10 @@ def qkv(heads=4, kv_heads=4, seq=16, dim=8, dtype=torch.float32):
     ],
     ids=[
         "dropout",
-        "mask",
+        "mask-shape",
+        "mask-dtype",
+        "mask-and-causal",
+        "mask-grad",
         "gqa-flag",
         "gqa-heads",
         "cross",

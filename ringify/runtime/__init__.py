@@ -3,11 +3,14 @@
 - ``shard(x, dim, group=, layout=)``: this rank's part of a full tensor.
 - ``gather(x, dim, group=, layout=)``: the full tensor from every rank's part.
 - ``ring_attention(q, k, v, ...)``: exact SDPA over a sharded sequence
-  (``torch.ops.ringify.ring_attention`` underneath).
+  (``torch.ops.ringify.ring_attention`` underneath); with ``dilation=`` LongNet's
+  dilated attention (``torch.ops.ringify.dilated_attention``).
+- ``dilated_attention(q, k, v, dilation=...)``: its single-device definition.
 """
 
+from ringify.runtime.dilation import Dilation, dilated_attention
 from ringify.runtime.gather import gather
 from ringify.runtime.layout import LAYOUTS, shard
 from ringify.runtime.ring_attention import ring_attention
 
-__all__ = ["LAYOUTS", "gather", "ring_attention", "shard"]
+__all__ = ["LAYOUTS", "Dilation", "dilated_attention", "gather", "ring_attention", "shard"]

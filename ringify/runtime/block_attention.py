@@ -35,8 +35,17 @@ def block_forward(
     *,
     is_causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale) v; causal masks are top-left aligned."""
+    """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
+
+    ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
+    A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op.
+    """
+    if bias is not None:
+        out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
+        empty = (bias == float("-inf")).all(-1).expand(lse.shape)
+        return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     if q_BHsD.device.type == "cpu":
         q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)
         return aten._scaled_dot_product_flash_attention_for_cpu(
@@ -66,12 +75,18 @@ def block_backward(
     *,
     is_causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
 
     With the global ``out`` and ``lse`` the kernel's recomputed probabilities are
     the global ones, so the block gradients sum exactly to the full gradient.
     """
+    if bias is not None:
+        # A row masked everywhere (lse = -inf) has no gradient: lse = +inf makes its
+        # recomputed probabilities exp(s - lse) exactly 0 instead of NaN.
+        lse_BHs = lse_BHs.masked_fill(lse_BHs == float("-inf"), float("inf"))
+        return _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias, scale)
     if q_BHsD.device.type == "cpu":
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _cpu_kernel_inputs(
             dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
@@ -125,6 +140,67 @@ def block_backward(
     return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, float("-inf")
+        )
+    return mask.to(dtype)
+
+
+def _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale):
+    if q_BHsD.device.type == "cpu":
+        q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHsD, k_BKtD, v_BKtD, 0.0, False, attn_mask=bias.to(q_BHsD.dtype), scale=scale
+        )
+    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    if q_BHsD.dtype == torch.float64:
+        return math_forward(q_BHsD, k_BHtD, v_BHtD, is_causal=False, scale=scale, bias=bias)
+    # Flash takes no mask: the memory-efficient kernel does, for every half/float dtype.
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+        q_BHsD, k_BHtD, v_BHtD, _cuda_bias(bias, q_BHsD, k_BHtD), True, 0.0, False, scale=scale
+    )
+    return out, lse[..., : q_BHsD.shape[2]]
+
+
+def _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias, scale):
+    if q_BHsD.device.type == "cpu":
+        dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _cpu_kernel_inputs(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
+        )
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, 0.0, False,
+            attn_mask=bias.to(q_BHsD.dtype), scale=scale,
+        )  # fmt: skip
+    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    if q_BHsD.dtype == torch.float64:
+        dq, dk, dv = math_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs,
+            is_causal=False, scale=scale, bias=bias,
+        )  # fmt: skip
+    else:
+        s = q_BHsD.shape[2]
+        no_rng = torch.zeros((), dtype=torch.int64, device=q_BHsD.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, _cuda_bias(bias, q_BHsD, k_BHtD), out_BHsD,
+            F.pad(lse_BHs.float(), (0, -s % 32)), no_rng, no_rng, 0.0,
+            [True, True, True, False], False, scale=scale,
+        )  # fmt: skip
+    return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
+
+
+def _cuda_bias(bias, q_BHsD, k_BHtD):
+    """The efficient kernel wants a dense (B, H, s, t) bias whose rows are 16-byte aligned."""
+    b, h, s, _ = q_BHsD.shape
+    t = k_BHtD.shape[2]
+    padded = torch.empty(b, h, s, t + (-t % 8), dtype=q_BHsD.dtype, device=q_BHsD.device)
+    padded = padded[..., :t]
+    padded.copy_(bias.expand(b, h, s, t))
+    return padded
+
+
 def math_forward(
     q_BHsD: torch.Tensor,
     k_BHtD: torch.Tensor,
@@ -132,9 +208,12 @@ def math_forward(
     *,
     is_causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused reference formulation for dtypes no fused kernel serves (O(s*t) memory)."""
     scores = (q_BHsD @ k_BHtD.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
     if is_causal:
         scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -151,9 +230,12 @@ def math_backward(
     *,
     is_causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The flash-attention backward identities: dS = P * (dP - rowsum(dO * O))."""
     scores = (q_BHsD @ k_BHtD.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
     if is_causal:
         scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
     probs = torch.exp(scores - lse_BHs.to(scores.dtype).unsqueeze(-1))
@@ -173,11 +255,13 @@ def merge_block(
 
     out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written as a
     lerp with weight sigmoid(lse - lse_acc) so nothing is exponentiated unguarded.
-    An empty accumulator (lse_acc = -inf) takes the block exactly (weight 1).
+    An empty accumulator (lse_acc = -inf) takes the block exactly (weight 1); an
+    empty block row (lse = -inf, a masked-out row) leaves it as it is (weight 0,
+    also when both are empty).
     """
     acc = out_acc_BHsD.dtype
     lse_BHs = lse_BHs.to(acc)
-    weight = torch.sigmoid(lse_BHs - lse_acc_BHs).unsqueeze(-1)
+    weight = torch.sigmoid(lse_BHs - lse_acc_BHs).nan_to_num_(0.0).unsqueeze(-1)
     out_acc_BHsD.lerp_(out_BHsD.to(acc), weight)
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 

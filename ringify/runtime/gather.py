@@ -1,8 +1,9 @@
-"""``gather``: the full tensor from every rank's sequence shard, as a compile-friendly custom op.
+"""``gather`` and ``take_shard``: between a full tensor and every rank's sequence shard.
 
-Its backward is a local slice, not a reduce-scatter: every rank is assumed to
-compute the same thing from the gathered tensor (the exit of a ringified
-model), so each rank's gradient for its own part is its slice of the incoming one.
+Both are compile-friendly custom ops, and each is the other's backward. A full
+(replicated) tensor is computed identically on every rank, so its gradient is
+too: the backward of ``gather`` is each rank's slice of the incoming gradient
+(not a reduce-scatter), and the backward of ``take_shard`` gathers the slices.
 
 The slice is itself a custom op (``ringify::take_shard``) that looks the rank
 up when it runs. Reading the rank while tracing would bake it into the compiled
@@ -23,7 +24,7 @@ from ringify.runtime.layout import check_layout, check_splittable, shard_for_ran
 def gather_op(x: torch.Tensor, dim: int, group_name: str, layout: str) -> torch.Tensor:
     ring = ring_by_name(group_name)
     if ring.size == 1:
-        return x.clone()
+        return x.clone(memory_format=torch.contiguous_format)  # as the fake kernel says
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(ring.size)]
     dist.all_gather(parts, x, group=ring.group)
@@ -41,7 +42,8 @@ def _(x, dim, group_name, layout):
 def take_shard_op(x: torch.Tensor, dim: int, group_name: str, layout: str) -> torch.Tensor:
     """This rank's part of the full tensor ``x`` (a fresh tensor: op outputs never alias inputs)."""
     ring = ring_by_name(group_name)
-    return shard_for_rank(x, dim, ring.rank, ring.size, layout).clone()
+    part = shard_for_rank(x, dim, ring.rank, ring.size, layout)
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 @take_shard_op.register_fake
@@ -55,11 +57,16 @@ def _setup_context(ctx, inputs, output):
     _, ctx.dim, ctx.group_name, ctx.layout = inputs
 
 
-def _backward(ctx, grad):
+def _gather_backward(ctx, grad):
     return take_shard_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout), None, None, None
 
 
-gather_op.register_autograd(_backward, setup_context=_setup_context)
+def _take_shard_backward(ctx, grad):
+    return gather_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout), None, None, None
+
+
+gather_op.register_autograd(_gather_backward, setup_context=_setup_context)
+take_shard_op.register_autograd(_take_shard_backward, setup_context=_setup_context)
 
 
 def gather(

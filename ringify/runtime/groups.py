@@ -48,6 +48,28 @@ def resolve_ring(group: dist.ProcessGroup | None) -> Ring:
     return Ring(group, dist.get_rank(group), size)
 
 
+_sub_rings: dict[tuple[str, int], str] = {}
+
+
+def sub_ring_name(ring: Ring, size: int) -> str:
+    """The name of the group of ``size`` consecutive ranks of ``ring`` this rank belongs to.
+
+    Created on first use by the member ranks only (local synchronisation), so every
+    block of ranks builds its own group independently; cached per (ring, size).
+    """
+    if size == 1:
+        return LOCAL
+    if size == ring.size:
+        return ring.name
+    key = (ring.name, size)
+    if key not in _sub_rings:
+        first = ring.rank // size * size
+        members = [ring.global_rank(first + i) for i in range(size)]
+        group = dist.new_group(members, use_local_synchronization=True)
+        _sub_rings[key] = group.group_name
+    return _sub_rings[key]
+
+
 def ring_by_name(group_name: str) -> Ring:
     """The ring a custom op was given by name."""
     if group_name == LOCAL:

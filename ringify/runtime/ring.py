@@ -12,6 +12,13 @@ import torch.distributed as dist
 
 from ringify.runtime.groups import Ring
 
+_sent_bytes = 0  # every byte this process has sent round a ring (benchmarks read it)
+
+
+def sent_bytes() -> int:
+    """Bytes this process has sent round rings so far (K/V and their gradients)."""
+    return _sent_bytes
+
 
 class PendingStep:
     """A started rotation; ``wait()`` returns the tensors received from the previous rank."""
@@ -36,8 +43,10 @@ def start_rotation(ring: Ring, tensors: list[torch.Tensor], *, tag: int = 0) -> 
     ``tag`` keeps concurrent rotations apart on backends that match by tag (gloo);
     on NCCL, P2P between a pair is matched in issue order, which every rank shares.
     """
+    global _sent_bytes
     assert ring.group is not None and ring.size > 1
     sent = [t.contiguous() for t in tensors]
+    _sent_bytes += sum(t.numel() * t.element_size() for t in sent)
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sent]
     nxt, prev = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
     ops = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=nxt, tag=tag) for t in sent]

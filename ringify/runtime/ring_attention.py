@@ -1,10 +1,13 @@
 """Ring attention: exact SDPA over a sequence sharded across the ranks of a ring.
 
-``torch.ops.ringify.ring_attention(q, k, v, is_causal, scale, group_name, layout,
-tiles_per_chunk) -> (out, lse)`` is a custom op with a fake kernel and autograd,
-whose backward is the custom op ``ringify::ring_attention_backward``; AOTAutograd
-and Inductor see each as one opaque node. Every output is contiguous, whatever
-the inputs' strides, so that the fake kernels can say so.
+``torch.ops.ringify.ring_attention(q, k, v, attn_mask, is_causal, scale, group_name,
+layout, tiles_per_chunk, key_len) -> (out, lse)`` is a custom op with a fake
+kernel and autograd, whose backward is the custom op
+``ringify::ring_attention_backward``; AOTAutograd and Inductor see each as one
+opaque node. Output strides do not depend on the inputs', so the fake kernels can
+state them: ``out`` is laid out (B, S, H, D) in memory as ATen's SDPA kernels
+return it (a model's ``out.transpose(1, 2).reshape(B, S, H * D)`` is then free),
+``lse`` and the gradients are contiguous.
 
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
@@ -27,10 +30,12 @@ import torch.distributed as dist
 
 from ringify.runtime.block_attention import (
     accumulation_dtype,
+    additive_mask,
     block_backward,
     block_forward,
     merge_block,
 )
+from ringify.runtime.dilation import Dilation
 from ringify.runtime.groups import Ring, check_backend_serves, resolve_ring, ring_by_name
 from ringify.runtime.layout import LAYOUTS, check_layout
 from ringify.runtime.ring import start_rotation
@@ -40,12 +45,13 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _KV_TAG, _DKV_TAG = 0, 1
 
 
-def _shard_tiles(ring: Ring, rank: int, rows: int, is_causal: bool, layout: str, tiles: int):
-    # Without a causal mask positions do not matter: tile the shard as one chunk.
-    return rank_tiles(rank, ring.size, rows, layout if is_causal else "contiguous", tiles)
+def _shard_tiles(ring: Ring, rank: int, rows: int, positional: bool, layout: str, tiles: int):
+    # Without a causal mask, a mask or padding, positions do not matter: tile the
+    # shard as one chunk.
+    return rank_tiles(rank, ring.size, rows, layout if positional else "contiguous", tiles)
 
 
-def _ring_visits(ring: Ring, k, v, rows: int, is_causal: bool, layout: str, tiles: int):
+def _ring_visits(ring: Ring, k, v, rows: int, positional: bool, layout: str, tiles: int):
     """Walk every sub-ring round the ring: yields ``(own, step, held, kv)``.
 
     ``own``: this rank's tiles of the sub-ring; ``held``: the tiles of rank
@@ -53,26 +59,41 @@ def _ring_visits(ring: Ring, k, v, rows: int, is_causal: bool, layout: str, tile
     The rotation to the next step is started before yielding, so it is in flight
     while the caller computes, and waited on when the caller asks for the next step.
     """
-    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles)
+    mine = _shard_tiles(ring, ring.rank, rows, positional, layout, tiles)
     for j in range(tiles):
         own = sub_ring_tiles(mine, j)
         kv = [x[:, :, t.rows] for x in (k, v) for t in own]
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             pending = start_rotation(ring, kv, tag=_KV_TAG) if step < ring.size - 1 else None
-            held = sub_ring_tiles(_shard_tiles(ring, src, rows, is_causal, layout, tiles), j)
+            held = sub_ring_tiles(_shard_tiles(ring, src, rows, positional, layout, tiles), j)
             yield own, step, held, kv
             if pending is not None:
                 kv = pending.wait()
 
 
-def _tile_pairs(mine: list[Tile], held: list[Tile], is_causal: bool):
-    """(index into ``held``, query rows, kernel's is_causal) for every tile pair with work."""
+def _tile_pairs(mine: list[Tile], held: list[Tile], is_causal: bool, key_len: int):
+    """Every tile pair with work: ``(index into held, query rows, kernel's is_causal, keys)``.
+
+    ``keys`` is how many leading rows of the held tile are real keys: the rows at
+    global positions >= ``key_len`` are padding and are cut off (a tile of padding only
+    is skipped).
+    """
     for i, k_tile in enumerate(held):
+        keys = min(k_tile.rows.stop - k_tile.rows.start, key_len - k_tile.start)
+        if keys <= 0:
+            continue
         for q_tile in mine:
             causal = visibility(q_tile, k_tile, is_causal)
             if causal is not None:
-                yield i, q_tile.rows, causal
+                yield i, q_tile.rows, causal, keys
+
+
+def _block_bias(mask: torch.Tensor | None, rows: slice, k_tile: Tile, keys: int, dtype):
+    """The additive mask of one tile pair: this rank's query rows, the held tile's key columns."""
+    if mask is None:
+        return None
+    return additive_mask(mask[..., rows, k_tile.start : k_tile.start + keys], dtype)
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -80,39 +101,60 @@ def ring_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
     group_name: str,
     layout: str,
     tiles_per_chunk: int,
+    key_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
-    if ring.size == 1:
-        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
-        return out.to(q.dtype).contiguous(), lse.to(acc).contiguous()
-    _check_ranks_agree(ring, q, k, v, is_causal, scale, layout)
-
     rows = q.shape[2]
-    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    if ring.size == 1 and attn_mask is None and key_len >= rows:
+        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
+        return sdpa_layout(out.to(q.dtype)), lse.to(acc).contiguous()
+    if ring.size > 1:
+        _check_ranks_agree(ring, q, k, v, is_causal, scale, layout)
+
+    positional = _positional(attn_mask, is_causal, key_len, rows * ring.size)
+    mine = _shard_tiles(ring, ring.rank, rows, positional, layout, tiles_per_chunk)
+    out_acc = sdpa_layout(torch.zeros(q.shape, dtype=acc, device=q.device))
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     # Each sub-ring's K/V tiles make their own trip round the ring; at each step this
     # rank attends to the tiles it holds from each of its query tiles.
-    for own, _, held, kv in _ring_visits(ring, k, v, rows, is_causal, layout, tiles_per_chunk):
-        for i, r, causal in _tile_pairs(mine, held, is_causal):
-            k_blk, v_blk = kv[i], kv[len(own) + i]
+    visits = _ring_visits(ring, k, v, rows, positional, layout, tiles_per_chunk)
+    for own, _, held, kv in visits:
+        for i, r, causal, keys in _tile_pairs(mine, held, is_causal, key_len):
+            k_blk, v_blk = kv[i][:, :, :keys], kv[len(own) + i][:, :, :keys]
+            bias = _block_bias(attn_mask, r, held[i], keys, acc)
             out_blk, lse_blk = block_forward(
-                q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale
+                q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale, bias=bias
             )
             merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
-    return out_acc.to(q.dtype), lse_acc
+    return sdpa_layout(out_acc.to(q.dtype)), lse_acc
+
+
+def sdpa_layout(out_BHSD: torch.Tensor) -> torch.Tensor:
+    """``out_BHSD`` with (B, S, H, D) memory, as SDPA returns it (no copy if it already is)."""
+    return out_BHSD.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _positional(attn_mask, is_causal: bool, key_len: int, total_rows: int) -> bool:
+    """Whether the op needs each tile's global positions (else any tiling will do)."""
+    return is_causal or attn_mask is not None or key_len < total_rows
+
+
+def fake_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) as the attention ops return them, for their fake kernels."""
+    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    return sdpa_layout(q.new_empty(q.shape)), lse
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, layout, tiles_per_chunk):
-    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+def _(q, k, v, attn_mask, is_causal, scale, group_name, layout, tiles_per_chunk, key_len):
+    return fake_outputs(q)
 
 
 @torch.library.custom_op("ringify::ring_attention_backward", mutates_args=())
@@ -123,79 +165,82 @@ def ring_attention_backward_op(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
     group_name: str,
     layout: str,
     tiles_per_chunk: int,
+    key_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
-    if ring.size == 1:
+    rows = q.shape[2]
+    if ring.size == 1 and attn_mask is None and key_len >= rows:
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
         return tuple(
             g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True)
         )
 
     acc = accumulation_dtype(q.dtype)
-    rows = q.shape[2]
-    mine = _shard_tiles(ring, ring.rank, rows, is_causal, layout, tiles_per_chunk)
+    positional = _positional(attn_mask, is_causal, key_len, rows * ring.size)
+    mine = _shard_tiles(ring, ring.rank, rows, positional, layout, tiles_per_chunk)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     pending_dkv = None  # the accumulators of the held tiles, on their way to the next rank
-    for own, step, held, kv in _ring_visits(ring, k, v, rows, is_causal, layout, tiles_per_chunk):
-        dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
-        for i, r, causal in _tile_pairs(mine, held, is_causal):
+    visits = _ring_visits(ring, k, v, rows, positional, layout, tiles_per_chunk)
+    for own, step, held, kv in visits:
+        # This rank's share of the held tiles' gradients; contiguous, so they can be
+        # sent as they are. Padding rows (cut off before the kernel) keep a zero gradient.
+        dkv_here = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
+        for i, r, causal, keys in _tile_pairs(mine, held, is_causal, key_len):
             dq_blk, dk_blk, dv_blk = block_backward(
                 grad_out[:, :, r],
                 q[:, :, r],
-                kv[i],
-                kv[len(own) + i],
+                kv[i][:, :, :keys],
+                kv[len(own) + i][:, :, :keys],
                 out[:, :, r],
                 lse[:, :, r],
                 is_causal=causal,
                 scale=scale,
+                bias=_block_bias(attn_mask, r, held[i], keys, acc),
             )
             dq_acc[:, :, r] += dq_blk
-            for slot, grad in ((i, dk_blk), (len(own) + i, dv_blk)):
-                if dkv_here[slot] is None:  # contiguous, so it can be sent as it is
-                    dkv_here[slot] = grad.to(acc, memory_format=torch.contiguous_format)
-                else:
-                    dkv_here[slot] += grad
+            dkv_here[i][:, :, :keys] += dk_blk
+            dkv_here[len(own) + i][:, :, :keys] += dv_blk
         # The tiles' gradient accumulators: started here at step 0, else they travelled
         # with the tiles.
         if step == 0:
-            assert all(g is not None for g in dkv_here), "own tiles meet their own queries"
             dkv = dkv_here
         else:
             dkv = pending_dkv.wait()
             for total, here in zip(dkv, dkv_here, strict=True):
-                if here is not None:
-                    total += here
-        pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
+                total += here
+        if ring.size > 1:
+            pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
         if step == ring.size - 1:  # after P rotations the accumulators are home
-            home = pending_dkv.wait()
+            home = pending_dkv.wait() if ring.size > 1 else dkv
             for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
                 dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
     return dq_acc.to(q.dtype), dk, dv
 
 
 @ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, layout, tiles_per_chunk):
+def _(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, tiles, key_len):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.flags = inputs  # is_causal, scale, group_name, layout, tiles_per_chunk
+    q, k, v, attn_mask, *ctx.flags = inputs  # is_causal, scale, group, layout, tiles, key_len
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(grad_out, q, k, v, out, lse, *ctx.flags)
-    return dq, dk, dv, *([None] * len(ctx.flags))
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, *ctx.flags)
+    return dq, dk, dv, None, *([None] * len(ctx.flags))
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -213,12 +258,20 @@ def ring_attention(
     enable_gqa: bool = False,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
+    dilation: Dilation | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on the full sequence, restricted to this rank's rows.
 
     q, k, v are this rank's shards ``(B, H, S_local, D)`` under ``layout`` (see
-    ``ringify.runtime.shard``). ``group=None`` is the default process group;
-    without torch.distributed, or with one rank, this is plain local attention.
+    ``ringify.runtime.shard``). ``attn_mask`` (bool, True attends, or float, added
+    to the scores) holds this rank's query rows and every key column of the full
+    sequence: broadcastable to ``(B, H, S_local, S_local * ring_size)``; the ring
+    cuts out the columns of each K/V block it receives. ``group=None`` is the
+    default process group; without torch.distributed, or with one rank, this is
+    plain local attention.
+
+    With a ``Dilation`` (layout ``contiguous``, no mask) it is LongNet's dilated
+    attention instead (``ringify.runtime.dilated_attention`` on the full sequence).
     """
     ring = resolve_ring(group)
     check_layout(layout)
@@ -231,11 +284,26 @@ def ring_attention(
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         layout=layout,
+        ring_size=ring.size,
     )
     check_backend_serves(ring, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    tiles = tiles_per_chunk(q.shape[2], layout if is_causal else "contiguous")
-    out, _ = ring_attention_op(q, k, v, is_causal, scale, ring.name, layout, tiles)
+    rows = q.shape[2]
+    if dilation is not None:
+        from ringify.runtime.dilated_ring_attention import check_dilation, dilated_attention_op
+
+        if attn_mask is not None:
+            raise ValueError("dilated attention takes no attn_mask (is_causal=True is supported)")
+        check_dilation(dilation, rows, ring.size, layout)
+        # Heads are dilated by their own index: give every q head its k/v head.
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
+        out, _ = dilated_attention_op(q, k, v, is_causal, scale, ring.name, segments, rates)
+        return out
+    tiles = tiles_per_chunk(rows, layout if is_causal or attn_mask is not None else "contiguous")
+    out, _ = ring_attention_op(
+        q, k, v, attn_mask, is_causal, scale, ring.name, layout, tiles, rows * ring.size
+    )
     return out
 
 
@@ -249,12 +317,11 @@ def check_inputs(
     is_causal: bool,
     enable_gqa: bool,
     layout: str,
+    ring_size: int,
 ) -> None:
     """Raise a ``ValueError`` naming the fix for inputs the ring cannot compute exactly."""
     if attn_mask is not None:
-        raise ValueError(
-            "ring_attention does not take attn_mask yet; for a causal mask pass is_causal=True"
-        )
+        _check_mask(attn_mask, q, k, is_causal, ring_size)
     if dropout_p != 0.0:
         raise ValueError(
             f"ring_attention does not support dropout (dropout_p={dropout_p}); pass dropout_p=0.0 "
@@ -298,6 +365,33 @@ def check_inputs(
             f"the zigzag layout holds two equal chunks per rank, but the local sequence length "
             f"is {s} (odd); shard the full sequence with ringify.runtime.shard(..., "
             f"layout='zigzag') from a length divisible by 2 * ring_size"
+        )
+
+
+def _check_mask(mask: torch.Tensor, q, k, is_causal: bool, ring_size: int) -> None:
+    b, h, s = q.shape[:3]
+    full = (b, h, s, s * ring_size)
+    if is_causal:
+        raise ValueError(
+            "pass either attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(f"attn_mask must be bool (True attends) or floating; got {mask.dtype}")
+    if mask.requires_grad:
+        raise ValueError(
+            "ring_attention's attn_mask is not differentiable (a learned attention bias is not "
+            "supported); pass attn_mask.detach() if its gradient is not needed"
+        )
+    try:
+        torch.broadcast_shapes(mask.shape, full)
+        broadcasts = mask.dim() <= 4
+    except RuntimeError:
+        broadcasts = False
+    if not broadcasts or (mask.dim() >= 2 and mask.shape[-2] != s):
+        raise ValueError(
+            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {full}: it must hold "
+            f"this rank's {s} query rows and all {s * ring_size} key columns of the full sequence "
+            "(the full mask's rows sharded like q, e.g. with ringify.runtime.shard(mask, -2))"
         )
 
 

@@ -37,6 +37,7 @@ MAX_TILES_PER_CHUNK = 8
 class Tile:
     rows: slice  # local rows of the shard
     key: tuple[int, int]  # (global chunk, tile within chunk): orders tiles by global position
+    start: int  # global position of the first row
 
     @property
     def sub_ring(self) -> int:
@@ -54,7 +55,11 @@ def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int
     chunk_rows = rows // chunks_per_rank(layout)
     bounds = [chunk_rows * t // per_chunk for t in range(per_chunk + 1)]
     return [
-        Tile(slice(c * chunk_rows + bounds[t], c * chunk_rows + bounds[t + 1]), (chunk, t))
+        Tile(
+            slice(c * chunk_rows + bounds[t], c * chunk_rows + bounds[t + 1]),
+            (chunk, t),
+            chunk * chunk_rows + bounds[t],
+        )
         for c, chunk in enumerate(rank_chunks(rank, ring_size, layout))
         for t in range(per_chunk)
     ]

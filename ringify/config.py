@@ -1,0 +1,57 @@
+"""``Config``: what ``ringify()`` was asked for, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ringify.runtime.dilation import Dilation
+from ringify.runtime.groups import Ring, resolve_ring
+from ringify.runtime.layout import check_layout
+
+MODES = ("full", "sharded")
+
+
+@dataclass(frozen=True)
+class Config:
+    ring_size: int
+    group: dist.ProcessGroup | None = None
+    layout: str = "zigzag"
+    inputs: str = "full"
+    outputs: str = "full"
+    dilation: Dilation | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ring_size, int) or self.ring_size < 1:
+            raise ValueError(f"ring_size must be a positive int, got {self.ring_size!r}")
+        check_layout(self.layout)
+        if self.dilation is not None and not isinstance(self.dilation, Dilation):
+            raise ValueError(f"dilation must be a ringify.Dilation, got {self.dilation!r}")
+        if self.dilation is not None and self.layout != "contiguous":
+            raise ValueError(
+                "dilated attention needs layout='contiguous' (its segments are runs of "
+                f"consecutive positions, which {self.layout!r} chunks cut apart)"
+            )
+        for name in ("inputs", "outputs"):
+            if getattr(self, name) not in MODES:
+                raise ValueError(f"{name} must be one of {MODES}, got {getattr(self, name)!r}")
+        size = self.ring().size
+        if size != self.ring_size:
+            if self.group is None and not dist.is_initialized():
+                hint = (
+                    "torch.distributed is not initialised: launch with torchrun and call "
+                    "torch.distributed.init_process_group() before ringify()"
+                )
+            else:
+                hint = (
+                    "pass group=torch.distributed.new_group(ranks) with ring_size ranks, "
+                    "or ring_size=" + str(size)
+                )
+            raise ValueError(
+                f"ring_size={self.ring_size} but the {'given' if self.group else 'default'} "
+                f"process group has {size} rank(s); {hint}"
+            )
+
+    def ring(self) -> Ring:
+        return resolve_ring(self.group)

@@ -1,0 +1,109 @@
+"""LongNet dilated attention: the ``Dilation`` pattern and its single-device definition.
+
+For each pair (w, r) of a ``Dilation``, with w taken as min(w, S): the sequence is
+cut into segments of w tokens; inside each segment, head h keeps the positions
+whose offset from the segment start is congruent to ``h % r`` modulo r; each kept
+query attends to the kept keys of its own segment (those at or before it when
+causal). The pairs' outputs are merged with weights proportional to their softmax
+denominators (a log-sum-exp merge). A row no pair keeps is zero. The single pair
+(S, 1) is dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ringify.runtime.block_attention import accumulation_dtype
+
+
+@dataclass(frozen=True)
+class Dilation:
+    """LongNet's (segment length, dilation rate) pairs; validated on construction."""
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
+        object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
+        w, r = self.segment_lengths, self.dilation_rates
+        if not w or len(w) != len(r):
+            raise ValueError(
+                f"Dilation needs one dilation rate per segment length (and at least one pair); "
+                f"got segment_lengths={w}, dilation_rates={r}"
+            )
+        for seg, rate in zip(w, r, strict=True):
+            if not (isinstance(seg, int) and isinstance(rate, int)) or seg < 1 or rate < 1:
+                raise ValueError(
+                    f"segment lengths and rates must be positive ints; got ({seg}, {rate})"
+                )
+            if seg % rate:
+                raise ValueError(
+                    f"dilation rate {rate} does not divide segment length {seg}: every segment "
+                    "must keep the same number of positions per head"
+                )
+
+    def pairs(self, seq_len: int) -> list[tuple[int, int]]:
+        """The (w, r) pairs for a sequence of ``seq_len``, with w capped at ``seq_len``."""
+        return [
+            (min(w, seq_len), r)
+            for w, r in zip(self.segment_lengths, self.dilation_rates, strict=True)
+        ]
+
+    def check_length(self, seq_len: int) -> None:
+        for w, r in self.pairs(seq_len):
+            if seq_len % w or w % r:
+                raise ValueError(
+                    f"sequence length {seq_len} does not split into the dilation's segments: "
+                    f"segment length {w} (capped at the sequence) must divide it and be divisible "
+                    f"by its rate {r}; pad the sequence to a multiple of {max(self.segment_lengths)}"
+                )
+
+
+def kept_mask(
+    seq_len: int, heads: int, w: int, r: int, is_causal: bool, device=None
+) -> torch.Tensor:
+    """(heads, S, S) bool: which key each query of each head attends to under pair (w, r)."""
+    pos = torch.arange(seq_len, device=device)
+    segment, offset = pos // w, pos % w
+    head_offset = (torch.arange(heads, device=device) % r)[:, None]
+    kept = offset[None, :] % r == head_offset  # (heads, S)
+    allowed = (segment[:, None] == segment[None, :]) & kept[:, :, None] & kept[:, None, :]
+    if is_causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    return allowed
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dilation: Dilation,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dilated attention on full ``(B, H, S, D)`` tensors, written for clarity (O(S^2) memory).
+
+    The reference the ring version is tested against: each pair is dense attention
+    under its mask, its (out, lse) merged into the result by log-sum-exp.
+    """
+    h, s, d = q.shape[1:]
+    dilation.check_length(s)
+    scale = d**-0.5 if scale is None else scale
+    acc = accumulation_dtype(q.dtype)
+    outs, lses = [], []
+    for w, r in dilation.pairs(s):
+        allowed = kept_mask(s, h, w, r, is_causal, q.device)
+        scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # -inf on rows the pair does not keep
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(probs @ v.to(acc))
+        lses.append(lse)
+    lses = torch.stack(lses)
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total).nan_to_num(0.0)  # a row no pair keeps: all weights 0
+    return (weights.unsqueeze(-1) * torch.stack(outs)).sum(0).to(q.dtype)

@@ -1,0 +1,61 @@
+"""Where a full (replicated) tensor meets the sharded sequence, and where it leaves it.
+
+Every rank computes replicated tensors identically, so their gradients are kept
+identical too; a sharded computation only sees this rank's positions, so what it
+contributes is partial. Two autograd functions keep that bookkeeping exact (the
+pair Megatron calls f and g):
+
+- ``copy_to_ring``: a replicated tensor used by a sharded computation (a weight,
+  a bias, a broadcast operand). Identity forward; the backward sums the partial
+  gradients of all ranks.
+- ``reduce_from_ring``: a reduction over the sequence (a loss, a sum). Each rank
+  reduces its positions, the forward sums over the ring; the backward hands every
+  rank the (identical) incoming gradient.
+
+Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.runtime.groups import LOCAL
+
+_c10d = torch.ops._c10d_functional
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    # The functional op and an explicit wait: a graph node under compile, a finished
+    # sum in eager (no AsyncCollectiveTensor left unwaited).
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _CopyToRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+class _ReduceFromRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x`` itself; its gradient is summed over the ring (each rank's is partial)."""
+    return x if group_name == LOCAL else _CopyToRing.apply(x, group_name)
+
+
+def reduce_from_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over the ring of every rank's partial ``x``; the gradient passes through."""
+    return x if group_name == LOCAL else _ReduceFromRing.apply(x, group_name)

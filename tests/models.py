@@ -1,0 +1,103 @@
+"""Models for the pass's tests, written as users write them (nothing ringify-specific)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, attend=F.scaled_dot_product_attention):
+        super().__init__()
+        self.heads, self.attend = heads, attend
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = self.attend(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's shape: learned positions, tied embeddings, the loss inside forward.
+
+    ``attend`` is the attention function (SDPA; a test swaps in ``dilated_attention``).
+    """
+
+    def __init__(
+        self,
+        vocab=64,
+        max_len=128,
+        dim=32,
+        heads=4,
+        layers=2,
+        attend=F.scaled_dot_product_attention,
+    ):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, attend) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        t = idx.shape[1]
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+class CumsumModel(nn.Module):
+    """Attention followed by a running sum over the sequence: no local rule exists for it."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(c, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        return self.out(y.cumsum(dim=1))
+
+
+def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=dim,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=max_len,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def transformer_encoder(dim=32, heads=4, layers=2):
+    layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)

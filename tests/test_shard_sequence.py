@@ -1,0 +1,194 @@
+"""The pass on tiny modules: which nodes it rewrites, masks, kernels, fallbacks, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ringify import ringify
+
+
+class MaskedAttention(nn.Module):
+    """Attention with a mask built inside forward from positions (as HF models do)."""
+
+    def __init__(self, mask: str, dim=16, heads=2):
+        super().__init__()
+        self.mask, self.heads = mask, heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(c, dim=-1)
+        )
+        pos = torch.arange(t, device=x.device)
+        offset = pos[:, None] - pos[None, :]
+        if self.mask == "causal-bool":
+            mask = offset >= 0
+        elif self.mask == "causal-float":
+            mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(offset < 0, float("-inf"))
+        else:  # sliding window of 3: not causal, kept as a mask
+            mask = (offset >= 0) & (offset < 3)
+        mask = mask[None, None].expand(b, 1, t, t)
+        return (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, c)
+        )
+
+
+class KernelAttention(nn.Module):
+    """Calls the lowered CPU flash kernel directly and uses its log-sum-exp too."""
+
+    def forward(self, q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return out * lse.unsqueeze(-1).sigmoid()
+
+
+class CrossAttention(nn.Module):
+    def forward(self, x, memory):
+        return F.scaled_dot_product_attention(x, memory, memory)
+
+
+def _compare(model, inputs, world):
+    """Ringified vs unmodified on this rank: max difference of outputs and grads, the report."""
+    torch.manual_seed(0)
+    ringified = ringify(model, ring_size=world, layout="zigzag")
+    results = []
+    for run in (model, ringified):
+        xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        for p in model.parameters():
+            p.grad = None
+        out = run(*xs)
+        out.square().sum().backward()
+        grads = [x.grad for x in xs if x.grad is not None] + [p.grad for p in model.parameters()]
+        results.append((out.detach(), grads))
+    (want, want_g), (got, got_g) = results
+    err = max(
+        [(got - want).abs().max().item()]
+        + [(a - b).abs().max().item() for a, b in zip(got_g, want_g, strict=True)]
+    )
+    return err, ringified.report(), ringified.graph_diff()
+
+
+def masked(kind, world):
+    torch.manual_seed(0)
+    model = MaskedAttention(kind).double()
+    x = torch.randn(2, 4 * world, 16, dtype=torch.float64)
+    err, report, diff = _compare(model, [x], world)
+    return err, report.rewritten[0].mask, len(report.gathers), "ring_attention" in diff
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("causal-bool", "causal (positions-only mask -> is_causal)"),
+        ("causal-float", "causal (positions-only mask -> is_causal)"),
+        ("window", "mask kept (2, 1, 8, 8) torch.bool"),
+    ],
+)
+def test_positions_only_causal_mask_becomes_is_causal(ranks, kind, expected):
+    for err, mask, gathers, rewritten in ranks(2).run(masked, kind, 2):
+        assert err <= 1e-10 and gathers == 0 and rewritten
+        assert mask == expected
+
+
+def kernel_form(world):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4 * world, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    err, report, _ = _compare(KernelAttention(), [q, k, v], world)
+    return err, len(report.rewritten), len(report.gathers)
+
+
+def test_lowered_kernel_with_lse_is_rewritten(ranks):
+    for err, rewritten, gathers in ranks(2).run(kernel_form, 2):
+        assert (err <= 1e-10, rewritten, gathers) == (True, 1, 0)
+
+
+def cross_attention(world):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 4 * world, 8, generator=g, dtype=torch.float64)
+    memory = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64)
+    err, report, _ = _compare(CrossAttention(), [x, memory], world)
+    return err, [(x.op, x.reason) for x in report.gathers]
+
+
+def test_cross_attention_is_gathered_and_reported(ranks):
+    """q and k of different lengths: not rewritten, but exact (replicated) and reported."""
+    for err, gathers in ranks(2).run(cross_attention, 2):
+        assert err <= 1e-10
+        assert gathers == [("aten.scaled_dot_product_attention.default",
+                            "q, k and v are not all sharded along their sequence dim (-2)")]  # fmt: skip
+
+
+def test_graph_diff_dump_and_untouched_model(tmp_path, monkeypatch):
+    from models import NanoGPT
+
+    monkeypatch.setenv("RINGIFY_DUMP_DIR", str(tmp_path))
+    model = NanoGPT().double()
+    hooks_before = dict(model._forward_pre_hooks)
+    ringified = ringify(model, ring_size=1)
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(ringified(idx), model(idx))
+    diff = ringified.graph_diff()
+    assert diff.count("+    ring_attention") == 2 and "-    scaled_dot_product_attention" in diff
+    (folder,) = tmp_path.iterdir()
+    assert {p.name for p in folder.iterdir()} == {"before.py", "after.py", "report.txt"}
+    assert "ring_attention" in (folder / "after.py").read_text()
+    assert str(ringified.report()) == (folder / "report.txt").read_text()
+    assert dict(model._forward_pre_hooks) == hooks_before and type(model) is NanoGPT
+    assert list(ringified.parameters()) == list(model.parameters())
+
+
+def test_new_signature_retraces_under_compile():
+    from models import NanoGPT
+
+    model = NanoGPT().double()
+    compiled = torch.compile(ringify(model, ring_size=1), backend="aot_eager", fullgraph=True)
+    for seq in (16, 24, 16):
+        idx = torch.randint(0, 64, (2, seq))
+        assert torch.allclose(compiled(idx), model(idx), atol=1e-12, rtol=0)
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class DataDependent(nn.Module):
+    def forward(self, q):
+        if q.sum() > 0:  # Python control flow on a value: torch.export cannot trace it
+            return F.scaled_dot_product_attention(q, q, q)
+        return q
+
+
+class AttentionDropout(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "match"),
+    [
+        (NoAttention(), ValueError, "found no attention"),
+        (DataDependent(), RuntimeError, "could not trace DataDependent with torch.export"),
+        (AttentionDropout(), ValueError, "dropout_p=0.1.*eval mode"),
+    ],
+)
+def test_errors_name_the_fix(model, error, match):
+    x = torch.randn(1, 2, 8, 4) if not isinstance(model, NoAttention) else torch.randn(2, 8, 4)
+    with pytest.raises(error, match=match):
+        ringify(model, ring_size=1)(x)
+
+
+def test_ring_size_must_match_the_group():
+    with pytest.raises(ValueError, match="ring_size=4 but the default process group has 1"):
+        ringify(NoAttention(), ring_size=4)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ringify(NoAttention(), ring_size=1, layout="striped")
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        ringify(NoAttention(), ring_size=1, inputs="local")
