@@ -98,6 +98,27 @@ def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
     return GPT2LMHeadModel(config)
 
 
+def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
+    """HF Llama: RoPE tables from positions, grouped-query attention, RMSNorm, SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_len,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
 def transformer_encoder(dim=32, heads=4, layers=2):
     layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)

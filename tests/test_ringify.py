@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import CumsumModel, NanoGPT, gpt2, transformer_encoder
+from models import CumsumModel, NanoGPT, gpt2, llama, transformer_encoder
 
 from ringify import ringify
 
@@ -16,6 +16,7 @@ def _build(name: str, dtype):
         "encoder": transformer_encoder,
         "gpt2": gpt2,
         "gpt2-padding": gpt2,
+        "llama": llama,
         "cumsum": CumsumModel,
     }[name]().to(dtype)
     g = torch.Generator().manual_seed(1)
@@ -30,7 +31,7 @@ def _inputs(name: str, seq: int, dtype, g):
         )
         targets[0, :3] = -1  # ignored positions
         return (idx, targets), {}
-    if name.startswith("gpt2"):
+    if name.startswith(("gpt2", "llama")):
         ids, labels = (
             torch.randint(0, 64, (2, seq), generator=g),
             torch.randint(0, 64, (2, seq), generator=g),
@@ -113,7 +114,7 @@ def run_compare(ranks, world, *args):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("name", ["nanogpt", "encoder", "gpt2"])
+@pytest.mark.parametrize("name", ["nanogpt", "encoder", "gpt2", "llama"])
 def test_matches_unmodified_model(ranks, world, name):
     results = run_compare(ranks, world, name, 8 * world, torch.float64, "zigzag")
     for r in results:

@@ -239,6 +239,8 @@ class ShardSequence:
             ):
                 return self._check_broadcast(node, [args[0]], self.place[args[1]])
             return Fallback("a product over the sequence")
+        if t is aten.cat.default:
+            return self._infer_cat(node)
         if t is aten.embedding.default:
             idx = self.place.get(args[1])
             return (
@@ -287,11 +289,6 @@ class ShardSequence:
                 seq = Seq(p.dim - (k < p.dim), p.inner)
                 return seq if t is aten.select.int else [seq] * len(out)
             return p if t is aten.slice.Tensor else [p] * len(out)
-        if t is aten.cat.default:
-            k = _norm(args[1] if len(args) > 1 else 0, ndim)
-            if k == p.dim:
-                return Fallback("it concatenates along the sequence")
-            return self._check_broadcast(node, args[0], p)
         if t in _REDUCTIONS:
             dims = self._reduced_dims(node, ndim)
             if p.dim in dims:
@@ -301,6 +298,17 @@ class ShardSequence:
         if t in _LOSSES:
             return self._infer_loss(node)
         return Fallback(f"no sequence-sharding rule for {t}")
+
+    def _infer_cat(self, node: fx.Node):
+        tensors = node.args[0]
+        placements = {self.place[a] for a in tensors if self._sharded(a)}
+        if len(placements) != 1:
+            return Fallback("its inputs are sharded along different dims")
+        seq = placements.pop()
+        ndim = len(_shape(tensors[0]))
+        if _norm(node.args[1] if len(node.args) > 1 else 0, ndim) == seq.dim:
+            return Fallback("it concatenates along the sequence")
+        return self._check_broadcast(node, tensors, seq)
 
     def _dims(self, dims, ndim: int) -> list[int]:
         dims = [dims] if isinstance(dims, int) else list(dims)
