@@ -30,10 +30,11 @@ from ringify.runtime.block_attention import (
 from ringify.runtime.dilation import Dilation
 from ringify.runtime.groups import ring_by_name, sub_ring_name
 from ringify.runtime.ring_attention import (
+    empty_in_layout_of,
     fake_outputs,
+    in_layout_of,
     ring_attention_backward_op,
     ring_attention_op,
-    sdpa_layout,
 )
 from ringify.runtime.tiles import tiles_per_chunk
 
@@ -66,7 +67,7 @@ def dilated_attention_op(
     ring = ring_by_name(group_name)
     b, h, c, _ = q.shape
     acc = accumulation_dtype(q.dtype)
-    out = sdpa_layout(torch.zeros(q.shape, dtype=acc, device=q.device))
+    out = empty_in_layout_of(q, acc).zero_()
     lse = torch.full((b, h, c), float("-inf"), dtype=acc, device=q.device)
     for w, rate, o in _pieces(c, h, ring.size, segment_lengths, dilation_rates):
         if w <= c:  # one kernel call per segment, on views: no copies of q, k, v
@@ -83,7 +84,7 @@ def dilated_attention_op(
                 tiles_per_chunk(rows, "contiguous"), rows * span,
             )  # fmt: skip
             merge_block(_kept(out, rate, o, 0, c), _kept(lse, rate, o, 0, c), out_o, lse_o)
-    return sdpa_layout(out.to(q.dtype)), lse
+    return in_layout_of(q, out.to(q.dtype)), lse
 
 
 @dilated_attention_op.register_fake

@@ -4,10 +4,11 @@
 layout, tiles_per_chunk, key_len) -> (out, lse)`` is a custom op with a fake
 kernel and autograd, whose backward is the custom op
 ``ringify::ring_attention_backward``; AOTAutograd and Inductor see each as one
-opaque node. Output strides do not depend on the inputs', so the fake kernels can
-state them: ``out`` is laid out (B, S, H, D) in memory as ATen's SDPA kernels
-return it (a model's ``out.transpose(1, 2).reshape(B, S, H * D)`` is then free),
-``lse`` and the gradients are contiguous.
+opaque node. Output strides are a function of q's, so the fake kernels can state
+them: ``out`` has q's dim order in memory, as ATen's CPU flash kernel returns it
+(for a model's q, a view of (B, S, H, D), a following
+``out.transpose(1, 2).reshape(B, S, H * D)`` is then free); ``lse`` and the
+gradients are contiguous.
 
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
@@ -114,13 +115,13 @@ def ring_attention_op(
     rows = q.shape[2]
     if ring.size == 1 and attn_mask is None and key_len >= rows:
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
-        return sdpa_layout(out.to(q.dtype)), lse.to(acc).contiguous()
+        return in_layout_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
     if ring.size > 1:
         _check_ranks_agree(ring, q, k, v, is_causal, scale, layout)
 
     positional = _positional(attn_mask, is_causal, key_len, rows * ring.size)
     mine = _shard_tiles(ring, ring.rank, rows, positional, layout, tiles_per_chunk)
-    out_acc = sdpa_layout(torch.zeros(q.shape, dtype=acc, device=q.device))
+    out_acc = empty_in_layout_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     # Each sub-ring's K/V tiles make their own trip round the ring; at each step this
     # rank attends to the tiles it holds from each of its query tiles.
@@ -133,12 +134,21 @@ def ring_attention_op(
                 q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale, bias=bias
             )
             merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
-    return sdpa_layout(out_acc.to(q.dtype)), lse_acc
+    return in_layout_of(q, out_acc.to(q.dtype)), lse_acc
 
 
-def sdpa_layout(out_BHSD: torch.Tensor) -> torch.Tensor:
-    """``out_BHSD`` with (B, S, H, D) memory, as SDPA returns it (no copy if it already is)."""
-    return out_BHSD.transpose(1, 2).contiguous().transpose(1, 2)
+def empty_in_layout_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor shaped like ``q`` whose dims lie in memory in q's order (by stride),
+    densely: unlike ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # outermost first; stable
+    dense = torch.empty([q.shape[d] for d in order], dtype=dtype, device=q.device)
+    return dense.permute([order.index(d) for d in range(q.dim())])
+
+
+def in_layout_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` in q's layout (``empty_in_layout_of``): itself if it already is, else a copy."""
+    target = empty_in_layout_of(q, out.dtype)
+    return out if out.stride() == target.stride() else target.copy_(out)
 
 
 def _positional(attn_mask, is_causal: bool, key_len: int, total_rows: int) -> bool:
@@ -149,7 +159,7 @@ def _positional(attn_mask, is_causal: bool, key_len: int, total_rows: int) -> bo
 def fake_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) as the attention ops return them, for their fake kernels."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-    return sdpa_layout(q.new_empty(q.shape)), lse
+    return empty_in_layout_of(q, q.dtype), lse
 
 
 @ring_attention_op.register_fake
