@@ -226,8 +226,8 @@ def _sequence_dims(gm: fx.GraphModule, config: Config, companions: bool = False)
             "embeddings)"
         )
     if companions:
-        length = next(iter(seeds.items()))
-        length = length[0].meta["val"].shape[length[1].dim]
+        node, seq = next(iter(seeds.items()))
+        length = node.meta["val"].shape[seq.dim]  # this trace's (local) sequence length
         geometry = Geometry(length, length, config.ring_size, config.layout)
         seeds |= find_companion_inputs(gm.graph, seeds, geometry)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
