@@ -137,14 +137,12 @@ def masks(seq, heads, dtype):
     }
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# (ring size, tiles per chunk): None lets ring_attention choose; 2 forces a tiled ring
+@pytest.mark.parametrize(("world", "tiles"), [(1, None), (2, None), (2, 2), (4, None), (4, 2)])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("mask", ["window", "padding", "bias", "bool-with-empty-rows"])
-@pytest.mark.parametrize("tiles", [None, 2])
-def test_mask_matches_sdpa(ranks, world, layout, mask, tiles):
+def test_mask_matches_sdpa(ranks, world, tiles, layout, mask):
     """A kept mask: rows sharded with the queries, columns cut per ring step by the op."""
-    if tiles is not None and world == 1:
-        pytest.skip("tiling needs a ring")
     seq = 8 * world
     inputs = make_inputs(2, 4, 2, seq, 8, torch.float64)
     kwargs = {"attn_mask": masks(seq, 4, torch.float64)[mask], "enable_gqa": True}
@@ -156,7 +154,7 @@ def test_mask_matches_sdpa(ranks, world, layout, mask, tiles):
     assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.float64])
 
 
-def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal):
+def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal, tiles):
     import torch.distributed as dist
 
     q, k, v, dout = (
@@ -165,7 +163,7 @@ def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal):
     )
     name = dist.group.WORLD.group_name if dist.is_initialized() else ""
     out, _ = torch.ops.ringify.ring_attention(
-        q, k, v, None, is_causal, 0.35, name, layout, 1, key_len
+        q, k, v, None, is_causal, 0.35, name, layout, tiles, key_len
     )
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
@@ -174,11 +172,14 @@ def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_padding_keys_are_cut(ranks, world, layout, is_causal):
-    """Keys at positions >= key_len (the pass's padding) are ignored, and get no gradient."""
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_padding_keys_are_cut(ranks, world, layout, is_causal, tiles):
+    """Keys at positions >= key_len (the pass's padding) are ignored, and get no gradient.
+
+    With 2 tiles per chunk the last tile is all padding: no query sees it."""
     seq, key_len = 8 * world, 8 * world - 5
     inputs = make_inputs(1, 2, 2, seq, 8, torch.float64)
-    per_rank = ranks(world).run(padded_forward_backward, *inputs, layout, key_len, is_causal)
+    per_rank = ranks(world).run(padded_forward_backward, *inputs, layout, key_len, is_causal, tiles)
     got = [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
     mask = torch.ones(seq, seq, dtype=torch.bool)
     mask[:, key_len:] = False

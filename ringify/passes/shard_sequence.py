@@ -36,6 +36,7 @@ from torch import fx
 from ringify.passes.attention import ATTENTION_OPS, read_attention
 from ringify.passes.causal_mask import is_causal_mask
 from ringify.passes.placement import Geometry, Seq, view_placement
+from ringify.runtime.block_attention import accumulation_dtype
 from ringify.runtime.dilated_ring_attention import check_dilation
 from ringify.runtime.dilation import Dilation
 from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring
@@ -265,10 +266,8 @@ class ShardSequence:
             k = _norm(args[1], ndim + 1)
             return Seq(p.dim + (k <= p.dim), p.inner)
         if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-            dropped = [d for d in range(ndim) if _shape(x)[d] == 1 and len(out.shape) < ndim]
-            dropped = [
-                d for d in dropped if t is aten.squeeze.default or d in self._dims(args[1], ndim)
-            ]
+            named = range(ndim) if t is aten.squeeze.default else self._dims(args[1], ndim)
+            dropped = [d for d in named if _shape(x)[d] == 1]
             return Seq(p.dim - sum(d < p.dim for d in dropped), p.inner)
         if t is aten.expand.default:
             return Seq(p.dim + out.dim() - ndim, p.inner)
@@ -388,7 +387,7 @@ class ShardSequence:
         elif t in _REDUCTIONS and seq is None:
             self._rewrite_reduction(node)
         elif t in _LOSSES:
-            self._rewrite_loss(node, seq)
+            self._rewrite_loss(node)
         elif t in _VIEWS:
             # reshape, not view: the ring ops' outputs need not have the strides the
             # traced kernels had (a .contiguous() the trace dropped as a no-op).
@@ -455,7 +454,7 @@ class ShardSequence:
             lse = self.graph.call_function(operator.getitem, (ring, 1))
         q_val = _val(att.q)
         out.meta["val"] = q_val.new_empty(q_shape)
-        lse.meta["val"] = q_val.new_empty(q_shape[:3], dtype=torch.float32)
+        lse.meta["val"] = q_val.new_empty(q_shape[:3], dtype=accumulation_dtype(q_val.dtype))
         self.place.update({ring: [Seq(2), Seq(2)], out: Seq(2), lse: Seq(2)})
         if att.returns_tuple:
             for user in list(node.users):
@@ -512,8 +511,9 @@ class ShardSequence:
         pad = self.geo.padded - self.geo.length
         with self.graph.inserting_before(self._after(mask)):
             if pad and shape[-1] > 1:
+                unpadded = _val(mask)
                 mask = self.graph.call_function(aten.constant_pad_nd.default, (mask, [0, pad], 0))
-                mask.meta["val"] = _val_padded(shape, -1, pad, _val(mask.args[0]))
+                mask.meta["val"] = unpadded.new_empty([*shape[:-1], shape[-1] + pad])
         if len(shape) >= 2 and shape[-2] > 1:
             return self._slice(mask, Seq(len(shape) - 2), 0)
         return mask
@@ -565,7 +565,7 @@ class ShardSequence:
         valid = g.call_function(aten.reshape.default, (valid, view))
         return g.call_function(aten.where.ScalarOther, (valid, x, fill))
 
-    def _rewrite_loss(self, node: fx.Node, seq) -> None:
+    def _rewrite_loss(self, node: fx.Node) -> None:
         x, target = node.args[:2]
         reduction = self._loss_arg(node, 0, _MEAN)
         ignore = self._loss_arg(node, 1, -100)
@@ -670,12 +670,6 @@ class ShardSequence:
         return self._cache[key]
 
 
-def _val_padded(shape, dim, pad, like):
-    shape = list(shape)
-    shape[dim] += pad
-    return like.new_empty(shape) if like is not None else None
-
-
 def find_sequence_inputs(graph: fx.Graph, ring_size: int, layout: str) -> dict[fx.Node, Seq]:
     """The inputs whose sequence dim reaches attention, found structurally.
 
@@ -686,6 +680,7 @@ def find_sequence_inputs(graph: fx.Graph, ring_size: int, layout: str) -> dict[f
     """
     attentions = [read_attention(n) for n in graph.nodes if n.target in ATTENTION_OPS]
     self_attention = [a for a in attentions if _shape(a.q)[-2:-1] == _shape(a.k)[-2:-1]]
+    reached = [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
     seeds: dict[fx.Node, Seq] = {}
     for node in graph.nodes:
         if node.op != "placeholder" or not _is_tensor(node):
@@ -696,7 +691,6 @@ def find_sequence_inputs(graph: fx.Graph, ring_size: int, layout: str) -> dict[f
             geo = Geometry(size, size, ring_size, layout)
             probe = ShardSequence(graph, geo, "", {node: Seq(dim)}, probe=True)
             probe.run()
-            reached = [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
             if any(probe.place.get(x) == Seq(2) for x in reached):
                 seeds[node] = Seq(dim)
                 break

@@ -200,9 +200,7 @@ def ring_attention_backward_op(
     pending_dkv = None  # the accumulators of the held tiles, on their way to the next rank
     visits = _ring_visits(ring, k, v, rows, positional, layout, tiles_per_chunk)
     for own, step, held, kv in visits:
-        # This rank's share of the held tiles' gradients; contiguous, so they can be
-        # sent as they are. Padding rows (cut off before the kernel) keep a zero gradient.
-        dkv_here = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
+        dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
         for i, r, causal, keys in _tile_pairs(mine, held, is_causal, key_len):
             dq_blk, dk_blk, dv_blk = block_backward(
                 grad_out[:, :, r],
@@ -216,16 +214,20 @@ def ring_attention_backward_op(
                 bias=_block_bias(attn_mask, r, held[i], keys, acc),
             )
             dq_acc[:, :, r] += dq_blk
-            dkv_here[i][:, :, :keys] += dk_blk
-            dkv_here[len(own) + i][:, :, :keys] += dv_blk
-        # The tiles' gradient accumulators: started here at step 0, else they travelled
-        # with the tiles.
+            _accumulate(dkv_here, i, dk_blk, kv[i], acc)
+            _accumulate(dkv_here, len(own) + i, dv_blk, kv[len(own) + i], acc)
+        # The tiles' gradient accumulators: started here at step 0 (zero for a tile no
+        # query sees, e.g. all padding), else they travelled with the tiles.
         if step == 0:
-            dkv = dkv_here
+            dkv = [
+                torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g
+                for g, t in zip(dkv_here, kv, strict=True)
+            ]
         else:
             dkv = pending_dkv.wait()
             for total, here in zip(dkv, dkv_here, strict=True):
-                total += here
+                if here is not None:
+                    total += here
         if ring.size > 1:
             pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
         if step == ring.size - 1:  # after P rotations the accumulators are home
@@ -233,6 +235,19 @@ def ring_attention_backward_op(
             for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
                 dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
     return dq_acc.to(q.dtype), dk, dv
+
+
+def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, acc) -> None:
+    """Add one block's dK or dV (over the tile's first ``grad.shape[2]`` rows: the rest are
+    padding keys the kernel never saw) into ``grads[slot]``, kept contiguous so that it
+    can be sent as it is."""
+    keys = grad.shape[2]
+    if grads[slot] is None and keys == tile.shape[2]:
+        grads[slot] = grad.to(acc, memory_format=torch.contiguous_format)
+        return
+    if grads[slot] is None:
+        grads[slot] = torch.zeros(tile.shape, dtype=acc, device=tile.device)
+    grads[slot][:, :, :keys] += grad
 
 
 @ring_attention_backward_op.register_fake
