@@ -11,16 +11,18 @@ A ratio that grows with the ring size is merge drift.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_ring_attention import make_inputs, reference, relative_error, ring_forward_backward
-
 from ringify.runtime.layout import unshard
 from ringify.testing import RankPool
+from ringify.testing.attention import (
+    make_inputs,
+    reference,
+    relative_error,
+    ring_forward_backward,
+)
 
 
 def main() -> None:

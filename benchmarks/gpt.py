@@ -2,7 +2,7 @@
 
     python benchmarks/gpt.py --seqs 4096 8192 16384 32768
 
-The model is the tests' nanoGPT-style GPT (tests/models.py: learned positions, tied
+The model is the tests' nanoGPT-style GPT (ringify/testing/models.py: learned positions, tied
 embeddings, causal SDPA, the loss inside forward), float32, batch 1. One step is
 forward + backward of its loss from the full token ids (inputs="full"). Rows, all
 in the same run, round-robin, minimum over repeats:
@@ -23,23 +23,19 @@ import gc
 import os
 import sys
 import time
-from pathlib import Path
 
 from tabulate import tabulate
 
 from ringify.testing import RankPool, reset_peak_memory, resident_bytes
 
-TESTS = str(Path(__file__).resolve().parent.parent / "tests")
-
 
 def step(impl: str, seq: int, dim: int, layers: int) -> dict:
     """On every rank: one warm-up step at this length, then one timed and measured."""
-    sys.path.insert(0, TESTS)
     import torch
     import torch.distributed as dist
-    from models import NanoGPT
 
     from ringify import ringify
+    from ringify.testing.models import NanoGPT
 
     torch.manual_seed(0)
     model = NanoGPT(vocab=512, max_len=seq, dim=dim, heads=dim // 64, layers=layers)

@@ -8,7 +8,7 @@ with ``dilation=Dilation(...)``, with LongNet's dilated attention on the ring.
 
 from ringify import runtime
 from ringify.module import RingifiedModule, ringify
-from ringify.report import Report
+from ringify.passes.report import Report
 from ringify.runtime.dilation import Dilation
 
 __all__ = ["Dilation", "Report", "RingifiedModule", "ringify", "runtime"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ringify.runtime.dilation import Dilation
-from ringify.runtime.groups import Ring, resolve_ring
 from ringify.runtime.layout import check_layout
+from ringify.runtime.ring import Ring, resolve_ring
 
 MODES = ("full", "sharded")
 
@@ -17,7 +17,7 @@ MODES = ("full", "sharded")
 class Config:
     ring_size: int
     group: dist.ProcessGroup | None = None
-    layout: str = "zigzag"
+    layout: str | None = None  # zigzag (balanced causal work); contiguous with a dilation
     inputs: str = "full"
     outputs: str = "full"
     dilation: Dilation | None = None
@@ -25,14 +25,13 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.ring_size, int) or self.ring_size < 1:
             raise ValueError(f"ring_size must be a positive int, got {self.ring_size!r}")
-        check_layout(self.layout)
         if self.dilation is not None and not isinstance(self.dilation, Dilation):
             raise ValueError(f"dilation must be a ringify.Dilation, got {self.dilation!r}")
-        if self.dilation is not None and self.layout != "contiguous":
-            raise ValueError(
-                "dilated attention needs layout='contiguous' (its segments are runs of "
-                f"consecutive positions, which {self.layout!r} chunks cut apart)"
-            )
+        if self.layout is None:
+            object.__setattr__(self, "layout", "zigzag" if self.dilation is None else "contiguous")
+        check_layout(self.layout)
+        if self.dilation is not None:
+            self.dilation.check_layout(self.layout)
         for name in ("inputs", "outputs"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{name} must be one of {MODES}, got {getattr(self, name)!r}")

@@ -25,16 +25,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
-from ringify.passes.attention import find_attention
-from ringify.passes.placement import Geometry, Seq
-from ringify.passes.shard_sequence import (
-    ShardSequence,
-    find_companion_inputs,
-    find_sequence_inputs,
-)
-from ringify.report import Report
+from ringify.passes.plan import plan_sequence, sequence_input_dims
+from ringify.passes.report import Report
+from ringify.passes.shard_sequence import shard_sequence
 from ringify.runtime.dilation import Dilation
-from ringify.runtime.layout import chunks_per_rank
 
 log = logging.getLogger("ringify")
 
@@ -74,8 +68,6 @@ def ringify(
 
     The model itself is left untouched and its parameters are shared.
     """
-    if layout is None:
-        layout = "zigzag" if dilation is None else "contiguous"
     return RingifiedModule(model, Config(ring_size, group, layout, inputs, outputs, dilation))
 
 
@@ -135,39 +127,34 @@ def _signature(module: RingifiedModule, args, kwargs) -> tuple:
 def _trace(model: nn.Module, config: Config, args, kwargs) -> _Traced:
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
+    dims = None
     if config.inputs == "sharded":
         # The global shapes are not known before the sequence inputs are: find them on
         # a trace at the local shapes, then trace again at the global ones.
         structure = _export(model, spec, _fakes(flat, {}))
-        dims = _sequence_dims(structure, config, companions=True)
+        dims = sequence_input_dims(structure, config, companions=True)
         gm = _export(model, spec, _fakes(flat, {i: (d, ring.size) for i, d in dims.items()}))
     else:
         gm = _export(model, spec, _fakes(flat, {}))
-        dims = _sequence_dims(gm, config)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
-    geometry = _geometry(gm.graph, config)
+    plan = plan_sequence(gm, config, dims)
     before = gm.code
-    rewrite = ShardSequence(
+    report = shard_sequence(
         gm.graph,
-        geometry,
-        ring.name,
-        seeds,
+        plan=plan,
+        group_name=ring.name,
         inputs_full=config.inputs == "full",
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
-    ).run()
-    module = fx.GraphModule(gm, gm.graph)
-    report = Report(
-        ring.size,
-        config.layout,
-        geometry.length,
-        geometry.padded,
-        tuple(rewrite.attentions),
-        tuple(rewrite.gathers),
     )
-    for gather in rewrite.gathers:
-        log.warning("ringify: gathered the sequence for %s (%s): %s", *vars(gather).values())
+    module = fx.GraphModule(gm, gm.graph)
+    for gather in report.gathers:
+        log.warning(
+            "ringify: gathered the sequence for %s (%s): %s %s",
+            gather.node,
+            gather.op,
+            gather.reason.value,
+            gather.detail,
+        )
     log.info("ringify: traced a new input signature\n%s", report)
     return _Traced(module, before, report)
 
@@ -207,56 +194,6 @@ def _export(model: nn.Module, spec, flat: list) -> fx.GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     return gm
-
-
-def _sequence_dims(gm: fx.GraphModule, config: Config, companions: bool = False) -> dict[int, int]:
-    """Input index -> its sequence dim; with ``companions`` also the inputs (labels) that
-    meet the sequence without reaching attention (passed sharded in sharded mode)."""
-    if not find_attention(gm.graph):
-        raise ValueError(
-            "ringify found no attention in the model's graph: it shards the sequence through "
-            "F.scaled_dot_product_attention; a model that computes attention by hand "
-            "(softmax(q @ k^T) @ v) must call F.scaled_dot_product_attention instead"
-        )
-    seeds = find_sequence_inputs(gm.graph, config.ring_size, config.layout)
-    if not seeds:
-        raise ValueError(
-            "no input of the model has a dim that reaches the sequence dim of its attention's "
-            "q, k and v; ringify needs the sequence to come from an input (token ids or "
-            "embeddings)"
-        )
-    if companions:
-        node, seq = next(iter(seeds.items()))
-        length = node.meta["val"].shape[seq.dim]  # this trace's (local) sequence length
-        geometry = Geometry(length, length, config.ring_size, config.layout)
-        seeds |= find_companion_inputs(gm.graph, seeds, geometry)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {placeholders.index(n): seq.dim for n, seq in seeds.items() if seq.inner == 1}
-
-
-def _geometry(graph: fx.Graph, config: Config) -> Geometry:
-    lengths = {a.q.meta["val"].shape[2] for a in find_attention(graph)}
-    if len(lengths) != 1:
-        raise ValueError(
-            f"the model's attentions see different sequence lengths {sorted(lengths)}; ringify "
-            "shards one sequence and needs every attention to see all of it"
-        )
-    length = lengths.pop()
-    multiple = config.ring_size * chunks_per_rank(config.layout)
-    padded = -(-length // multiple) * multiple
-    if padded != length and config.dilation is not None:
-        raise ValueError(
-            f"sequence length {length} does not split into {multiple} equal chunks; dilated "
-            f"attention's segments cannot be padded: use a multiple of {multiple}"
-        )
-    if padded != length and config.outputs == "sharded":
-        raise ValueError(
-            f"sequence length {length} does not split into {multiple} equal chunks (ring size "
-            f"{config.ring_size}, layout {config.layout!r}); with outputs='sharded' the "
-            f"padding would reach the outputs: pad the inputs to a multiple of {multiple}, "
-            "or use outputs='full'"
-        )
-    return Geometry(length, padded, config.ring_size, config.layout)
 
 
 def _dump(traced: _Traced, key: tuple) -> None:

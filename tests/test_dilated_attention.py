@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from test_ring_attention import TOLERANCES, assert_matches, make_inputs
 
+from ringify.passes.report import MaskKind
 from ringify.runtime import Dilation, dilated_attention, ring_attention, shard
 from ringify.runtime.layout import unshard
 
@@ -123,9 +124,8 @@ def dilated_gpt(world, dilation, backend):
     """ringify(NanoGPT, dilation=...) vs the same weights calling dilated_attention, one process."""
     import functools
 
-    from models import NanoGPT
-
     from ringify import ringify
+    from ringify.testing.models import NanoGPT
 
     torch.manual_seed(0)
     model = NanoGPT(heads=6, dim=48).double()
@@ -143,7 +143,8 @@ def dilated_gpt(world, dilation, backend):
         results.append((logits.detach(), [p.grad for p in params.parameters()]))
     (got, got_g), (want, want_g) = results
     grads = max((a - b).abs().max().item() for a, b in zip(got_g, want_g, strict=True))
-    return (got - want).abs().max().item(), grads, ringified.report().rewritten[0].mask
+    rewritten = ringified.report().rewritten[0]
+    return (got - want).abs().max().item(), grads, (rewritten.mask, rewritten.dilation)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -156,4 +157,4 @@ def test_ringified_model_with_dilation(ranks, world, backend):
         results = ranks(world).run(dilated_gpt, world, dilation, backend)
     for logits, grads, mask in results:
         assert logits <= 1e-10 and grads <= 1e-10, (logits, grads)
-        assert mask == "causal; dilated (4, 8, 16, 32) x (1, 2, 2, 4)"
+        assert mask == (MaskKind.CAUSAL, dilation)

@@ -15,7 +15,7 @@ def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
     """q, k, v (requires_grad) of this rank's shard, and the group name the ops take."""
     import torch.distributed as dist
 
-    from ringify.runtime.groups import resolve_ring
+    from ringify.runtime.ring import resolve_ring
 
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(2, h, seq, 8, generator=g, dtype=dtype) for h in (4, 2, 2)]
@@ -34,7 +34,7 @@ def opcheck_ops():
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
-        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", 2, q.shape[2] * 2)
+        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", q.shape[2] * 2, 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)
         # The backward op is not differentiable itself (no double backward): plain tensors.

@@ -4,57 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ringify.runtime import ring_attention, shard
+from ringify.runtime import shard
 from ringify.runtime.layout import unshard
+from ringify.testing.attention import (
+    make_inputs,
+    reference,
+    relative_error,
+    ring_forward_backward,
+)
 
 # Tolerances: float64 results must agree to rounding (1e-10 on O(1) values);
 # float32 blocks and merges round at 6e-8 relative, a few hundred operations deep;
 # bfloat16 is compared to a float64 truth elsewhere (test_bf16_error_does_not_grow).
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, dout = (
-        torch.randn(batch, h, seq, dim, generator=g, dtype=torch.float64).to(dtype)
-        for h in (heads, kv_heads, kv_heads, heads)
-    )
-    return q, k, v, dout
-
-
-def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
-    """On every rank: shard, run ring attention forward and backward, return local results.
-
-    With ``tiles_per_chunk`` the op is called directly with that tiling instead of
-    the one ``ring_attention`` picks from the shard's length.
-    """
-    q, k, v, dout = (
-        shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
-        for t in (q, k, v, dout)
-    )
-    if kwargs.get("attn_mask") is not None:  # this rank's query rows, every key column
-        kwargs = {**kwargs, "attn_mask": shard(kwargs["attn_mask"], -2, layout=layout)}
-    if tiles_per_chunk is None:
-        out = ring_attention(q, k, v, layout=layout, **kwargs)
-    else:
-        import torch.distributed as dist
-
-        scale = kwargs.get("scale", q.shape[-1] ** -0.5)
-        name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
-        mask, is_causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
-        args = (mask, is_causal, scale, name, layout, tiles_per_chunk, full)
-        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
-    out.backward(dout)
-    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
-
-
-def reference(q, k, v, dout, kwargs):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def run_ring(ranks, world, inputs, layout, kwargs):
@@ -163,7 +126,7 @@ def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal, tiles):
     )
     name = dist.group.WORLD.group_name if dist.is_initialized() else ""
     out, _ = torch.ops.ringify.ring_attention(
-        q, k, v, None, is_causal, 0.35, name, layout, tiles, key_len
+        q, k, v, None, is_causal, 0.35, name, layout, key_len, tiles
     )
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
@@ -187,10 +150,6 @@ def test_padding_keys_are_cut(ranks, world, layout, is_causal, tiles):
         mask &= torch.ones(seq, seq, dtype=torch.bool).tril()
     want = reference(*inputs, {"attn_mask": mask, "scale": 0.35})
     assert_matches(got, want, TOLERANCES[torch.float64])
-
-
-def relative_error(x, truth):
-    return ((x.double() - truth).norm() / truth.norm()).item()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -78,7 +78,9 @@ def disagreeing_ranks():
 
 def test_ranks_disagree_on_shapes(ranks):
     """Mismatched shards raise on every rank instead of hanging the ring."""
-    with pytest.raises(ValueError, match=r"different arguments.*rank 1: .*seq=12"):
+    with pytest.raises(
+        ValueError, match=r"disagree on their ring_attention call.*rank 1: .*seq=12"
+    ):
         ranks(2).run(disagreeing_ranks, timeout=60)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import CumsumModel, NanoGPT, gpt2, llama, transformer_encoder
 
 from ringify import ringify
+from ringify.passes.report import GatherReason, MaskKind
+from ringify.testing.models import CumsumModel, NanoGPT, gpt2, llama, transformer_encoder
 
 
 def _build(name: str, dtype):
@@ -99,7 +100,7 @@ def compare(name, seq, dtype, layout, compile_backend=None):
             [(a - b).abs().max().item() for a, b in zip(got[3], want[3], strict=True)] or [0.0]
         ),
         "rewritten": len(report.rewritten),
-        "masks": [a.mask for a in report.rewritten],
+        "masks": [(a.mask, a.mask_shape) for a in report.rewritten],
         "gathers": [(x.op, x.reason) for x in report.gathers],
     }
 
@@ -121,8 +122,12 @@ def test_matches_unmodified_model(ranks, world, name):
         assert r["gathers"] == []
         assert r["rewritten"] == 2
         # GPT-2 builds its causal mask from positions: it becomes is_causal=True
-        want = "none" if name == "encoder" else "causal"
-        assert all(m.startswith(want) for m in r["masks"]), r["masks"]
+        want = {
+            "encoder": MaskKind.NONE,
+            "gpt2": MaskKind.CAUSAL_FROM_MASK,
+            "llama": MaskKind.CAUSAL_FROM_MASK,
+        }.get(name, MaskKind.CAUSAL)
+        assert r["masks"] == [(want, None)] * 2, r["masks"]
         for kind in ("logits", "loss", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
@@ -133,7 +138,7 @@ def test_padding_mask_is_kept(ranks, world):
     (rows sharded with the queries, columns cut per ring step), never replaced."""
     for r in run_compare(ranks, world, "gpt2-padding", 8 * world, torch.float64, "zigzag"):
         assert r["gathers"] == [] and r["rewritten"] == 2
-        assert all(m.startswith("mask kept (2, 1, ") for m in r["masks"]), r["masks"]
+        assert r["masks"] == [(MaskKind.KEPT, (2, 1, 8 * world, 8 * world))] * 2, r["masks"]
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
@@ -154,9 +159,7 @@ def test_compiled_matches_unmodified_model(ranks, backend, name):
 def test_unsupported_op_is_gathered_and_reported(ranks, world):
     """cumsum over the sequence has no local rule: gathered, run replicated, exact, reported."""
     for r in run_compare(ranks, world, "cumsum", 8 * world, torch.float64, "contiguous"):
-        assert r["gathers"] == [
-            ("aten.cumsum.default", "no sequence-sharding rule for aten.cumsum.default")
-        ]
+        assert r["gathers"] == [("aten.cumsum.default", GatherReason.NO_RULE)]
         for kind in ("logits", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
@@ -208,11 +211,7 @@ def compare_sharded(name, seq, layout):
 def test_sharded_inputs_and_outputs(ranks, world, name):
     # HF shifts the labels inside the model (a pad and a slice along the sequence): with
     # sharded labels that needs the neighbours' positions, so the labels are gathered.
-    gathers = (
-        []
-        if name == "nanogpt"
-        else [("aten.pad.default", "no sequence-sharding rule for aten.pad.default")]
-    )
+    gathers = [] if name == "nanogpt" else [("aten.pad.default", GatherReason.NO_RULE)]
     for r in ranks(world).run(compare_sharded, name, 8 * world, "zigzag"):
         assert r["gathers"] == gathers
         for kind in ("logits", "loss", "grads"):

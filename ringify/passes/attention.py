@@ -1,20 +1,34 @@
-"""Finding attention in an ATen graph, in any of the forms it takes there.
+"""Attention in an ATen graph: finding it in any of its forms, and rewriting it into the ring op.
 
 ``aten.scaled_dot_product_attention`` is what models call; the lowered kernels
 (flash, memory-efficient, cuDNN, CPU flash) appear when a graph was traced after
 dispatch or a model calls them directly. All are read into one ``Attention``.
 Outputs: the plain op returns ``out``; the kernels return a tuple whose item 0 is
 ``out`` and item 1 the log-sum-exp, which the ring op also returns.
+
+The rewrite: a positions-only causal mask becomes ``is_causal=True``; any other
+mask is kept, its rows sliced with the queries (the op cuts the columns per ring
+step); with a ``Dilation`` the attention becomes the dilated ring op.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from ringify.passes.causal_mask import is_causal_mask
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import call, shape, val
+from ringify.passes.placement import Fallback, Placement, Placements, Seq
+from ringify.passes.report import GatherReason, MaskKind, RewrittenAttention
+from ringify.runtime.dilation import Dilation
+
 aten = torch.ops.aten
+ringify_ops = torch.ops.ringify
 
 # op -> names of its positional arguments, in order (keyword-only ones come as kwargs).
 _SIGNATURES = {
@@ -74,3 +88,101 @@ def find_attention(graph: fx.Graph) -> list[Attention]:
         for n in graph.nodes
         if n.op == "call_function" and n.target in _SIGNATURES
     ]
+
+
+def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
+    att = read_attention(node)
+    for x in (att.q, att.k, att.v):
+        if place[x] != Seq(2) or len(shape(x)) != 4:
+            return Fallback(GatherReason.QKV_NOT_SHARDED)
+    if shape(att.q)[2] != shape(att.k)[2]:
+        return Fallback(GatherReason.CROSS_ATTENTION)
+    return [Seq(2), Seq(2)] + [None] * (len(val(node)) - 2) if att.returns_tuple else Seq(2)
+
+
+def rewrite_attention(node: fx.Node, state: PassState, dilation: Dilation | None) -> None:
+    """Replace ``node`` by the ring (or dilated ring) op on this rank's q, k and v."""
+    att = read_attention(node)
+    if att.dropout_p > 0:
+        raise ValueError(
+            f"attention {node.name} uses dropout_p={att.dropout_p}: ring attention cannot "
+            "reproduce dropout; put the model in eval mode or set its attention dropout to 0"
+        )
+    geo, g = state.geo, state.graph
+    q_shape = shape(att.q)
+    causal, mask = att.is_causal, None
+    kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
+    if att.mask is not None:
+        if is_causal_mask(att.mask):
+            causal, kind = True, MaskKind.CAUSAL_FROM_MASK
+        else:
+            mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
+    scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+    with g.inserting_before(node):
+        if dilation is None:
+            args = (att.q, att.k, att.v, mask, causal, scale, state.group_name, geo.layout)
+            ring = call(g, ringify_ops.ring_attention.default, (*args, geo.length))
+        else:
+            ring = _dilated(att, mask, causal, scale, state, dilation)
+        out = call(g, operator.getitem, (ring, 0))
+        lse = call(g, operator.getitem, (ring, 1))
+    state.place.update({ring: [Seq(2), Seq(2)], out: Seq(2), lse: Seq(2)})
+    if att.returns_tuple:
+        for user in list(node.users):
+            if user.args[1] not in (0, 1):
+                raise ValueError(
+                    f"{node.name}: output {user.args[1]} of {node.target} (beyond out and "
+                    "lse) has no ring-attention equivalent"
+                )
+            user.replace_all_uses_with(out if user.args[1] == 0 else lse)
+            g.erase_node(user)
+    else:
+        node.replace_all_uses_with(out)
+    g.erase_node(node)
+    kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
+    state.attentions.append(
+        RewrittenAttention(
+            node=node.name,
+            global_shape=tuple(q_shape),
+            local_shape=tuple(geo.local_shape(q_shape, Seq(2))),
+            mask=kind,
+            mask_shape=tuple(shape(att.mask)) if kind is MaskKind.KEPT else None,
+            layout=geo.layout,
+            dilation=dilation,
+            bytes_per_step=sum(math.prod(s) for s in kv) * val(att.k).element_size(),
+        )
+    )
+
+
+def _dilated(att: Attention, mask, causal: bool, scale: float, state: PassState, dilation):
+    """The dilated ring op in place of attention (k/v heads repeated for GQA)."""
+    if mask is not None:
+        raise ValueError(
+            "dilated attention replaces the model's attention, but this one has a mask "
+            "that is not causal; dilation supports no masks besides causal"
+        )
+    geo, g = state.geo, state.graph
+    dilation.check_ring(geo.local, geo.ring_size, geo.layout)
+    heads = shape(att.q)[1]
+    k, v = att.k, att.v
+    if shape(k)[1] != heads:
+        k, v = (
+            call(g, aten.repeat_interleave.self_int, (x, heads // shape(x)[1], 1)) for x in (k, v)
+        )
+    segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
+    args = (att.q, k, v, causal, scale, state.group_name, segments, rates)
+    return call(g, ringify_ops.dilated_attention.default, args)
+
+
+def _local_mask(mask: fx.Node, state: PassState) -> fx.Node:
+    """This rank's query rows of a kept mask, over all (padded) key columns."""
+    if state.sharded(mask):
+        mask = state.gather(mask)
+    mask_shape = shape(mask)
+    pad = state.geo.padded - state.geo.length
+    if pad and mask_shape[-1] > 1:
+        with state.graph.inserting_before(state.after(mask)):
+            mask = call(state.graph, aten.constant_pad_nd.default, (mask, [0, pad], 0))
+    if len(mask_shape) >= 2 and mask_shape[-2] > 1:
+        return state.slice(mask, Seq(len(mask_shape) - 2), 0)
+    return mask

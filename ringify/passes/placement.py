@@ -1,4 +1,4 @@
-"""Where the sequence lives in a tensor of the graph, and what that tensor's local shape is.
+"""Where the sequence lives in a tensor of the graph, and every node's placement as inferred.
 
 A tensor is either replicated (``None``: full and identical on every rank) or
 ``Seq(dim, inner)``: sharded along ``dim``, which holds the sequence factor,
@@ -7,19 +7,36 @@ possibly merged with other dims by a view. Element ``i`` of ``dim`` is
 dims merged *after* the sequence (e.g. heads by a ``view(B, S*H, D)``), ``outer``
 those merged before it (e.g. batch by the ``view(-1, vocab)`` before a loss).
 Every rank holds the same ``outer`` and ``inner`` and its own positions, so two
-tensors with the same ``Seq`` line up element by element.
+tensors with the same ``Seq`` line up element by element. A node with several
+outputs has a list of placements.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from ringify.passes.nodes import is_tensor, shape, val
+from ringify.passes.report import GatherReason
 
 
 @dataclass(frozen=True)
 class Seq:
     dim: int
     inner: int = 1
+
+
+Placement = Seq | list | None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A rule's answer when the op cannot run on shards: gather its inputs, for this reason."""
+
+    reason: GatherReason
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,3 +81,39 @@ def view_placement(in_shape, seq: Seq, out_shape, length: int) -> Seq | None:
         if stride % inner_e == 0 and span % (stride * length) == 0 and length > 1:
             return Seq(e, stride // inner_e)
     return None
+
+
+@dataclass
+class Placements:
+    """Every node's placement, as the rules infer them, and where replicated tensors meet the
+    sequence (``meetings``: how inputs that never reach attention, such as labels, are found)."""
+
+    geometry: Geometry
+    of: dict[fx.Node, Placement] = field(default_factory=dict)
+    meetings: list[tuple[fx.Node, Seq]] = field(default_factory=list)
+
+    def __getitem__(self, node) -> Placement:
+        return self.of.get(node)
+
+    def sharded(self, node) -> bool:
+        return isinstance(self.of.get(node), Seq)
+
+    def only_sharded(self, node: fx.Node, x) -> bool:
+        """``x`` is sharded and no other input of ``node`` is."""
+        return self.sharded(x) and not any(
+            self.sharded(a) for a in node.all_input_nodes if a is not x
+        )
+
+    def line_up(self, node: fx.Node, tensors, seq: Seq) -> Seq | Fallback:
+        """``seq``, if every replicated input of ``tensors`` broadcasts along it (size 1) or
+        lines up with it (the sequence's full size: recorded as a meeting)."""
+        out_shape = list(val(node).shape)
+        for a in tensors:
+            if not is_tensor(a) or self.sharded(a):
+                continue
+            k = seq.dim - (len(out_shape) - len(shape(a)))
+            if k >= 0 and shape(a)[k] not in (1, out_shape[seq.dim]):
+                return Fallback(GatherReason.MISALIGNED)
+            if k >= 0 and shape(a)[k] > 1:
+                self.meetings.append((a, Seq(k, seq.inner)))
+        return seq

@@ -9,8 +9,8 @@
 """
 
 from ringify.runtime.dilation import Dilation, dilated_attention
-from ringify.runtime.gather import gather
-from ringify.runtime.layout import LAYOUTS, shard
+from ringify.runtime.layout import LAYOUTS
 from ringify.runtime.ring_attention import ring_attention
+from ringify.runtime.sharding import gather, shard
 
 __all__ = ["LAYOUTS", "Dilation", "dilated_attention", "gather", "ring_attention", "shard"]

@@ -22,10 +22,34 @@ import torch.nn.functional as F
 
 aten = torch.ops.aten
 
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Blocks are merged in float32, or float64 when the inputs are float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor shaped like ``q`` whose dims lie in memory in q's order (by stride),
+    densely: unlike ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # outermost first; stable
+    dense = torch.empty([q.shape[d] for d in order], dtype=dtype, device=q.device)
+    return dense.permute([order.index(d) for d in range(q.dim())])
+
+
+def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is, else a copy."""
+    target = empty_in_dim_order_of(q, out.dtype)
+    return out if out.stride() == target.stride() else target.copy_(out)
+
+
+def empty_attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse)`` as the attention ops return them: ``out`` in q's dim order, ``lse``
+    (B, H, S) in the accumulation dtype. The ops' fake kernels are this, so the graph
+    pass, which fills ``meta["val"]`` from the fake kernels, states shapes exactly once."""
+    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    return empty_in_dim_order_of(q, q.dtype), lse
 
 
 def block_forward(

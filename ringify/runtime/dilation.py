@@ -52,6 +52,33 @@ class Dilation:
             for w, r in zip(self.segment_lengths, self.dilation_rates, strict=True)
         ]
 
+    def check_layout(self, layout: str) -> None:
+        """Dilated attention needs ``contiguous``: its segments are runs of consecutive positions."""
+        if layout != "contiguous":
+            raise ValueError(
+                f"dilated attention needs layout='contiguous' (got {layout!r}): its segments are "
+                "runs of consecutive positions, which zigzag chunks cut apart"
+            )
+
+    def check_ring(self, rows: int, ring_size: int, layout: str) -> None:
+        """Raise unless the segments and the ring's chunks of ``rows`` per rank line up."""
+        self.check_layout(layout)
+        seq = rows * ring_size
+        self.check_length(seq)
+        for w, rate in self.pairs(seq):
+            if w <= rows and rows % w:
+                raise ValueError(
+                    f"segment length {w} does not divide the {rows} rows each rank holds; "
+                    f"use a sequence length for which every segment fits whole in a rank's chunk "
+                    f"or spans whole chunks"
+                )
+            if w > rows and (w % rows or rows % rate):
+                raise ValueError(
+                    f"segment length {w} spans ranks but is not a multiple of the {rows} rows each "
+                    f"rank holds (or rate {rate} does not divide them); pick a sequence length "
+                    "whose chunks divide the long segments and are divisible by their rates"
+                )
+
     def check_length(self, seq_len: int) -> None:
         for w, r in self.pairs(seq_len):
             if seq_len % w or w % r:

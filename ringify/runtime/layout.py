@@ -10,9 +10,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-
-from ringify.runtime.groups import resolve_ring
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -33,9 +30,20 @@ def rank_chunks(rank: int, ring_size: int, layout: str) -> tuple[int, ...]:
     return (rank,)
 
 
+def split_multiple(ring_size: int, layout: str) -> int:
+    """What a sequence length must be a multiple of to split into the layout's equal chunks."""
+    return ring_size * chunks_per_rank(layout)
+
+
+def padded_length(seq_len: int, ring_size: int, layout: str) -> int:
+    """The smallest length >= ``seq_len`` that splits into the layout's equal chunks."""
+    n = split_multiple(ring_size, layout)
+    return -(-seq_len // n) * n
+
+
 def check_splittable(seq_len: int, ring_size: int, layout: str, what: str = "sequence") -> None:
     """Raise unless ``seq_len`` positions split into the layout's equal chunks."""
-    n = ring_size * chunks_per_rank(layout)
+    n = split_multiple(ring_size, layout)
     if seq_len % n:
         lower, upper = seq_len - seq_len % n, seq_len + n - seq_len % n
         raise ValueError(
@@ -51,7 +59,7 @@ def shard_for_rank(
     """Rank ``rank``'s part of the full tensor ``x`` along ``dim`` (a view where possible)."""
     check_layout(layout)
     check_splittable(x.shape[dim], ring_size, layout)
-    chunk = x.shape[dim] // (ring_size * chunks_per_rank(layout))
+    chunk = x.shape[dim] // split_multiple(ring_size, layout)
     parts = [x.narrow(dim, i * chunk, chunk) for i in rank_chunks(rank, ring_size, layout)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
@@ -65,19 +73,3 @@ def unshard(parts: list[torch.Tensor], dim: int, layout: str) -> torch.Tensor:
     heads = [h[0] for h in halves]
     tails = [h[1] for h in reversed(halves)]
     return torch.cat(heads + tails, dim)
-
-
-def shard(
-    x: torch.Tensor,
-    dim: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-) -> torch.Tensor:
-    """This rank's part of the full tensor ``x`` along ``dim`` under ``layout``.
-
-    Differentiable (a slice): its gradient is the incoming gradient placed at
-    this rank's positions, zero elsewhere.
-    """
-    ring = resolve_ring(group)
-    return shard_for_rank(x, dim, ring.rank, ring.size, layout)

@@ -1,54 +1,117 @@
-"""The ring: one step of P2P rotation, every rank sends to the next and receives from the previous.
+"""The ring a call runs on: process-group resolution shared by every runtime op.
 
-The same code serves NCCL (CUDA tensors) and gloo (CPU tensors): the backend
-comes from the process group. A step is started before the block it overlaps
-with is computed and waited on after, so the next block is already in flight.
+Custom ops cannot take a ``ProcessGroup`` argument, so a group travels as its
+name (``""`` means "no ring": torch.distributed is not initialised or the group
+has one rank), as ``torch.distributed._functional_collectives`` does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ringify.runtime.groups import Ring
-
-_sent_bytes = 0  # every byte this process has sent round a ring (benchmarks read it)
-
-
-def sent_bytes() -> int:
-    """Bytes this process has sent round rings so far (K/V and their gradients)."""
-    return _sent_bytes
+LOCAL = ""
 
 
-class PendingStep:
-    """A started rotation; ``wait()`` returns the tensors received from the previous rank."""
+@dataclass(frozen=True)
+class Ring:
+    """A resolved ring: the group, this rank's place in it, and its size."""
 
-    def __init__(
-        self, works: list[dist.Work], received: list[torch.Tensor], sent: list[torch.Tensor]
-    ):
-        self._works = works
-        self._received = received
-        self._sent = sent  # send buffers must stay alive until the sends complete
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
 
-    def wait(self) -> list[torch.Tensor]:
-        for work in self._works:
-            work.wait()
-        self._works, self._sent = [], []
-        return self._received
+    @property
+    def name(self) -> str:
+        return LOCAL if self.group is None else self.group.group_name
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
 
 
-def start_rotation(ring: Ring, tensors: list[torch.Tensor], *, tag: int = 0) -> PendingStep:
-    """Send ``tensors`` to rank+1 and receive tensors of the same shapes from rank-1.
+def resolve_ring(group: dist.ProcessGroup | None) -> Ring:
+    """The ring for ``group`` (``None``: the default group), or a local one-rank ring."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError(
+                "a process group was passed but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group() first or pass group=None"
+            )
+        return Ring(None, 0, 1)
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size == 1:
+        return Ring(None, 0, 1)
+    return Ring(group, dist.get_rank(group), size)
 
-    ``tag`` keeps concurrent rotations apart on backends that match by tag (gloo);
-    on NCCL, P2P between a pair is matched in issue order, which every rank shares.
+
+_sub_rings: dict[tuple[str, int], str] = {}
+
+
+def sub_ring_name(ring: Ring, size: int) -> str:
+    """The name of the group of ``size`` consecutive ranks of ``ring`` this rank belongs to.
+
+    Created on first use by the member ranks only (local synchronisation), so every
+    block of ranks builds its own group independently; cached per (ring, size).
     """
-    global _sent_bytes
-    assert ring.group is not None and ring.size > 1
-    sent = [t.contiguous() for t in tensors]
-    _sent_bytes += sum(t.numel() * t.element_size() for t in sent)
-    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sent]
-    nxt, prev = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    ops = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=nxt, tag=tag) for t in sent]
-    ops += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=prev, tag=tag) for t in received]
-    return PendingStep(dist.batch_isend_irecv(ops), received, sent)
+    if size == 1:
+        return LOCAL
+    if size == ring.size:
+        return ring.name
+    key = (ring.name, size)
+    if key not in _sub_rings:
+        first = ring.rank // size * size
+        members = [ring.global_rank(first + i) for i in range(size)]
+        group = dist.new_group(members, use_local_synchronization=True)
+        _sub_rings[key] = group.group_name
+    return _sub_rings[key]
+
+
+def ring_by_name(group_name: str) -> Ring:
+    """The ring a custom op was given by name."""
+    if group_name == LOCAL:
+        return Ring(None, 0, 1)
+    group = _resolve_process_group(group_name)
+    return Ring(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def check_backend_serves(ring: Ring, device: torch.device) -> None:
+    """Raise if the ring's backend has no implementation for tensors on ``device``.
+
+    Sending a CPU tensor over an NCCL-only group (or a CUDA tensor over a
+    gloo-only one) would otherwise fail deep inside the first P2P call, or hang.
+    """
+    if ring.group is None:
+        return
+    config = dist.get_backend_config(ring.group)  # e.g. "cpu:gloo,cuda:nccl" or "gloo"
+    served = set()
+    for part in config.split(","):
+        dev, _, backend = part.rpartition(":")
+        served |= {dev} if dev else set(dist.Backend.backend_capability.get(backend, ()))
+    if device.type not in served:
+        raise ValueError(
+            f"the ring's process group (backend {config!r}) cannot move {device.type} tensors; "
+            f"move q, k and v to one of {sorted(served)} or create the group with a backend "
+            f"for {device.type} (gloo for cpu, nccl for cuda)"
+        )
+
+
+def check_ranks_agree(ring: Ring, fields: dict[str, float], what: str, device=None) -> None:
+    """Raise on every rank (instead of hanging the ring) unless all ranks hold the same ``fields``.
+
+    One small ``all_gather`` of the values; the error lists every rank's.
+    """
+    names = list(fields)
+    local = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(local) for _ in range(ring.size)]
+    dist.all_gather(everyone, local, group=ring.group)
+    rows = [t.tolist() for t in everyone]
+    if any(row != rows[0] for row in rows):
+        described = "; ".join(
+            f"rank {r}: " + ", ".join(f"{n}={x:g}" for n, x in zip(names, row, strict=True))
+            for r, row in enumerate(rows)
+        )
+        raise ValueError(f"the ranks of the ring disagree on {what} ({described})")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.groups import LOCAL
+from ringify.runtime.ring import LOCAL
 
 _c10d = torch.ops._c10d_functional
 

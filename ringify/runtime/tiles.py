@@ -20,6 +20,7 @@ output or gradients) at O(rows / tiles) instead of O(rows).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
@@ -70,8 +71,15 @@ def sub_ring_tiles(tiles: list[Tile], sub_ring: int) -> list[Tile]:
     return [tile for tile in tiles if tile.sub_ring == sub_ring]
 
 
-def visibility(q_tile: Tile, k_tile: Tile, is_causal: bool) -> bool | None:
-    """``None``: skip (all keys after all queries); else the ``is_causal`` flag for the kernel."""
+class Visibility(enum.Enum):
+    """What a query tile sees of a key tile (torch's context parallel: ``_CausalBehavior``)."""
+
+    HIDDEN = "hidden"  # every key after every query: skipped
+    DIAGONAL = "diagonal"  # the same global rows: the kernel's top-left causal mask
+    FULL = "full"  # every key visible: no mask
+
+
+def visibility(q_tile: Tile, k_tile: Tile, is_causal: bool) -> Visibility:
     if not is_causal or q_tile.key > k_tile.key:
-        return False
-    return True if q_tile.key == k_tile.key else None
+        return Visibility.FULL
+    return Visibility.DIAGONAL if q_tile.key == k_tile.key else Visibility.HIDDEN

@@ -1,6 +1,9 @@
-"""``gather`` and ``take_shard``: between a full tensor and every rank's sequence shard.
+"""Between a full tensor and every rank's sequence shard: ``shard``, ``gather`` and their ops.
 
-Both are compile-friendly custom ops, and each is the other's backward. A full
+``shard(x, dim)`` is this rank's part of a full tensor (a differentiable slice);
+``gather(x, dim)`` the full tensor from every rank's part. The graph pass uses the
+custom ops ``ringify::gather`` and ``ringify::take_shard``: compile-friendly, and
+each is the other's backward. A full
 (replicated) tensor is computed identically on every rank, so its gradient is
 too: the backward of ``gather`` is each rank's slice of the incoming gradient
 (not a reduce-scatter), and the backward of ``take_shard`` gathers the slices.
@@ -16,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringify.runtime.groups import check_backend_serves, resolve_ring, ring_by_name
 from ringify.runtime.layout import check_layout, check_splittable, shard_for_rank, unshard
+from ringify.runtime.ring import check_backend_serves, resolve_ring, ring_by_name
 
 
 @torch.library.custom_op("ringify::gather", mutates_args=())
@@ -88,3 +91,19 @@ def gather(
         check_splittable(x.shape[dim] * ring.size, ring.size, layout, what="gathered")
     check_backend_serves(ring, x.device)
     return gather_op(x, dim, ring.name, layout)
+
+
+def shard(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """This rank's part of the full tensor ``x`` along ``dim`` under ``layout``.
+
+    Differentiable (a slice): its gradient is the incoming gradient placed at
+    this rank's positions, zero elsewhere.
+    """
+    ring = resolve_ring(group)
+    return shard_for_rank(x, dim, ring.rank, ring.size, layout)

@@ -1,5 +1,4 @@
-"""Helpers for tests, benchmarks and examples (not public API): reusable rank processes, and
-peak memory of a CPU process.
+"""Reusable rank processes for tests and benchmarks.
 
 A ``RankPool(world_size)`` spawns its ranks once (a free TCP port, one torch
 thread each, a short process-group timeout; ``backend="nccl"`` puts rank r on GPU r) and then runs any number of jobs:
@@ -125,18 +124,3 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
-
-
-def resident_bytes(field: str = "VmRSS:") -> int:
-    """This process's resident set (``VmHWM:``: its peak since ``reset_peak_memory``), Linux."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak_memory() -> None:
-    """Reset the kernel's record of this process's peak resident set (``VmHWM``)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")

@@ -1,4 +1,4 @@
-"""Models for the pass's tests, written as users write them (nothing ringify-specific)."""
+"""Small models for tests and benchmarks, written as users write them (nothing ringify-specific)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Dilated (LongNet) attention over a sequence sharded ``contiguous`` across a ring.
+"""The dilated (LongNet) attention custom ops, over a sequence sharded ``contiguous`` across a ring.
 
 ``torch.ops.ringify.dilated_attention(q, k, v, is_causal, scale, group_name,
 segment_lengths, dilation_rates) -> (out, lse)``: a custom op with a fake kernel
@@ -25,18 +25,14 @@ from ringify.runtime.block_attention import (
     accumulation_dtype,
     block_backward,
     block_forward,
+    empty_attention_outputs,
+    empty_in_dim_order_of,
+    in_dim_order_of,
     merge_block,
 )
 from ringify.runtime.dilation import Dilation
-from ringify.runtime.groups import ring_by_name, sub_ring_name
-from ringify.runtime.ring_attention import (
-    empty_in_layout_of,
-    fake_outputs,
-    in_layout_of,
-    ring_attention_backward_op,
-    ring_attention_op,
-)
-from ringify.runtime.tiles import tiles_per_chunk
+from ringify.runtime.ring import ring_by_name, sub_ring_name
+from ringify.runtime.ring_ops import ring_attention_backward_op, ring_attention_op
 
 
 def _pieces(rows: int, heads: int, ring_size: int, segments, rates):
@@ -67,7 +63,7 @@ def dilated_attention_op(
     ring = ring_by_name(group_name)
     b, h, c, _ = q.shape
     acc = accumulation_dtype(q.dtype)
-    out = empty_in_layout_of(q, acc).zero_()
+    out = empty_in_dim_order_of(q, acc).zero_()
     lse = torch.full((b, h, c), float("-inf"), dtype=acc, device=q.device)
     for w, rate, o in _pieces(c, h, ring.size, segment_lengths, dilation_rates):
         if w <= c:  # one kernel call per segment, on views: no copies of q, k, v
@@ -78,18 +74,17 @@ def dilated_attention_op(
         else:
             qo, ko, vo = (_kept(x, rate, o, 0, c).contiguous() for x in (q, k, v))
             span = w // c
-            rows = qo.shape[2]
             out_o, lse_o = ring_attention_op(
                 qo, ko, vo, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                tiles_per_chunk(rows, "contiguous"), rows * span,
+                qo.shape[2] * span,
             )  # fmt: skip
             merge_block(_kept(out, rate, o, 0, c), _kept(lse, rate, o, 0, c), out_o, lse_o)
-    return in_layout_of(q, out.to(q.dtype)), lse
+    return in_dim_order_of(q, out.to(q.dtype)), lse
 
 
 @dilated_attention_op.register_fake
 def _(q, k, v, is_causal, scale, group_name, segment_lengths, dilation_rates):
-    return fake_outputs(q)
+    return empty_attention_outputs(q)
 
 
 @torch.library.custom_op("ringify::dilated_attention_backward", mutates_args=())
@@ -120,10 +115,9 @@ def dilated_attention_backward_op(
         else:
             span = w // c
             pieces = [_kept(x, rate, o, 0, c).contiguous() for x in (grad_out, q, k, v, out, lse)]
-            rows = pieces[1].shape[2]
             block = ring_attention_backward_op(
                 *pieces, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                tiles_per_chunk(rows, "contiguous"), rows * span,
+                pieces[1].shape[2] * span,
             )  # fmt: skip
             for total, g in zip(grads, block, strict=True):
                 _kept(total, rate, o, 0, c).add_(g)
@@ -149,27 +143,3 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def check_dilation(dilation: Dilation, rows: int, ring_size: int, layout: str) -> None:
-    """Raise unless the pattern's segments and the ring's chunks of ``rows`` line up."""
-    if layout != "contiguous":
-        raise ValueError(
-            f"dilated attention needs layout='contiguous' (got {layout!r}): its segments are "
-            "runs of consecutive positions, which zigzag chunks cut apart"
-        )
-    seq = rows * ring_size
-    dilation.check_length(seq)
-    for w, rate in dilation.pairs(seq):
-        if w <= rows and rows % w:
-            raise ValueError(
-                f"segment length {w} does not divide the {rows} rows each rank holds; "
-                f"use a sequence length for which every segment fits whole in a rank's chunk "
-                f"or spans whole chunks"
-            )
-        if w > rows and (w % rows or rows % rate):
-            raise ValueError(
-                f"segment length {w} spans ranks but is not a multiple of the {rows} rows each "
-                f"rank holds (or rate {rate} does not divide them); pick a sequence length whose "
-                "chunks divide the long segments and are divisible by their rates"
-            )

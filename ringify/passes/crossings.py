@@ -1,0 +1,135 @@
+"""Crossings between replicated and sharded tensors, and the state the rewrite shares.
+
+- ``slice``: this rank's part of a replicated tensor that meets the sequence
+  (``take_shard``, whose backward gathers its gradient); padded if the ring needs it.
+- ``gather``: the full tensor from every rank's part, for an op with no local rule.
+- ``copy_to_ring``: a replicated tensor a sharded computation uses whole (a weight,
+  a broadcast operand); identity forward, its partial gradients summed backward.
+
+Each crossing is inserted once per (tensor, kind) and reused. Inserted nodes carry
+the *global* value of the tensor they stand for, like every node of the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.nodes import is_tensor, shape, val
+from ringify.passes.placement import Fallback, Geometry, Placement, Seq
+from ringify.passes.report import InsertedGather, RewrittenAttention
+from ringify.runtime.dilation import Dilation
+from ringify.runtime.ring_reduce import copy_to_ring
+
+ringify_ops = torch.ops.ringify
+
+
+class PassState:
+    """One run of the rewrite: the graph, its sequence, the ring, every node's placement, and
+    the report's rows as they are filled."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        geometry: Geometry,
+        group_name: str,
+        place: dict[fx.Node, Placement],
+        dilation: Dilation | None = None,
+    ):
+        self.graph, self.geo, self.group_name, self.place = graph, geometry, group_name, place
+        self.dilation = dilation  # every attention becomes dilated attention
+        self.attentions: list[RewrittenAttention] = []
+        self.gathers: list[InsertedGather] = []
+        self._cache: dict[tuple, fx.Node] = {}
+
+    def sharded(self, node) -> bool:
+        return isinstance(self.place.get(node), Seq)
+
+    def after(self, node: fx.Node) -> fx.Node:
+        """Where nodes computed from ``node`` go: right after it (after all the inputs)."""
+        if node.op == "placeholder":
+            return [n for n in self.graph.nodes if n.op == "placeholder"][-1].next
+        return node.next
+
+    def local_shape(self, node: fx.Node, seq: Seq) -> list[int]:
+        return self.geo.local_shape(shape(node), seq)
+
+    def slice(self, x: fx.Node, seq: Seq, pad_value) -> fx.Node:
+        """This rank's part of replicated ``x`` (sequence at ``seq``), padded if the ring needs it."""
+        key = ("slice", x, seq, pad_value)
+        if key in self._cache:
+            return self._cache[key]
+        g, geo = self.graph, self.geo
+        with g.inserting_before(self.after(x)):
+            factored = geo.factored_shape(shape(x), seq, geo.length)
+            y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
+            pad = geo.padded - geo.length
+            if pad:
+                spec = [0, 0] * (len(factored) - seq.dim - 2) + [0, pad]
+                y = g.call_function(torch.ops.aten.constant_pad_nd.default, (y, spec, pad_value))
+            y = g.call_function(
+                ringify_ops.take_shard.default, (y, seq.dim + 1, self.group_name, geo.layout)
+            )
+            y = g.call_function(torch.ops.aten.reshape.default, (y, self.local_shape(x, seq)))
+        y.meta["val"] = val(x)
+        self.place[y] = seq
+        self._cache[key] = y
+        return y
+
+    def gather(self, x: fx.Node) -> fx.Node:
+        """The full (replicated) tensor from every rank's part of sharded ``x``."""
+        key = ("gather", x)
+        if key in self._cache:
+            return self._cache[key]
+        g, geo, seq = self.graph, self.geo, self.place[x]
+        with g.inserting_before(self.after(x)):
+            factored = geo.factored_shape(shape(x), seq, geo.local)
+            y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
+            y = g.call_function(
+                ringify_ops.gather.default, (y, seq.dim + 1, self.group_name, geo.layout)
+            )
+            if geo.padded != geo.length:
+                y = g.call_function(torch.ops.aten.narrow.default, (y, seq.dim + 1, 0, geo.length))
+            y = g.call_function(torch.ops.aten.reshape.default, (y, shape(x)))
+        y.meta["val"] = val(x)
+        self.place[y] = None
+        self._cache[key] = y
+        return y
+
+    def copy_to_ring(self, x: fx.Node) -> fx.Node:
+        key = ("copy", x)
+        if key not in self._cache:
+            with self.graph.inserting_before(self.after(x)):
+                y = self.graph.call_function(copy_to_ring, (x, self.group_name))
+            y.meta["val"] = val(x)
+            self.place[y] = None
+            self._cache[key] = y
+        return self._cache[key]
+
+    def fit_replicated_inputs(self, node: fx.Node, seq: Seq | None, aligned=None) -> None:
+        """Slice replicated inputs that broadcast against the sequence of ``node``'s output
+        (all of them, or those in ``aligned``); route the rest through ``copy_to_ring``
+        (their gradient from this rank is partial)."""
+        out = val(node)
+        out_ndim = out.dim() if isinstance(out, torch.Tensor) else None
+        for a in list(node.all_input_nodes):
+            if self.sharded(a) or not is_tensor(a):
+                continue
+            k = None
+            if seq is not None and out_ndim is not None and (aligned is None or a in aligned):
+                k = seq.dim - (out_ndim - len(shape(a)))
+            if k is not None and k >= 0 and shape(a)[k] == out.shape[seq.dim] > 1:
+                node.replace_input_with(a, self.slice(a, Seq(k, seq.inner), 0))
+            elif val(a).is_floating_point():
+                node.replace_input_with(a, self.copy_to_ring(a))
+
+    def fall_back(self, node: fx.Node, fallback: Fallback) -> None:
+        """Gather ``node``'s sharded inputs: it runs replicated. Reported."""
+        for a in list(node.all_input_nodes):
+            if self.sharded(a):
+                node.replace_input_with(a, self.gather(a))
+        out = val(node)
+        self.place[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
+        self.gathers.append(
+            InsertedGather(node.name, str(node.target), fallback.reason, fallback.detail)
+        )

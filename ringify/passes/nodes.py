@@ -1,0 +1,47 @@
+"""Reading the nodes of an ATen graph: their values, shapes and dims, and new nodes with values.
+
+Every node of the graph carries ``meta["val"]``: a fake tensor at the *global*
+shapes (the pass rewrites sizes, never the metadata). ``call`` inserts a node and
+fills its value by running the op on the fake values of its arguments, so that a
+new node's shape and dtype are decided by the op itself (its fake kernel), once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.utils import _pytree as pytree
+
+
+def val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def is_tensor(node) -> bool:
+    return isinstance(val(node), torch.Tensor)
+
+
+def shape(node) -> list[int]:
+    return list(val(node).shape)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def norm_dims(dims, ndim: int) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [norm_dim(d, ndim) for d in dims]
+
+
+def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with its ``meta["val"]``."""
+    node = graph.call_function(target, args, kwargs or {})
+    values = fx.node.map_arg((args, kwargs or {}), val)
+    mode = detect_fake_mode(pytree.tree_leaves(values))
+    if mode is None:
+        raise RuntimeError(f"no fake value among the arguments of {target}")
+    with mode:
+        node.meta["val"] = target(*values[0], **values[1])
+    return node

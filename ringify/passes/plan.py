@@ -1,0 +1,137 @@
+"""The plan of one traced graph: which inputs carry the sequence, and how it is split.
+
+Sequence inputs are found structurally: each dim of each input is tried alone,
+and it is a sequence dim if, sharded, the rules (``rules.py``) carry it to the
+sequence dim of some attention's q, or of the k or v of a self-attention (k as
+long as q; a cross-attention's memory stays replicated). Sizes are never matched.
+Companion inputs (labels) never reach attention but meet the sharded sequence;
+they are found by following each replicated tensor that lines up with the
+sequence back to an input. The geometry decides the padding: a length the ring
+cannot split is padded at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ringify.config import Config
+from ringify.passes.attention import find_attention
+from ringify.passes.nodes import is_tensor, shape, val
+from ringify.passes.placement import Geometry, Seq, view_placement
+from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
+from ringify.runtime.layout import padded_length, split_multiple
+
+_SEQUENCE_PRESERVING = frozenset({
+    torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    seeds: dict[fx.Node, Seq]  # the sequence inputs and where their sequence is
+    geometry: Geometry
+
+
+def sequence_input_dims(
+    gm: fx.GraphModule, config: Config, companions: bool = False
+) -> dict[int, int]:
+    """Input index -> its sequence dim; with ``companions`` also the inputs (labels) that
+    meet the sequence without reaching attention (passed sharded in sharded mode)."""
+    seeds = _sequence_inputs(gm.graph, config)
+    if companions:
+        node, seq = next(iter(seeds.items()))
+        length = shape(node)[seq.dim]  # this trace's (local) sequence length
+        geometry = Geometry(length, length, config.ring_size, config.layout)
+        seeds |= _companion_inputs(gm.graph, seeds, geometry)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {placeholders.index(n): seq.dim for n, seq in seeds.items() if seq.inner == 1}
+
+
+def plan_sequence(gm: fx.GraphModule, config: Config, dims: dict[int, int] | None = None) -> Plan:
+    """The plan for ``gm``, traced at global shapes; ``dims`` (input index -> sequence dim)
+    when the sequence inputs were found already (on the trace at local shapes)."""
+    if dims is None:
+        dims = sequence_input_dims(gm, config)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
+    return Plan(seeds, _geometry(gm.graph, config))
+
+
+def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
+    attentions = find_attention(graph)
+    if not attentions:
+        raise ValueError(
+            "ringify found no attention in the model's graph: it shards the sequence through "
+            "F.scaled_dot_product_attention; a model that computes attention by hand "
+            "(softmax(q @ k^T) @ v) must call F.scaled_dot_product_attention instead"
+        )
+    self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
+    reached = [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+    seeds: dict[fx.Node, Seq] = {}
+    for node in graph.nodes:
+        if node.op != "placeholder" or not is_tensor(node):
+            continue
+        for dim, size in enumerate(shape(node)):
+            if size < 2:
+                continue
+            geometry = Geometry(size, size, config.ring_size, config.layout)
+            place = infer_placements(graph, geometry, {node: Seq(dim)}).place
+            if any(place[x] == Seq(2) for x in reached):
+                seeds[node] = Seq(dim)
+                break
+    if not seeds:
+        raise ValueError(
+            "no input of the model has a dim that reaches the sequence dim of its attention's "
+            "q, k and v; ringify needs the sequence to come from an input (token ids or "
+            "embeddings)"
+        )
+    return seeds
+
+
+def _companion_inputs(
+    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: Geometry
+) -> dict[fx.Node, Seq]:
+    """Inputs that never reach attention but meet the sharded sequence (labels, say)."""
+    found: dict[fx.Node, Seq] = {}
+    for node, seq in infer_placements(graph, geometry, seeds).place.meetings:
+        while node.op == "call_function" and seq is not None:
+            x = node.args[0] if node.args else None
+            if not is_tensor(x):
+                break
+            if node.target in VIEWS:
+                seq = view_placement(list(val(node).shape), seq, shape(x), geometry.length)
+            elif node.target not in SAME_SHAPE | _SEQUENCE_PRESERVING:
+                break
+            node = x
+        if node.op == "placeholder" and seq is not None and node not in seeds:
+            found.setdefault(node, seq)
+    return found
+
+
+def _geometry(graph: fx.Graph, config: Config) -> Geometry:
+    """The sequence's length, and the padded length the ring splits (the padding decision)."""
+    lengths = {shape(a.q)[2] for a in find_attention(graph)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"the model's attentions see different sequence lengths {sorted(lengths)}; ringify "
+            "shards one sequence and needs every attention to see all of it"
+        )
+    length = lengths.pop()
+    padded = padded_length(length, config.ring_size, config.layout)
+    multiple = split_multiple(config.ring_size, config.layout)
+    if padded != length and config.dilation is not None:
+        raise ValueError(
+            f"sequence length {length} does not split into {multiple} equal chunks; dilated "
+            f"attention's segments cannot be padded: use a multiple of {multiple}"
+        )
+    if padded != length and config.outputs == "sharded":
+        raise ValueError(
+            f"sequence length {length} does not split into {multiple} equal chunks (ring size "
+            f"{config.ring_size}, layout {config.layout!r}); with outputs='sharded' the "
+            f"padding would reach the outputs: pad the inputs to a multiple of {multiple}, "
+            "or use outputs='full'"
+        )
+    return Geometry(length, padded, config.ring_size, config.layout)

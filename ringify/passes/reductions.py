@@ -1,0 +1,151 @@
+"""Reductions over the sequence: sums, means and losses reduce locally, then sum over the ring.
+
+A sum or mean over the sequence dim sums this rank's positions and all-reduces
+(``reduce_from_ring``); a mean divides by the global count. Cross-entropy and
+NLL over (N, C) inputs sharded along N run with ``reduction="sum"`` locally; a
+mean divides by the global count of non-ignored targets. Replicated targets are
+sliced with the input, padded with ``ignore_index``. Padding positions are masked
+out of sums (``masked_padding``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import norm_dims, shape, val
+from ringify.passes.placement import Fallback, Placement, Placements, Seq
+from ringify.passes.report import GatherReason
+from ringify.runtime.ring_reduce import reduce_from_ring
+
+aten = torch.ops.aten
+ringify_ops = torch.ops.ringify
+
+REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim})
+# loss op -> positions of (reduction, ignore_index) in its arguments
+LOSSES = {aten.cross_entropy_loss.default: (3, 4), aten.nll_loss.default: (3, 4)}
+_MEAN, _SUM, _NONE = 1, 2, 0
+
+
+def _reduced_dims(node: fx.Node, ndim: int) -> list[int]:
+    if node.target in (aten.sum.default, aten.mean.default) or not node.args[1]:
+        return list(range(ndim))
+    return norm_dims(node.args[1], ndim)
+
+
+def infer_reduction(node: fx.Node, place: Placements) -> Placement:
+    """Over the sequence: replicated (the sum over the ring); else the sequence stays."""
+    p, ndim = place[node.args[0]], len(shape(node.args[0]))
+    dims = _reduced_dims(node, ndim)
+    if p.dim in dims:
+        return None
+    keep = len(node.args) > 2 and node.args[2]
+    return Seq(p.dim if keep else p.dim - sum(d < p.dim for d in dims), p.inner)
+
+
+def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
+    if out is not None:  # over other dims: local, as a pointwise op
+        state.fit_replicated_inputs(node, out)
+        return
+    x = node.args[0]
+    dims = _reduced_dims(node, len(shape(x)))
+    keep = len(node.args) > 2 and node.args[2]
+    dtype = node.kwargs.get("dtype")
+    g = state.graph
+    with g.inserting_before(node):
+        local = masked_padding(x, 0, state)
+        partial = g.call_function(
+            aten.sum.dim_IntList, (local, dims, keep), {"dtype": dtype} if dtype else {}
+        )
+        total = g.call_function(reduce_from_ring, (partial, state.group_name))
+        if node.target in (aten.mean.default, aten.mean.dim):
+            count = math.prod(shape(x)[d] for d in dims)
+            total = g.call_function(aten.div.Tensor, (total, count))
+    node.replace_all_uses_with(total)
+    g.erase_node(node)
+
+
+def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
+    """``x`` with its padded positions set to ``fill`` (``x`` itself without padding)."""
+    geo, g = state.geo, state.graph
+    if geo.padded == geo.length:
+        return x
+    seq = state.place[x]
+    x_shape = shape(x)
+    outer, inner = geo.split(x_shape[seq.dim], seq)
+    positions = g.call_function(aten.arange.default, (geo.padded,), {"device": val(x).device})
+    valid = g.call_function(aten.lt.Scalar, (positions, geo.length))
+    valid = g.call_function(
+        ringify_ops.take_shard.default, (valid, 0, state.group_name, geo.layout)
+    )
+    valid = g.call_function(aten.view.default, (valid, [1, geo.local, 1]))
+    valid = g.call_function(aten.expand.default, (valid, [outer, geo.local, inner]))
+    view = [1] * len(x_shape)
+    view[seq.dim] = outer * geo.local * inner
+    valid = g.call_function(aten.reshape.default, (valid, view))
+    return g.call_function(aten.where.ScalarOther, (valid, x, fill))
+
+
+def _loss_arg(node: fx.Node, which: int, default):
+    pos = LOSSES[node.target][which]
+    name = ("reduction", "ignore_index")[which]
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def _weight(node: fx.Node):
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+
+
+def infer_loss(node: fx.Node, place: Placements) -> Placement | Fallback:
+    x, target = node.args[:2]
+    p = place[x]
+    if not isinstance(p, Seq) or p.dim != 0 or len(shape(x)) != 2 or len(shape(target)) != 1:
+        return Fallback(GatherReason.LOSS_LAYOUT)
+    if place.sharded(target) and place[target] != p:
+        return Fallback(GatherReason.LOSS_TARGET)
+    if not place.sharded(target):
+        place.meetings.append((target, p))
+    reduction = _loss_arg(node, 0, _MEAN)
+    if _weight(node) is not None and reduction == _MEAN:
+        return Fallback(GatherReason.WEIGHTED_MEAN)
+    return p if reduction == _NONE else None
+
+
+def rewrite_loss(node: fx.Node, out: Placement, state: PassState) -> None:
+    x, target = node.args[:2]
+    reduction = _loss_arg(node, 0, _MEAN)
+    ignore = _loss_arg(node, 1, -100)
+    g = state.graph
+    if not state.sharded(target):
+        target = state.slice(target, state.place[x], ignore)
+    weight = _weight(node)
+    if weight is not None and val(weight).is_floating_point():
+        weight = state.copy_to_ring(weight)
+    rest = list(node.args[2:])
+    kwargs = dict(node.kwargs)
+    if rest:
+        rest[0] = weight
+    elif "weight" in kwargs:
+        kwargs["weight"] = weight
+    if reduction == _NONE:
+        node.args = (x, target, *rest)
+        node.kwargs = kwargs
+        return
+    pos = LOSSES[node.target][0]
+    args = [x, target, *rest]
+    args += [None] * (pos + 1 - len(args))
+    args[pos] = _SUM
+    kwargs.pop("reduction", None)
+    with g.inserting_before(node):
+        partial = g.call_function(node.target, tuple(args), kwargs)
+        total = g.call_function(reduce_from_ring, (partial, state.group_name))
+        if reduction == _MEAN:
+            counted = g.call_function(aten.ne.Scalar, (target, ignore))
+            count = g.call_function(aten.sum.dim_IntList, (counted, [0]), {"dtype": val(x).dtype})
+            count = g.call_function(reduce_from_ring, (count, state.group_name))
+            total = g.call_function(aten.div.Tensor, (total, count))
+    node.replace_all_uses_with(total)
+    g.erase_node(node)

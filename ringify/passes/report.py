@@ -1,0 +1,95 @@
+"""What the pass did to one traced graph: its report, and the rows the pass fills in.
+
+Mask kinds and gather reasons are enums, so that code and tests compare them;
+their values are the prose the tables print.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+from tabulate import tabulate
+
+from ringify.runtime.dilation import Dilation
+
+
+class MaskKind(enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"
+    CAUSAL_FROM_MASK = "causal (positions-only mask -> is_causal)"
+    KEPT = "mask kept"
+
+
+class GatherReason(enum.Enum):
+    NO_RULE = "no sequence-sharding rule"
+    UNREADABLE = "could not read its arguments"
+    FEATURE_DIM = "the sequence is a feature dim"
+    PRODUCT = "a product over the sequence"
+    MIXED_DIMS = "its inputs are sharded along different dims"
+    MISALIGNED = "a replicated input does not line up with the sequence"
+    REPLICATED_FIRST = "its first input is replicated but another is sharded"
+    SHARDED_TABLE = "the embedding table is sharded"
+    VIEW_SPLITS = "the view splits the sequence across dims"
+    ALONG_SEQUENCE = "it indexes or splits along the sequence"
+    CAT_ALONG_SEQUENCE = "it concatenates along the sequence"
+    QKV_NOT_SHARDED = "q, k and v are not all sharded along their sequence dim (-2)"
+    CROSS_ATTENTION = "cross-attention (q and k of different lengths) is not supported"
+    LOSS_LAYOUT = "only (N, C) inputs sharded along N are reduced locally"
+    LOSS_TARGET = "its input and target are sharded differently"
+    WEIGHTED_MEAN = "a class-weighted mean"
+
+
+@dataclass(frozen=True)
+class RewrittenAttention:
+    node: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    mask: MaskKind
+    mask_shape: tuple[int, ...] | None  # of a kept mask
+    layout: str
+    dilation: Dilation | None
+    bytes_per_step: int
+
+
+@dataclass(frozen=True)
+class InsertedGather:
+    node: str
+    op: str
+    reason: GatherReason
+    detail: str = ""  # e.g. the op with no rule, or the error that made its arguments unreadable
+
+
+@dataclass(frozen=True)
+class Report:
+    ring_size: int
+    layout: str
+    length: int
+    padded: int
+    rewritten: tuple[RewrittenAttention, ...]
+    gathers: tuple[InsertedGather, ...]
+
+    def __str__(self) -> str:
+        head = (
+            f"ringify: ring of {self.ring_size}, layout {self.layout}, sequence {self.length}"
+            + (f" (padded to {self.padded})" if self.padded != self.length else "")
+        )
+        attn = _table(self.rewritten) or "(none)"
+        gathers = _table(self.gathers) or "(none)"
+        return (
+            f"{head}\n\nattention rewritten into ring attention:\n{attn}\n\n"
+            f"gathers inserted (ops run on the full sequence):\n{gathers}\n"
+        )
+
+
+def _table(rows) -> str:
+    def cell(x):
+        if isinstance(x, enum.Enum):
+            return x.value
+        if isinstance(x, Dilation):
+            return f"{x.segment_lengths} x {x.dilation_rates}"
+        return "" if x is None else x
+
+    return tabulate(
+        [{f.name: cell(getattr(r, f.name)) for f in fields(r)} for r in rows], headers="keys"
+    )

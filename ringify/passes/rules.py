@@ -1,0 +1,334 @@
+"""The sequence-sharding rules: one table, op -> how its placement is inferred and how it is rewritten.
+
+Each rule holds its two halves side by side (as torch's context-parallel
+sharding rules and DTensor's op strategies do):
+
+- ``infer(node, place)``: the placement of the op's output(s) given its inputs'
+  (``placement.py``), or a ``Fallback`` with the reason it cannot run on shards;
+- ``rewrite(node, out, state)``: the edit that makes each rank compute exactly
+  its part: local sizes for views and expands, replicated operands sliced or
+  routed through ``copy_to_ring`` (``crossings.py``), reductions and attention
+  replaced (``reductions.py``, ``attention.py``).
+
+Ops with no entry whose overload is tagged pointwise get the pointwise rule; any
+other op with a sharded input falls back (its inputs are gathered).
+``infer_placements`` runs the inference half over a whole graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import norm_dim, norm_dims, shape, val
+from ringify.passes.placement import (
+    Fallback,
+    Geometry,
+    Placement,
+    Placements,
+    Seq,
+    view_placement,
+)
+from ringify.passes.reductions import (
+    LOSSES,
+    REDUCTIONS,
+    infer_loss,
+    infer_reduction,
+    rewrite_loss,
+    rewrite_reduction,
+)
+from ringify.passes.report import GatherReason
+
+aten = torch.ops.aten
+
+Infer = Callable[[fx.Node, Placements], "Placement | Fallback"]
+Rewrite = Callable[[fx.Node, Placement, PassState], None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    infer: Infer
+    rewrite: Rewrite
+
+
+SAME_SHAPE = frozenset({
+    aten.dropout.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
+    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.to.device, aten.to.other, aten.type_as.default, aten.lift_fresh_copy.default,
+})  # fmt: skip
+VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
+    aten.flatten.using_ints,
+})  # fmt: skip
+
+
+def _sharded_first(infer: Infer) -> Infer:
+    """``infer`` for ops whose first input carries the sequence."""
+
+    @functools.wraps(infer)
+    def wrapped(node, place):
+        if not place.sharded(node.args[0]):
+            return Fallback(GatherReason.REPLICATED_FIRST)
+        return infer(node, place, place[node.args[0]], len(shape(node.args[0])))
+
+    return wrapped
+
+
+# ---- rewrites shared by several rules ---------------------------------------------------
+
+
+def _fit_broadcast(node, out, state: PassState) -> None:
+    """Replicated operands that line up with the sequence are sliced, the rest copied."""
+    state.fit_replicated_inputs(node, out if isinstance(out, Seq) else None)
+
+
+def _fit_whole(node, out, state: PassState) -> None:
+    """Replicated operands (weights, tables) are used whole by every position."""
+    state.fit_replicated_inputs(node, None)
+
+
+def _local_size(node, out: Seq, state: PassState) -> None:
+    """A view or expand: its size argument becomes the local shape."""
+    local = state.local_shape(node, out)
+    if node.target in VIEWS:
+        # reshape, not view: the ring ops' outputs need not have the strides the
+        # traced kernels had (a .contiguous() the trace dropped as a no-op).
+        node.target = aten.reshape.default
+        node.args, node.kwargs = (node.args[0], local), {}
+    else:
+        node.args = (node.args[0], local, *node.args[2:])
+
+
+def _erase(node, out, state: PassState) -> None:
+    state.graph.erase_node(node)
+
+
+# ---- inference ----------------------------------------------------------------------------
+
+
+def _infer_broadcast(node, place: Placements):
+    """Pointwise with broadcasting: the sharded inputs must agree on the (right-aligned) dim."""
+    tensors = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+    out_ndim = val(node).dim()
+    aligned = {
+        Seq(place[a].dim + out_ndim - len(shape(a)), place[a].inner)
+        for a in tensors
+        if place.sharded(a)
+    }
+    if len(aligned) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    return place.line_up(node, tensors, aligned.pop())
+
+
+def _infer_per_position(node, place: Placements):
+    """linear / layer_norm / rms_norm: act on the last (feature) dims."""
+    x = node.args[0]
+    features = 1 if node.target is aten.linear.default else len(node.args[1])
+    if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - features:
+        return place[x]
+    return Fallback(GatherReason.FEATURE_DIM)
+
+
+def _infer_matmul(node, place: Placements):
+    x = node.args[0]
+    if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - 1:
+        return Seq(place[x].dim + val(node).dim() - len(shape(x)), place[x].inner)
+    return Fallback(GatherReason.PRODUCT)
+
+
+def _infer_addmm(node, place: Placements):
+    bias, x, w = node.args[:3]
+    if place.sharded(x) and not place.sharded(w) and place[x].dim == 0:
+        return place.line_up(node, [bias], place[x])
+    return Fallback(GatherReason.PRODUCT)
+
+
+def _infer_cat(node, place: Placements):
+    tensors = node.args[0]
+    placements = {place[a] for a in tensors if place.sharded(a)}
+    if len(placements) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    seq = placements.pop()
+    if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
+        return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
+    return place.line_up(node, tensors, seq)
+
+
+def _infer_embedding(node, place: Placements):
+    table, idx = node.args[:2]
+    if place[idx] is not None and not place.sharded(table):
+        return place[idx]
+    return Fallback(GatherReason.SHARDED_TABLE)
+
+
+@_sharded_first
+def _infer_view(node, place, p: Seq, ndim: int):
+    seq = view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry.length)
+    return seq or Fallback(GatherReason.VIEW_SPLITS)
+
+
+@_sharded_first
+def _infer_transpose(node, place, p: Seq, ndim: int):
+    a, b = (norm_dim(d, ndim) for d in node.args[1:3])
+    return Seq({a: b, b: a}.get(p.dim, p.dim), p.inner)
+
+
+@_sharded_first
+def _infer_t(node, place, p: Seq, ndim: int):
+    return Seq(ndim - 1 - p.dim, p.inner)
+
+
+@_sharded_first
+def _infer_permute(node, place, p: Seq, ndim: int):
+    return Seq(norm_dims(node.args[1], ndim).index(p.dim), p.inner)
+
+
+@_sharded_first
+def _infer_unsqueeze(node, place, p: Seq, ndim: int):
+    k = norm_dim(node.args[1], ndim + 1)
+    return Seq(p.dim + (k <= p.dim), p.inner)
+
+
+@_sharded_first
+def _infer_squeeze(node, place, p: Seq, ndim: int):
+    x = node.args[0]
+    named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
+    dropped = [d for d in named if shape(x)[d] == 1]
+    return Seq(p.dim - sum(d < p.dim for d in dropped), p.inner)
+
+
+@_sharded_first
+def _infer_expand(node, place, p: Seq, ndim: int):
+    return Seq(p.dim + val(node).dim() - ndim, p.inner)
+
+
+# op -> position of its dim argument (and its default)
+_INDEXING = {
+    aten.select.int: 1, aten.slice.Tensor: 1, aten.unbind.int: 1,
+    aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2,
+}  # fmt: skip
+
+
+@_sharded_first
+def _infer_indexing(node, place, p: Seq, ndim: int):
+    """select / slice / unbind / split / chunk: local unless along the sequence."""
+    t, pos = node.target, _INDEXING[node.target]
+    k = norm_dim(node.args[pos] if len(node.args) > pos else 0, ndim)
+    out = val(node)
+    if k == p.dim:
+        if t is aten.slice.Tensor and list(out.shape) == shape(node.args[0]):
+            return p  # the whole sequence: the end index clamps to the local length
+        return Fallback(GatherReason.ALONG_SEQUENCE)
+    if t is aten.select.int or t is aten.unbind.int:
+        seq = Seq(p.dim - (k < p.dim), p.inner)
+        return seq if t is aten.select.int else [seq] * len(out)
+    return p if t is aten.slice.Tensor else [p] * len(out)
+
+
+@_sharded_first
+def _infer_reduction(node, place, p: Seq, ndim: int):
+    return infer_reduction(node, place)
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+
+def _rewrite_attention(node, out, state: PassState) -> None:
+    rewrite_attention(node, state, state.dilation)
+
+
+POINTWISE = Rule(_infer_broadcast, _fit_broadcast)
+RULES: dict[object, Rule] = {
+    **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, _rewrite_attention)),
+    aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
+    **dict.fromkeys(SAME_SHAPE, POINTWISE),
+    aten.cat.default: Rule(_infer_cat, _fit_broadcast),
+    **dict.fromkeys(
+        (aten.linear.default, aten.layer_norm.default, aten.rms_norm.default),
+        Rule(_infer_per_position, _fit_whole),
+    ),
+    **dict.fromkeys(
+        (aten.mm.default, aten.matmul.default, aten.bmm.default), Rule(_infer_matmul, _fit_whole)
+    ),
+    # addmm's bias broadcasts against the output
+    aten.addmm.default: Rule(
+        _infer_addmm, lambda n, out, s: s.fit_replicated_inputs(n, out, aligned=[n.args[0]])
+    ),
+    aten.embedding.default: Rule(_infer_embedding, _fit_whole),
+    **dict.fromkeys(VIEWS, Rule(_infer_view, _local_size)),
+    aten.expand.default: Rule(_infer_expand, _local_size),
+    aten.transpose.int: Rule(_infer_transpose, _fit_whole),
+    aten.t.default: Rule(_infer_t, _fit_whole),
+    aten.permute.default: Rule(_infer_permute, _fit_whole),
+    aten.unsqueeze.default: Rule(_infer_unsqueeze, _fit_whole),
+    **dict.fromkeys(
+        (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
+        Rule(_infer_squeeze, _fit_whole),
+    ),
+    **dict.fromkeys(_INDEXING, Rule(_infer_indexing, _fit_whole)),
+    **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
+    **dict.fromkeys(
+        LOSSES, Rule(_sharded_first(lambda n, pl, p, nd: infer_loss(n, pl)), rewrite_loss)
+    ),
+}
+
+
+def rule_for(target) -> Rule | None:
+    if target in RULES:
+        return RULES[target]
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return POINTWISE
+    return None
+
+
+def infer(node: fx.Node, place: Placements) -> Placement | Fallback:
+    """The placement of ``node``'s output(s) given its inputs', or why it must fall back."""
+    rule = rule_for(node.target)
+    if rule is None:
+        return Fallback(GatherReason.NO_RULE, str(node.target))
+    try:
+        return rule.infer(node, place)
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        return Fallback(GatherReason.UNREADABLE, str(e))
+
+
+@dataclass
+class Inference:
+    """Every node's placement, and the decision of each node whose inputs carry the sequence."""
+
+    place: Placements
+    decisions: dict[fx.Node, Placement | Fallback]
+
+
+def infer_placements(graph: fx.Graph, geometry: Geometry, seeds: dict[fx.Node, Seq]) -> Inference:
+    """Placements of every node from those of the inputs (``seeds``; others replicated)."""
+    place = Placements(geometry)
+    decisions: dict[fx.Node, Placement | Fallback] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            place.of[node] = seeds.get(node)
+        elif node.op != "call_function":
+            continue
+        elif not any(_carries_sequence(place[a]) for a in node.all_input_nodes):
+            place.of[node] = None
+        elif node.target is operator.getitem:
+            outs = place[node.args[0]]
+            place.of[node] = outs[node.args[1]] if isinstance(outs, list) else None
+        else:
+            decisions[node] = decided = infer(node, place)
+            if isinstance(decided, Fallback):
+                out = val(node)
+                decided = [None] * len(out) if isinstance(out, (list, tuple)) else None
+            place.of[node] = decided
+    return Inference(place, decisions)
+
+
+def _carries_sequence(p: Placement) -> bool:
+    return isinstance(p, Seq) or (isinstance(p, list) and any(p))

@@ -1,0 +1,12 @@
+"""Helpers shared by tests, benchmarks and examples (not public API).
+
+- ``RankPool``: reusable gloo (or NCCL) rank processes with timeouts (``ranks.py``);
+- ``resident_bytes`` / ``reset_peak_memory``: a CPU process's (peak) memory (``memory.py``);
+- ``ringify.testing.attention``: ring attention against SDPA on the full sequence;
+- ``ringify.testing.models``: small models written as users write them.
+"""
+
+from ringify.testing.memory import reset_peak_memory, resident_bytes
+from ringify.testing.ranks import RankPool
+
+__all__ = ["RankPool", "reset_peak_memory", "resident_bytes"]

@@ -1,0 +1,54 @@
+"""Ring attention against ``F.scaled_dot_product_attention`` on the full sequence (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ringify.runtime import ring_attention, shard
+
+
+def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(batch, h, seq, dim, generator=g, dtype=torch.float64).to(dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    return q, k, v, dout
+
+
+def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
+    """On every rank: shard, run ring attention forward and backward, return local results.
+
+    With ``tiles_per_chunk`` the op is called directly with that tiling instead of
+    the one ``ring_attention`` picks from the shard's length.
+    """
+    q, k, v, dout = (
+        shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
+        for t in (q, k, v, dout)
+    )
+    if kwargs.get("attn_mask") is not None:  # this rank's query rows, every key column
+        kwargs = {**kwargs, "attn_mask": shard(kwargs["attn_mask"], -2, layout=layout)}
+    if tiles_per_chunk is None:
+        out = ring_attention(q, k, v, layout=layout, **kwargs)
+    else:
+        import torch.distributed as dist
+
+        scale = kwargs.get("scale", q.shape[-1] ** -0.5)
+        name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
+        mask, is_causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
+        args = (mask, is_causal, scale, name, layout, full, tiles_per_chunk)
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+    out.backward(dout)
+    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def reference(q, k, v, dout, kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def relative_error(x, truth):
+    return ((x.double() - truth).norm() / truth.norm()).item()
