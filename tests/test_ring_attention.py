@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from ringify.runtime import shard
+from ringify.runtime import ring_attention, shard
 from ringify.runtime.layout import unshard
 from ringify.testing.attention import (
     make_inputs,
@@ -173,3 +175,70 @@ def test_bf16_error_does_not_grow(ranks, world):
     for name, g, s, t in zip(("out", "dq", "dk", "dv"), got, sdpa, truth, strict=True):
         ring_err, sdpa_err = relative_error(g, t), relative_error(s, t)
         assert ring_err <= 1.2 * sdpa_err, f"{name}: ring {ring_err:.3g} vs sdpa {sdpa_err:.3g}"
+
+
+def laid_out(t, order):
+    """The same values, with dims lying in memory in ``order`` (outermost first)."""
+    inverse = [order.index(d) for d in range(t.dim())]
+    return t.permute(order).contiguous().permute(inverse)
+
+
+PERMUTATIONS = list(itertools.permutations(range(4)))
+
+
+def strided_forward_backward(q, k, v, dout, layout, kwargs):
+    """Every memory order for each of q, k and v (24 cases, each order once per tensor)."""
+    results = []
+    for i, order in enumerate(PERMUTATIONS):
+        orders = (order, PERMUTATIONS[(i + 7) % 24], PERMUTATIONS[(i + 13) % 24])
+        local = [shard(t, 2, layout=layout) for t in (q, k, v, dout)]
+        qkv = [laid_out(t, o).requires_grad_() for t, o in zip(local, orders, strict=False)]
+        out = ring_attention(*qkv, layout=layout, **kwargs)
+        out.backward(local[3])
+        results.append([out.detach()] + [t.grad for t in qkv])
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_every_memory_order_matches_sdpa(ranks, world, layout, is_causal):
+    inputs = make_inputs(2, 4, 2, 8 * world, 8, torch.float64)
+    kwargs = {"is_causal": is_causal, "enable_gqa": True}
+    job = (strided_forward_backward, *inputs, layout, kwargs)
+    per_rank = [job[0](*job[1:])] if world == 1 else ranks(world).run(*job)
+    want = reference(*inputs, kwargs)
+    for case in range(len(PERMUTATIONS)):
+        got = [unshard([r[case][i] for r in per_rank], 2, layout) for i in range(4)]
+        assert_matches(got, want, TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nan_and_inf_propagate_as_in_sdpa(ranks, world, layout, is_causal):
+    """A NaN in q or k gives NaN rows, and an inf in v gives inf, where SDPA does.
+
+    SDPA also gives NaN where a row cannot see the inf (0 * inf in its dense product,
+    over whatever its kernel's block covers); the ring skips what a row cannot see, so
+    there it may be finite. It is never NaN where SDPA is not, and equal where SDPA is
+    finite or infinite.
+    """
+    seq = 8 * world
+    q, k, v, dout = make_inputs(2, 2, 2, seq, 8, torch.float64)
+    q[0, 1, 3] = float("nan")  # one query row
+    v[0, 0, seq - 2, 5] = float("inf")
+    k[1, 1, 0, 2] = float("nan")  # the first key: the only one the first causal row sees
+    inputs = (q, k, v, dout)
+    kwargs = {"is_causal": is_causal}
+    got = run_ring(ranks, world, inputs, layout, kwargs)
+    want = reference(*inputs, kwargs)
+    assert want[0][0, 1, 3].isnan().all() and got[0][0, 1, 3].isnan().all()
+    assert want[0][1, 1].isnan().all() and got[0][1, 1].isnan().all()
+    assert want[0].isinf().any()  # the case is not vacuous
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert not (g.isnan() & ~w.isnan()).any(), f"{name}: NaN where SDPA has none"
+        assert torch.equal(g[w.isinf()], w[w.isinf()]), f"{name}: SDPA's inf lost"
+        finite = w.isfinite()
+        err = (g[finite] - w[finite]).abs().max() if finite.any() else 0.0
+        assert err <= TOLERANCES[torch.float64], name

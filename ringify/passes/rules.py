@@ -237,6 +237,11 @@ def _infer_reduction(node, place, p: Seq, ndim: int):
     return infer_reduction(node, place)
 
 
+@_sharded_first
+def _infer_loss(node, place, p: Seq, ndim: int):
+    return infer_loss(node, place)
+
+
 # ---- the table ----------------------------------------------------------------------------
 
 
@@ -274,9 +279,7 @@ RULES: dict[object, Rule] = {
     ),
     **dict.fromkeys(_INDEXING, Rule(_infer_indexing, _fit_whole)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
-    **dict.fromkeys(
-        LOSSES, Rule(_sharded_first(lambda n, pl, p, nd: infer_loss(n, pl)), rewrite_loss)
-    ),
+    **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }
 
 

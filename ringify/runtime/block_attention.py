@@ -66,14 +66,21 @@ def block_forward(
     ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op.
     """
+    q_BHsD, k_BKtD, v_BKtD = _unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
     if bias is not None:
         out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
         empty = (bias == float("-inf")).all(-1).expand(lse.shape)
         return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     if q_BHsD.device.type == "cpu":
+        nan_rows = _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
         q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)
-        return aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q_BHsD, k_BKtD, v_BKtD, 0.0, is_causal, scale=scale
+        )
+        if nan_rows is None:
+            return out, lse
+        return out.masked_fill(nan_rows.unsqueeze(-1), float("nan")), lse.masked_fill(
+            nan_rows, float("nan")
         )
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):
@@ -106,6 +113,9 @@ def block_backward(
     With the global ``out`` and ``lse`` the kernel's recomputed probabilities are
     the global ones, so the block gradients sum exactly to the full gradient.
     """
+    dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _unit_last_stride(
+        dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
+    )
     if bias is not None:
         # A row masked everywhere (lse = -inf) has no gradient: lse = +inf makes its
         # recomputed probabilities exp(s - lse) exactly 0 instead of NaN.
@@ -277,17 +287,46 @@ def merge_block(
 ) -> None:
     """Fold one block's ``(out, lse)`` into the running accumulators, in place.
 
-    out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written as a
-    lerp with weight sigmoid(lse - lse_acc) so nothing is exponentiated unguarded.
-    An empty accumulator (lse_acc = -inf) takes the block exactly (weight 1); an
-    empty block row (lse = -inf, a masked-out row) leaves it as it is (weight 0,
-    also when both are empty).
+    out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written with the
+    weights sigmoid(lse_acc - lse) and sigmoid(lse - lse_acc), so that nothing is
+    exponentiated unguarded and each side is scaled by its own weight (an inf in
+    either side stays inf, as in SDPA; a NaN stays NaN). An empty accumulator
+    (lse_acc = -inf) takes the block exactly (its weight 0); an empty block row
+    (lse = -inf, a masked-out row) leaves it as it is; when both are empty the
+    accumulator stays 0.
     """
     acc = out_acc_BHsD.dtype
     lse_BHs = lse_BHs.to(acc)
-    weight = torch.sigmoid(lse_BHs - lse_acc_BHs).nan_to_num_(0.0).unsqueeze(-1)
-    out_acc_BHsD.lerp_(out_BHsD.to(acc), weight)
+    both_empty = (lse_BHs == float("-inf")) & (lse_acc_BHs == float("-inf"))
+    keep = torch.sigmoid(lse_acc_BHs - lse_BHs).masked_fill_(both_empty, 1.0).unsqueeze(-1)
+    take = torch.sigmoid(lse_BHs - lse_acc_BHs).masked_fill_(both_empty, 0.0).unsqueeze(-1)
+    out_acc_BHsD.mul_(keep).add_(out_BHsD.to(acc) * take)
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
+
+
+def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor | None:
+    """(B, H, s) rows whose scores include a NaN (a NaN in the row's q or a visible key).
+
+    ATen's CPU flash kernel treats a row whose scores are all NaN as fully masked
+    (out 0, lse 0), where SDPA gives NaN: the NaN that signals divergence would be
+    hidden. ``None`` when there is none (the common case: one pass over q and k).
+    """
+    q_nan, k_nan = q_BHsD.isnan().any(-1), k_BKtD.isnan().any(-1)
+    if not (q_nan.any() or k_nan.any()):
+        return None
+    k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
+    s, t = q_nan.shape[-1], k_nan.shape[-1]
+    if is_causal:  # row i sees keys 0..i (top-left)
+        seen = k_nan.cummax(-1).values[..., torch.arange(s).clamp(max=t - 1)]
+    else:
+        seen = k_nan.any(-1, keepdim=True).expand_as(q_nan)
+    return q_nan | seen
+
+
+def _unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused kernels read the head dim as contiguous memory (SDPA copies first, too):
+    a k stored head-dim-major and transposed, or a channels-last q, would be misread."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _cpu_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
