@@ -300,7 +300,7 @@ def merge_block(
     both_empty = (lse_BHs == float("-inf")) & (lse_acc_BHs == float("-inf"))
     keep = torch.sigmoid(lse_acc_BHs - lse_BHs).masked_fill_(both_empty, 1.0).unsqueeze(-1)
     take = torch.sigmoid(lse_BHs - lse_acc_BHs).masked_fill_(both_empty, 0.0).unsqueeze(-1)
-    out_acc_BHsD.mul_(keep).add_(out_BHsD.to(acc) * take)
+    out_acc_BHsD.mul_(keep).addcmul_(out_BHsD.to(acc), take)
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 
 
