@@ -25,7 +25,6 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason, MaskKind, RewrittenAttention
-from ringify.runtime.dilation import Dilation
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
@@ -100,9 +99,10 @@ def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
     return [Seq(2), Seq(2)] + [None] * (len(val(node)) - 2) if att.returns_tuple else Seq(2)
 
 
-def rewrite_attention(node: fx.Node, state: PassState, dilation: Dilation | None) -> None:
-    """Replace ``node`` by the ring (or dilated ring) op on this rank's q, k and v."""
+def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
+    """Replace ``node`` by the ring (or, with ``state.dilation``, the dilated ring) op."""
     att = read_attention(node)
+    dilation = state.dilation
     if att.dropout_p > 0:
         raise ValueError(
             f"attention {node.name} uses dropout_p={att.dropout_p}: ring attention cannot "
@@ -124,9 +124,9 @@ def rewrite_attention(node: fx.Node, state: PassState, dilation: Dilation | None
             ring = call(g, ringify_ops.ring_attention.default, (*args, geo.length))
         else:
             ring = _dilated(att, mask, causal, scale, state, dilation)
-        out = call(g, operator.getitem, (ring, 0))
+        ring_out = call(g, operator.getitem, (ring, 0))
         lse = call(g, operator.getitem, (ring, 1))
-    state.place.update({ring: [Seq(2), Seq(2)], out: Seq(2), lse: Seq(2)})
+    state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
     if att.returns_tuple:
         for user in list(node.users):
             if user.args[1] not in (0, 1):
@@ -134,10 +134,10 @@ def rewrite_attention(node: fx.Node, state: PassState, dilation: Dilation | None
                     f"{node.name}: output {user.args[1]} of {node.target} (beyond out and "
                     "lse) has no ring-attention equivalent"
                 )
-            user.replace_all_uses_with(out if user.args[1] == 0 else lse)
+            user.replace_all_uses_with(ring_out if user.args[1] == 0 else lse)
             g.erase_node(user)
     else:
-        node.replace_all_uses_with(out)
+        node.replace_all_uses_with(ring_out)
     g.erase_node(node)
     kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
     state.attentions.append(

@@ -245,13 +245,9 @@ def _infer_loss(node, place, p: Seq, ndim: int):
 # ---- the table ----------------------------------------------------------------------------
 
 
-def _rewrite_attention(node, out, state: PassState) -> None:
-    rewrite_attention(node, state, state.dilation)
-
-
 POINTWISE = Rule(_infer_broadcast, _fit_broadcast)
 RULES: dict[object, Rule] = {
-    **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, _rewrite_attention)),
+    **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, rewrite_attention)),
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
     aten.cat.default: Rule(_infer_cat, _fit_broadcast),

@@ -72,13 +72,16 @@ def block_forward(
         empty = (bias == float("-inf")).all(-1).expand(lse.shape)
         return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     if q_BHsD.device.type == "cpu":
-        nan_rows = _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
-        q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHsD, k_BKtD, v_BKtD, 0.0, is_causal, scale=scale
+            *_cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD), 0.0, is_causal, scale=scale
         )
-        if nan_rows is None:
+        # The kernel reads a row whose scores are all NaN as fully masked (out 0,
+        # lse 0), where SDPA gives NaN: the NaN that signals divergence would be
+        # hidden. Such a row has lse exactly 0; only then are q and k scanned.
+        suspect = lse == 0
+        if not suspect.any():
             return out, lse
+        nan_rows = suspect & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
         return out.masked_fill(nan_rows.unsqueeze(-1), float("nan")), lse.masked_fill(
             nan_rows, float("nan")
         )
@@ -304,16 +307,9 @@ def merge_block(
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 
 
-def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor | None:
-    """(B, H, s) rows whose scores include a NaN (a NaN in the row's q or a visible key).
-
-    ATen's CPU flash kernel treats a row whose scores are all NaN as fully masked
-    (out 0, lse 0), where SDPA gives NaN: the NaN that signals divergence would be
-    hidden. ``None`` when there is none (the common case: one pass over q and k).
-    """
+def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor:
+    """(B, H, s): the rows whose scores include a NaN (in the row's q or a key it sees)."""
     q_nan, k_nan = q_BHsD.isnan().any(-1), k_BKtD.isnan().any(-1)
-    if not (q_nan.any() or k_nan.any()):
-        return None
     k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
