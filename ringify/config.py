@@ -21,6 +21,7 @@ class Config:
     inputs: str = "full"
     outputs: str = "full"
     dilation: Dilation | None = None
+    check_inputs: bool = True  # compare a fingerprint of the shared inputs at every call
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_size, int) or self.ring_size < 1:
@@ -32,6 +33,8 @@ class Config:
         check_layout(self.layout)
         if self.dilation is not None:
             self.dilation.check_layout(self.layout)
+        if not isinstance(self.check_inputs, bool):
+            raise ValueError(f"check_inputs must be True or False, got {self.check_inputs!r}")
         for name in ("inputs", "outputs"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{name} must be one of {MODES}, got {getattr(self, name)!r}")

@@ -1,45 +1,38 @@
 """``ringify()`` and the module it returns.
 
 The returned module traces the model on its first call for each input signature
-(``torch.export``, training IR, on fake tensors at global shapes), runs the pass,
-and caches the rewritten graph. Tracing happens in a forward pre-hook that
-torch.compile does not trace (``torch.compiler.disable``): the hook runs eagerly
-before Dynamo compiles ``forward``, which only calls the cached graph. So
-``torch.compile(ringified, fullgraph=True)`` sees a plain graph of ATen and
-ringify ops, and a new signature swaps the graph, which Dynamo guards on.
+(``trace.py``) and caches the rewritten graph (the last ``TRACE_CACHE_SIZE``
+signatures). Tracing happens in a forward pre-hook that torch.compile does not
+trace (``torch.compiler.disable``): the hook runs eagerly before Dynamo compiles
+``forward``, which only calls the cached graph with the model's current
+parameters and buffers. So ``torch.compile(ringified, fullgraph=True)`` sees a
+plain graph of ATen and ringify ops, and a new signature swaps the graph, which
+Dynamo guards on. The hook also makes the ranks agree on each call
+(``consistency.py``) before any of them enters the ring.
+
+The module is transparent to checkpoints: its ``state_dict`` keys and parameter
+names are the model's own, and it loads the model's checkpoints.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
-import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch import nn
+from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
-from ringify.passes.plan import plan_sequence, sequence_input_dims
+from ringify.consistency import check_call, check_trace
 from ringify.passes.report import Report
-from ringify.passes.shard_sequence import shard_sequence
 from ringify.runtime.dilation import Dilation
+from ringify.trace import Traced, dump, meta_of, state_of, trace
 
-log = logging.getLogger("ringify")
-
-
-@dataclass
-class _Traced:
-    """One input signature's rewritten graph (a plain object: not a submodule)."""
-
-    module: fx.GraphModule
-    before: str
-    report: Report
+TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
+_PREFIX = "model."
 
 
 def ringify(
@@ -51,6 +44,7 @@ def ringify(
     inputs: str = "full",
     outputs: str = "full",
     dilation: Dilation | None = None,
+    check_inputs: bool = True,
 ) -> RingifiedModule:
     """``model``, sequence-parallel over a ring of ``ring_size`` ranks; same outputs and gradients.
 
@@ -65,10 +59,15 @@ def ringify(
       with a ``dilation``.
     - ``dilation``: every attention becomes LongNet dilated attention with this
       pattern (an opt-in change of the model; the report says so).
+    - ``check_inputs``: at every call, compare a fingerprint of the inputs every
+      rank passes whole across the ring (one small collective), so that ranks given
+      different batches, or one call apart, raise instead of training wrongly.
 
     The model itself is left untouched and its parameters are shared.
     """
-    return RingifiedModule(model, Config(ring_size, group, layout, inputs, outputs, dilation))
+    return RingifiedModule(
+        model, Config(ring_size, group, layout, inputs, outputs, dilation, check_inputs)
+    )
 
 
 class RingifiedModule(nn.Module):
@@ -76,14 +75,28 @@ class RingifiedModule(nn.Module):
         super().__init__()
         self.model = model
         self.config = config
-        self._traced: dict[tuple, _Traced] = {}
-        self._active: _Traced | None = None
+        self._ring = config.ring()
+        self._traced: OrderedDict[tuple, Traced] = OrderedDict()
+        self._active: Traced | None = None
+        self._calls = 0
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
+        self.register_state_dict_post_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
 
     def forward(self, *args, **kwargs):
-        return self._active.module(*args, **kwargs)
+        traced = self._active
+        flat = tree_flatten_spec((args, kwargs), traced.in_spec)
+        out = traced.module(*state_of(self.model, traced.state_names), *flat)
+        return pytree.tree_unflatten(out, traced.out_spec)
 
-    def _last(self) -> _Traced:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
+        """The model's parameters under the model's own names."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name.replace(prefix + _PREFIX, prefix, 1), param
+
+    def _last(self) -> Traced:
         if self._active is None:
             raise RuntimeError("the model is traced on its first call: call it once first")
         return self._active
@@ -107,105 +120,99 @@ class RingifiedModule(nn.Module):
 
 @torch.compiler.disable
 def _prepare(module: RingifiedModule, args, kwargs) -> None:
-    key = _signature(module, args, kwargs)
-    if key not in module._traced:
-        module._traced[key] = _trace(module.model, module.config, args, kwargs)
-        _dump(module._traced[key], key)
-    module._active = module._traced[key]
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    key = _signature(module.model, flat, spec)
+    traced = module._traced.get(key)
+    if traced is not None and traced.state_meta != meta_of(
+        state_of(module.model, traced.state_names)
+    ):
+        del module._traced[key]  # the model's parameters changed dtype, device or shape
+        traced = None
+    config, ring = module.config, module._ring
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if traced is None:
+        shared = tensors if config.inputs == "full" else None  # sharded: known after the trace
+    else:
+        shared = [flat[i] for i in traced.shared_inputs]
+    shared = shared if config.check_inputs else None
+    if ring.size > 1 and (traced is None or config.check_inputs):
+        check_call(
+            ring,
+            calls=module._calls,
+            signature=key,
+            config=config,
+            retraced=traced is None,
+            shared=shared,
+            args=args,
+            kwargs=kwargs,
+        )
+    if traced is None:
+        traced = _trace_on_every_rank(module, args, kwargs, after_call_check=shared is not None)
+        module._traced[key] = traced
+        if len(module._traced) > TRACE_CACHE_SIZE:
+            module._traced.popitem(last=False)
+        dump(traced, key)
+    module._traced.move_to_end(key)
+    module._calls += 1
+    module._active = traced
 
 
-def _signature(module: RingifiedModule, args, kwargs) -> tuple:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    described = tuple(
-        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
-        for x in leaves
+def _trace_on_every_rank(module: RingifiedModule, args, kwargs, after_call_check: bool) -> Traced:
+    """Trace; then every rank raises if any rank's trace failed or the graphs differ."""
+    traced, error = None, None
+    try:
+        traced = trace(module.model, module.config, args, kwargs)
+    except Exception as e:
+        error = e
+    if module._ring.size == 1:
+        if error is not None:
+            raise error
+        return traced
+    shared = None
+    if traced is not None and module.config.check_inputs and not after_call_check:
+        flat = pytree.tree_leaves((args, kwargs))
+        shared = [flat[i] for i in traced.shared_inputs]
+    check_trace(
+        module._ring,
+        graph_code=None if traced is None else traced.module.code,
+        shared=shared,
+        error=error,
+        args=args,
+        kwargs=kwargs,
     )
-    modes = tuple(m.training for m in module.model.modules())
+    return traced
+
+
+def _signature(model: nn.Module, flat: list, spec) -> tuple:
+    """What makes a call need its own trace: the same on every rank of a ring for one call."""
+    described = tuple(
+        (tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in flat
+    )
+    modes = tuple(
+        (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks)) for m in model.modules()
+    )
     return (str(spec), described, modes)
 
 
-def _trace(model: nn.Module, config: Config, args, kwargs) -> _Traced:
-    ring = config.ring()
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    dims = None
-    if config.inputs == "sharded":
-        # The global shapes are not known before the sequence inputs are: find them on
-        # a trace at the local shapes, then trace again at the global ones.
-        structure = _export(model, spec, _fakes(flat, {}))
-        dims = sequence_input_dims(structure, config, companions=True)
-        gm = _export(model, spec, _fakes(flat, {i: (d, ring.size) for i, d in dims.items()}))
-    else:
-        gm = _export(model, spec, _fakes(flat, {}))
-    plan = plan_sequence(gm, config, dims)
-    before = gm.code
-    report = shard_sequence(
-        gm.graph,
-        plan=plan,
-        group_name=ring.name,
-        inputs_full=config.inputs == "full",
-        outputs_full=config.outputs == "full",
-        dilation=config.dilation,
-    )
-    module = fx.GraphModule(gm, gm.graph)
-    for gather in report.gathers:
-        log.warning(
-            "ringify: gathered the sequence for %s (%s): %s %s",
-            gather.node,
-            gather.op,
-            gather.reason.value,
-            gather.detail,
-        )
-    log.info("ringify: traced a new input signature\n%s", report)
-    return _Traced(module, before, report)
+def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    _move_prefix(state_dict, prefix + _PREFIX, prefix)
 
 
-def _fakes(flat: list, scale: dict[int, tuple[int, int]]) -> list:
-    """Fake tensors like ``flat``'s, with dim ``d`` of input ``i`` multiplied as ``scale[i]``."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = []
-    for i, x in enumerate(flat):
-        if not isinstance(x, torch.Tensor):
-            fakes.append(x)
-            continue
-        shape = list(x.shape)
-        if i in scale:
-            dim, factor = scale[i]
-            shape[dim] *= factor
-        with mode:
-            fake = torch.empty(shape, dtype=x.dtype, device=x.device)
-        fakes.append(fake.requires_grad_(x.requires_grad))
-    return fakes
+def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """Load the model's own keys (and, as well, keys saved with the ``model.`` prefix)."""
+    _move_prefix(state_dict, prefix, prefix + _PREFIX, keep=prefix + _PREFIX)
 
 
-def _export(model: nn.Module, spec, flat: list) -> fx.GraphModule:
-    args, kwargs = pytree.tree_unflatten(flat, spec)
-    try:
-        exported = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:
-        raise RuntimeError(
-            f"ringify could not trace {type(model).__name__} with torch.export ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
-            "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
-            "Python control flow in forward, and return plain tensors/tuples/dicts (for HF "
-            "models, build them with use_cache=False). The full error is chained above."
-        ) from e
-    gm = exported.module()
-    # export's input-shape guards check global shapes; the signature key already pins them.
-    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
-        gm.graph.erase_node(node)
-    return gm
-
-
-def _dump(traced: _Traced, key: tuple) -> None:
-    """With RINGIFY_DUMP_DIR set: the graph before and after the pass, and the report."""
-    root = os.environ.get("RINGIFY_DUMP_DIR")
-    if not root:
-        return
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    name = hashlib.sha1(repr(key).encode()).hexdigest()[:10]
-    folder = Path(root) / f"{name}-rank{rank}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "before.py").write_text(traced.before)
-    (folder / "after.py").write_text(traced.module.code)
-    (folder / "report.txt").write_text(str(traced.report))
-    log.info("ringify: wrote the graphs and report to %s", folder)
+def _move_prefix(state_dict: dict, old: str, new: str, keep: str | None = None) -> None:
+    """Rename keys (and the version metadata of modules) from ``old`` to ``new`` in place,
+    leaving those that already start with ``keep``."""
+    for key in [k for k in state_dict if k.startswith(old) and not (keep and k.startswith(keep))]:
+        state_dict[new + key[len(old) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)  # keyed by module path, no trailing dot
+    for key in list(metadata or ()):
+        dotted = key + "."
+        if dotted.startswith(old) and not (keep and dotted.startswith(keep)):
+            metadata[(new + dotted[len(old) :]).rstrip(".")] = metadata.pop(key)

@@ -119,6 +119,42 @@ def test_mask_matches_sdpa(ranks, world, tiles, layout, mask):
     assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.float64])
 
 
+# Every mask shape SDPA accepts for 4-D q: 2-D to 4-D, any dim broadcast (size 1).
+MASK_SHAPES = [
+    (2, 4, "S", "S"),
+    (2, 1, 1, "S"),  # nn.MultiheadAttention's key padding
+    (1, 4, "S", "S"),
+    (2, 1, "S", "S"),
+    (1, 1, 1, "S"),
+    (2, 1, "S", 1),
+    (1, 1, 1, 1),
+    (4, "S", "S"),
+    (1, "S", "S"),
+    (4, 1, "S"),
+    ("S", "S"),
+    (1, "S"),
+    ("S", 1),
+]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
+def test_every_mask_shape_matches_sdpa(ranks, world, layout, dtype, mask_shape):
+    seq = 8 * world
+    shape = [seq if d == "S" else d for d in mask_shape]
+    g = torch.Generator().manual_seed(5)
+    if dtype == torch.bool:
+        mask = torch.rand(shape, generator=g) < 0.7
+    else:
+        mask = torch.randn(shape, generator=g, dtype=dtype)
+    inputs = make_inputs(2, 4, 2, seq, 8, torch.float64)
+    kwargs = {"attn_mask": mask, "enable_gqa": True}
+    got = run_ring(ranks, world, inputs, layout, kwargs)
+    assert_matches(got, reference(*inputs, kwargs), TOLERANCES[torch.float64])
+
+
 def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal, tiles):
     import torch.distributed as dist
 

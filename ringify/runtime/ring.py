@@ -78,6 +78,16 @@ def ring_by_name(group_name: str) -> Ring:
     return Ring(group, dist.get_rank(group), dist.get_world_size(group))
 
 
+def served_devices(ring: Ring) -> set[str]:
+    """The device types whose tensors the ring's backend can move."""
+    config = dist.get_backend_config(ring.group)  # e.g. "cpu:gloo,cuda:nccl" or "gloo"
+    served = set()
+    for part in config.split(","):
+        dev, _, backend = part.rpartition(":")
+        served |= {dev} if dev else set(dist.Backend.backend_capability.get(backend, ()))
+    return served
+
+
 def check_backend_serves(ring: Ring, device: torch.device) -> None:
     """Raise if the ring's backend has no implementation for tensors on ``device``.
 
@@ -86,32 +96,10 @@ def check_backend_serves(ring: Ring, device: torch.device) -> None:
     """
     if ring.group is None:
         return
-    config = dist.get_backend_config(ring.group)  # e.g. "cpu:gloo,cuda:nccl" or "gloo"
-    served = set()
-    for part in config.split(","):
-        dev, _, backend = part.rpartition(":")
-        served |= {dev} if dev else set(dist.Backend.backend_capability.get(backend, ()))
+    served = served_devices(ring)
     if device.type not in served:
         raise ValueError(
-            f"the ring's process group (backend {config!r}) cannot move {device.type} tensors; "
-            f"move q, k and v to one of {sorted(served)} or create the group with a backend "
-            f"for {device.type} (gloo for cpu, nccl for cuda)"
+            f"the ring's process group (backend {dist.get_backend_config(ring.group)!r}) cannot "
+            f"move {device.type} tensors; move q, k and v to one of {sorted(served)} or create "
+            f"the group with a backend for {device.type} (gloo for cpu, nccl for cuda)"
         )
-
-
-def check_ranks_agree(ring: Ring, fields: dict[str, float], what: str, device=None) -> None:
-    """Raise on every rank (instead of hanging the ring) unless all ranks hold the same ``fields``.
-
-    One small ``all_gather`` of the values; the error lists every rank's.
-    """
-    names = list(fields)
-    local = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(local) for _ in range(ring.size)]
-    dist.all_gather(everyone, local, group=ring.group)
-    rows = [t.tolist() for t in everyone]
-    if any(row != rows[0] for row in rows):
-        described = "; ".join(
-            f"rank {r}: " + ", ".join(f"{n}={x:g}" for n, x in zip(names, row, strict=True))
-            for r, row in enumerate(rows)
-        )
-        raise ValueError(f"the ranks of the ring disagree on {what} ({described})")

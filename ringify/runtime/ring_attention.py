@@ -12,6 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ringify.runtime.agreement import check_ranks_agree
 from ringify.runtime.block_attention import DTYPES
 from ringify.runtime.dilated_ops import dilated_attention_op
 from ringify.runtime.dilation import Dilation
@@ -46,27 +47,45 @@ def ring_attention(
 
     With a ``Dilation`` (layout ``contiguous``, no mask) it is LongNet's dilated
     attention instead (``ringify.runtime.dilated_attention`` on the full sequence).
+
+    Each eager call starts with one small collective: every rank raises at once if
+    the ranks' shapes or flags differ or any rank's inputs are invalid (on CUDA it
+    runs on a side stream and does not wait for queued work). A compiled graph
+    skips it; ``ringify()`` checks its calls before they reach the graph.
     """
     ring = resolve_ring(group)
-    check_layout(layout)
-    check_inputs(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        enable_gqa=enable_gqa,
-        layout=layout,
-        ring_size=ring.size,
-    )
-    check_backend_serves(ring, q.device)
+    error = None
+    try:  # every rank validates, then all agree: a rank's bad input stops every rank at once
+        check_layout(layout)
+        check_inputs(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            enable_gqa=enable_gqa,
+            layout=layout,
+            ring_size=ring.size,
+        )
+        check_backend_serves(ring, q.device)
+        if dilation is not None:
+            if attn_mask is not None:
+                raise ValueError(
+                    "dilated attention takes no attn_mask (is_causal=True is supported)"
+                )
+            dilation.check_ring(q.shape[2], ring.size, layout)
+    except ValueError as e:
+        if torch.compiler.is_compiling():
+            raise
+        error = e
+    if not torch.compiler.is_compiling():  # a compiled graph cannot hold the host-side check
+        _check_ranks_agree(
+            ring, q, k, v, attn_mask, is_causal, scale, enable_gqa, layout, dilation, error
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = q.shape[2]
     if dilation is not None:
-        if attn_mask is not None:
-            raise ValueError("dilated attention takes no attn_mask (is_causal=True is supported)")
-        dilation.check_ring(rows, ring.size, layout)
         # Heads are dilated by their own index: give every q head its k/v head.
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
@@ -76,6 +95,35 @@ def ring_attention(
         q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size
     )
     return out
+
+
+def _check_ranks_agree(
+    ring, q, k, v, attn_mask, is_causal, scale, enable_gqa, layout, dilation, error
+):
+    """Every rank passes or every rank raises (a rank's own ``error`` included), never a hang."""
+    check_ranks_agree(
+        ring,
+        {
+            "q": _described(q),
+            "k": _described(k),
+            "v": _described(v),
+            "attn_mask": _described(attn_mask),
+            "is_causal": is_causal,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+            "layout": layout,
+            "dilation": dilation,
+        },
+        "their ring_attention call",
+        fix="\nevery rank must pass its shard of the same full q, k, v (same shapes and dtype), "
+        "the same mask shape and the same flags",
+        error=error,
+        device=q.device,
+    )
+
+
+def _described(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), str(t.dtype))
 
 
 def check_inputs(
@@ -158,7 +206,7 @@ def _check_mask(mask: torch.Tensor, q, k, is_causal: bool, ring_size: int) -> No
         broadcasts = mask.dim() <= 4
     except RuntimeError:
         broadcasts = False
-    if not broadcasts or (mask.dim() >= 2 and mask.shape[-2] != s):
+    if mask.dim() < 2 or not broadcasts or mask.shape[-2] not in (1, s):
         raise ValueError(
             f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {full}: it must hold "
             f"this rank's {s} query rows and all {s * ring_size} key columns of the full sequence "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.block_attention import (
-    DTYPES,
     accumulation_dtype,
     block_backward,
     block_forward,
@@ -40,9 +39,8 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
-from ringify.runtime.layout import LAYOUTS
 from ringify.runtime.p2p import start_rotation
-from ringify.runtime.ring import Ring, check_ranks_agree, ring_by_name
+from ringify.runtime.ring import Ring, ring_by_name
 from ringify.runtime.schedule import (
     needs_positions,
     ring_visits,
@@ -80,8 +78,6 @@ def ring_attention_op(
     if ring.size == 1 and attn_mask is None and key_len >= rows:
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
-    if ring.size > 1:
-        _check_ranks_agree(ring, q, k, is_causal, scale, layout)
 
     tiling = _tiling(ring, q, attn_mask, is_causal, layout, key_len, tiles_per_chunk)
     mine = tiling(ring.rank)
@@ -208,17 +204,3 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _check_ranks_agree(ring: Ring, q, k, is_causal: bool, scale: float, layout: str) -> None:
-    """Raise on every rank (instead of hanging the ring) if the ranks disagree on the call."""
-    batch, heads, seq, head_dim = q.shape
-    fields = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
-    fields |= {"kv_heads": k.shape[1], "dtype": DTYPES.index(q.dtype), "is_causal": is_causal}
-    fields |= {"scale": scale, "layout": LAYOUTS.index(layout)}
-    check_ranks_agree(
-        ring,
-        fields,
-        "their ring_attention call; every rank must pass shards of the same shape, dtype and flags",
-        device=q.device,
-    )

@@ -81,7 +81,14 @@ def tile_pairs(mine: list[Tile], held: list[Tile], is_causal: bool, key_len: int
 
 
 def tile_bias(mask: torch.Tensor | None, rows: slice, k_tile: Tile, keys: int, dtype):
-    """The additive mask of one tile pair: this rank's query rows, the held tile's key columns."""
+    """The additive mask of one tile pair: this rank's query rows, the held tile's key columns.
+
+    ``mask`` has any shape SDPA accepts (1-D to 4-D, size-1 dims broadcast): it is
+    viewed as 4-D and a size-1 query or key dim stays a broadcast, never sliced.
+    """
     if mask is None:
         return None
-    return additive_mask(mask[..., rows, k_tile.start : k_tile.start + keys], dtype)
+    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    q_part = rows if mask.shape[2] > 1 else slice(None)
+    k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
+    return additive_mask(mask[:, :, q_part, k_part], dtype)

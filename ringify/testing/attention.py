@@ -27,8 +27,9 @@ def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
         shard(t, 2, layout=layout).detach().clone().requires_grad_(t is not dout)
         for t in (q, k, v, dout)
     )
-    if kwargs.get("attn_mask") is not None:  # this rank's query rows, every key column
-        kwargs = {**kwargs, "attn_mask": shard(kwargs["attn_mask"], -2, layout=layout)}
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.shape[-2] > 1:  # this rank's query rows, every key column
+        kwargs = {**kwargs, "attn_mask": shard(mask, -2, layout=layout)}
     if tiles_per_chunk is None:
         out = ring_attention(q, k, v, layout=layout, **kwargs)
     else:

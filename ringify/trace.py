@@ -1,0 +1,205 @@
+"""One input signature's trace: export the model, run the pass, lift the model's state out.
+
+``trace()`` exports the model (``torch.export``, training IR, on fake tensors at
+global shapes), runs the pass, and turns every parameter and buffer the graph
+reads into a leading input. The graph keeps no tensor of the model: the
+ringified module passes the model's current parameters and buffers at each
+call, so ``load_state_dict(assign=True)``, ``model.to()`` and swapped
+parameters take effect, and buffers the model updates (BatchNorm's running
+statistics) are updated in place in the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from ringify.config import Config
+from ringify.passes.plan import plan_sequence, sequence_input_dims
+from ringify.passes.report import Report
+from ringify.passes.shard_sequence import shard_sequence
+
+log = logging.getLogger("ringify")
+
+
+@dataclass
+class Traced:
+    """One input signature's rewritten graph (a plain object, not a submodule).
+
+    ``module(*state, *flat_inputs)`` returns the flat outputs, where ``state`` is the
+    model's tensors named by ``state_names`` (read at call time, see ``state_of``).
+    """
+
+    module: fx.GraphModule
+    before: str
+    report: Report
+    state_names: tuple[str, ...]
+    state_meta: tuple
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    shared_inputs: tuple[int, ...]  # flat inputs every rank passes whole (fingerprinted)
+
+
+def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """The model's current parameters and buffers named by ``names``."""
+    tensors = []
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        tensors.append(getattr(model.get_submodule(owner) if owner else model, attr))
+    return tensors
+
+
+def meta_of(tensors: list[torch.Tensor]) -> tuple:
+    """What a traced graph assumed about the model's state: a change means a new trace."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
+    ring = config.ring()
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    dims = {}
+    if config.inputs == "sharded":
+        # The global shapes are not known before the sequence inputs are: find them on
+        # a trace at the local shapes, then trace again at the global ones.
+        structure = _exported_module(_export(model, spec, _fakes(flat, {})))
+        dims = sequence_input_dims(structure, config, companions=True)
+        exported = _export(model, spec, _fakes(flat, {i: (d, ring.size) for i, d in dims.items()}))
+    else:
+        exported = _export(model, spec, _fakes(flat, {}))
+    gm = _exported_module(exported)
+    _warn_about_hooks(model)
+    plan = plan_sequence(gm, config, dims or None)
+    before = gm.code
+    report = shard_sequence(
+        gm.graph,
+        plan=plan,
+        group_name=ring.name,
+        inputs_full=config.inputs == "full",
+        outputs_full=config.outputs == "full",
+        dilation=config.dilation,
+    )
+    state_names = _lift_state(gm.graph, model)
+    module = fx.GraphModule(gm, gm.graph)
+    for gather in report.gathers:
+        log.warning(
+            "ringify: gathered the sequence for %s (%s): %s %s",
+            gather.node,
+            gather.op,
+            gather.reason.value,
+            gather.detail,
+        )
+    log.info("ringify: traced a new input signature\n%s", report)
+    return Traced(
+        module,
+        before,
+        report,
+        state_names,
+        meta_of(state_of(model, state_names)),
+        exported.call_spec.in_spec,
+        exported.call_spec.out_spec,
+        tuple(i for i in tensors if i not in dims),
+    )
+
+
+def _lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
+    """Turn each read of a model parameter or buffer into a leading input; their names.
+
+    The graph then returns its flat outputs (the call's pytree structure is applied
+    by the caller), so it holds no reference to the model's tensors.
+    """
+    owned = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    owned |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target in owned]
+    with graph.inserting_before(next(iter(graph.nodes))):
+        lifted = [graph.placeholder(f"state_{node.name}") for node in reads]
+    for node, placeholder in zip(reads, lifted, strict=True):
+        placeholder.meta = dict(node.meta)
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+    graph._codegen = fx.graph.CodeGen()
+    graph.lint()
+    return tuple(n.target for n in reads)
+
+
+def _warn_about_hooks(model: nn.Module) -> None:
+    """Hooks ran once, during the trace, on fake tensors; say what that means."""
+    hooked = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if m._forward_hooks or m._forward_pre_hooks
+    ]
+    if hooked:
+        log.warning(
+            "ringify: forward hooks on %s ran once, while tracing, on fake tensors: what "
+            "they compute into the module's output is part of the graph and runs at every "
+            "call, but their side effects (logging, storing activations) do not happen at "
+            "each call. A hook added or removed later makes ringify trace again. Run such "
+            "code outside the model, or on the unmodified model.",
+            ", ".join(hooked),
+        )
+
+
+def _fakes(flat: list, scale: dict[int, tuple[int, int]]) -> list:
+    """Fake tensors like ``flat``'s, with dim ``d`` of input ``i`` multiplied as ``scale[i]``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = []
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            fakes.append(x)
+            continue
+        shape = list(x.shape)
+        if i in scale:
+            dim, factor = scale[i]
+            shape[dim] *= factor
+        with mode:
+            fake = torch.empty(shape, dtype=x.dtype, device=x.device)
+        fakes.append(fake.requires_grad_(x.requires_grad))
+    return fakes
+
+
+def _export(model: nn.Module, spec, flat: list) -> torch.export.ExportedProgram:
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    try:
+        exported = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:
+        raise RuntimeError(
+            f"ringify could not trace {type(model).__name__} with torch.export ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
+            "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
+            "Python control flow in forward, and return plain tensors/tuples/dicts (for HF "
+            "models, build them with use_cache=False). The full error is chained above."
+        ) from e
+    return exported
+
+
+def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
+    gm = exported.module()
+    # export's input-shape guards check global shapes; the signature key already pins them.
+    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(node)
+    return gm
+
+
+def dump(traced: Traced, key: tuple) -> None:
+    """With RINGIFY_DUMP_DIR set: the graph before and after the pass, and the report."""
+    root = os.environ.get("RINGIFY_DUMP_DIR")
+    if not root:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    name = hashlib.sha1(repr(key).encode()).hexdigest()[:10]
+    folder = Path(root) / f"{name}-rank{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "before.py").write_text(traced.before)
+    (folder / "after.py").write_text(traced.module.code)
+    (folder / "report.txt").write_text(str(traced.report))
+    log.info("ringify: wrote the graphs and report to %s", folder)
