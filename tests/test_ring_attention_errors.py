@@ -79,7 +79,8 @@ def disagreeing_ranks():
 def test_ranks_disagree_on_shapes(ranks):
     """Mismatched shards raise on every rank instead of hanging the ring."""
     with pytest.raises(
-        ValueError, match=r"disagree on their ring_attention call:\n  q: rank 0: \(\(1, 4, 8, 8\).*rank 1: \(\(1, 4, 12, 8\)"
+        ValueError,
+        match=r"disagree on their ring_attention call:\n  q: rank 0: \(\(1, 4, 8, 8\).*rank 1: \(\(1, 4, 12, 8\)",
     ):
         ranks(2).run(disagreeing_ranks, timeout=60)
 
