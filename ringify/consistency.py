@@ -2,9 +2,11 @@
 
 A ring computes one answer from every rank's part, so ranks that were given
 different batches, or that are one call apart, produce a wrong answer with no
-error. Each call therefore starts with one small collective (``check_call``):
-the call count, the input signature, the configuration, and a fingerprint of the
-values of every input the ranks must share. A new trace ends with a second one
+error. So do ranks whose parameters differ (a model built without a common
+seed, a rank that missed an optimizer step). Each call therefore starts with one
+small collective (``check_call``): the input signature and modes, the
+configuration, and fingerprints of the values of every input the ranks must
+share and of the parameters and buffers. A new trace ends with a second one
 (``check_trace``) that compares the rewritten graphs and carries any rank's
 trace error, so that every rank raises at once instead of waiting on the ring.
 """
@@ -19,13 +21,14 @@ from ringify.runtime.agreement import check_ranks_agree
 from ringify.runtime.ring import Ring
 
 _FIXES = {
-    "calls": (
-        "\nA rank skipped or repeated a call (for example it caught an error and went on): "
-        "every rank of a ring must call the model the same number of times, in step."
+    "input structure": "\nEvery rank of a ring must pass the same arguments (names and nesting).",
+    "input shapes": (
+        "\nEvery rank of a ring must pass inputs of the same shapes and dtypes (with "
+        "inputs='full', the same full batch)."
     ),
-    "signature": (
-        "\nThe ranks passed inputs of different structure, shapes or dtypes, or their models "
-        "differ in train/eval mode or hooks: every rank of a ring must make the same call."
+    "modes": (
+        "\nThe ranks' models differ in train/eval mode or forward hooks: call model.train() "
+        "or model.eval(), and register hooks, on every rank alike."
     ),
     "configuration": "\nPass the same ringify(...) arguments on every rank of the ring.",
     "retraced": (
@@ -33,12 +36,18 @@ _FIXES = {
         "dtype, device or shape (model.to(), load_state_dict(assign=True)) on that rank only."
     ),
     "inputs": (
-        "\nWith inputs='full' every rank of a ring must be given the same batch. Usually the "
+        "\nWith inputs='full' every rank of a ring must be given the same batch (a rank that "
+        "skipped a step is on another batch). Usually the "
         "DataLoader's sampler splits the data over all ranks: give DistributedSampler "
         "num_replicas=<number of rings> and rank=<index of this rank's ring> (the data-parallel "
         "size and rank), so that the ranks of one ring share a batch; or shard the sequence "
         "yourself and pass inputs='sharded'. ringify(..., check_inputs=False) skips this check "
         "once a setup is trusted."
+    ),
+    "parameters": (
+        "\nThe ranks' parameters or buffers differ: every rank of a ring must hold the same "
+        "model. Build it from the same seed or load the same checkpoint on every rank, and "
+        "make every rank take every optimizer step (a rank that skipped one has drifted)."
     ),
     "graph": "\nThe ranks traced different graphs from the same call: please report this.",
 }
@@ -49,6 +58,24 @@ def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
     for i, t in enumerate(tensors):
         total = total + (i + 1) * _checksum(t.to(total.device))
+    return total
+
+
+def state_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A float64 number that changes with the values of the model's parameters and buffers:
+    one fused norm per device and dtype (floating tensors), a checksum for the others."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append((i, t.detach()))
+    device = tensors[0].device if tensors else "cpu"
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, dtype), members in groups.items():
+        index = torch.tensor([i + 1 for i, _ in members], dtype=torch.float64, device=device)
+        if dtype.is_floating_point:
+            norms = torch._foreach_norm([t for _, t in members])
+        else:
+            norms = [_checksum(t) for _, t in members]
+        total = total + torch.dot(torch.stack(norms).to(device, torch.float64), index)
     return total
 
 
@@ -71,27 +98,29 @@ def _weighted(x: torch.Tensor) -> torch.Tensor:
 def check_call(
     ring: Ring,
     *,
-    calls: int,
-    signature: tuple,
+    signature: dict[str, object],
     config: Config,
     retraced: bool,
     shared: list[torch.Tensor] | None,
+    state: list[torch.Tensor] | None,
     args,
     kwargs,
 ) -> None:
-    """Raise on every rank unless all ranks make the same call, with the same shared inputs.
+    """Raise on every rank unless all ranks make the same call, with the same shared inputs
+    and model state.
 
-    ``shared`` is ``None`` when not known yet (the first call of a signature in
-    ``inputs="sharded"`` mode): ``check_trace`` compares them after the trace.
+    ``signature`` describes the call (fields that make a new trace), readably.
+    ``shared`` and ``state`` are ``None`` when not compared here: not asked for, or not
+    known before a new trace (then ``check_trace`` compares them).
     """
     check_ranks_agree(
         ring,
         {
-            "calls": calls,
-            "signature": signature,
+            **signature,
             "configuration": _described(config),
             "retraced": retraced,
             "inputs": 0.0 if shared is None else fingerprint(shared),
+            "parameters": 0.0 if state is None else state_fingerprint(state),
         },
         "this call of the ringified model",
         fix=_FIXES,
@@ -104,6 +133,7 @@ def check_trace(
     *,
     graph_code: str | None,
     shared: list[torch.Tensor] | None,
+    state: list[torch.Tensor] | None,
     error: BaseException | None,
     args,
     kwargs,
@@ -111,7 +141,11 @@ def check_trace(
     """After a new trace: raise on every rank if any rank's trace failed or the graphs differ."""
     check_ranks_agree(
         ring,
-        {"graph": graph_code, "inputs": 0.0 if shared is None else fingerprint(shared)},
+        {
+            "graph": graph_code,
+            "inputs": 0.0 if shared is None else fingerprint(shared),
+            "parameters": 0.0 if state is None else state_fingerprint(state),
+        },
         "the graph traced for this call",
         fix=_FIXES,
         error=error,

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from ringify.config import Config
 from ringify.consistency import check_call, check_trace
 from ringify.passes.report import Report
+from ringify.runtime.agreement import digest
 from ringify.runtime.dilation import Dilation
 from ringify.trace import Traced, dump, meta_of, state_of, trace
 
@@ -78,7 +79,6 @@ class RingifiedModule(nn.Module):
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
-        self._calls = 0
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
@@ -123,42 +123,43 @@ def _prepare(module: RingifiedModule, args, kwargs) -> None:
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module.model, flat, spec)
     traced = module._traced.get(key)
-    if traced is not None and traced.state_meta != meta_of(
-        state_of(module.model, traced.state_names)
-    ):
+    state = None if traced is None else state_of(module.model, traced.state_names)
+    if traced is not None and traced.state_meta != meta_of(state):
         del module._traced[key]  # the model's parameters changed dtype, device or shape
-        traced = None
+        traced = state = None
     config, ring = module.config, module._ring
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    if traced is None:
-        shared = tensors if config.inputs == "full" else None  # sharded: known after the trace
-    else:
-        shared = [flat[i] for i in traced.shared_inputs]
-    shared = shared if config.check_inputs else None
     if ring.size > 1 and (traced is None or config.check_inputs):
+        shared = None
+        if traced is not None:
+            shared = [flat[i] for i in traced.shared_inputs]
+        elif config.inputs == "full":
+            shared = [x for x in flat if isinstance(x, torch.Tensor)]
         check_call(
             ring,
-            calls=module._calls,
-            signature=key,
+            signature=_described(key),
             config=config,
             retraced=traced is None,
-            shared=shared,
+            shared=shared if config.check_inputs else None,
+            state=state if config.check_inputs else None,
             args=args,
             kwargs=kwargs,
         )
     if traced is None:
-        traced = _trace_on_every_rank(module, args, kwargs, after_call_check=shared is not None)
+        traced = _trace_on_every_rank(module, args, kwargs)
         module._traced[key] = traced
         if len(module._traced) > TRACE_CACHE_SIZE:
             module._traced.popitem(last=False)
         dump(traced, key)
     module._traced.move_to_end(key)
-    module._calls += 1
     module._active = traced
 
 
-def _trace_on_every_rank(module: RingifiedModule, args, kwargs, after_call_check: bool) -> Traced:
-    """Trace; then every rank raises if any rank's trace failed or the graphs differ."""
+def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
+    """Trace; then every rank raises if any rank's trace failed or the graphs differ.
+
+    The inputs of ``inputs="sharded"`` mode that every rank passes whole, and the model
+    state, are known only now: compared here on the first call of a signature.
+    """
     traced, error = None, None
     try:
         traced = trace(module.model, module.config, args, kwargs)
@@ -168,14 +169,17 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs, after_call_check
         if error is not None:
             raise error
         return traced
-    shared = None
-    if traced is not None and module.config.check_inputs and not after_call_check:
-        flat = pytree.tree_leaves((args, kwargs))
-        shared = [flat[i] for i in traced.shared_inputs]
+    shared = state = None
+    if traced is not None and module.config.check_inputs:
+        state = state_of(module.model, traced.state_names)
+        if module.config.inputs == "sharded":
+            flat = pytree.tree_leaves((args, kwargs))
+            shared = [flat[i] for i in traced.shared_inputs]
     check_trace(
         module._ring,
         graph_code=None if traced is None else traced.module.code,
         shared=shared,
+        state=state,
         error=error,
         args=args,
         kwargs=kwargs,
@@ -195,6 +199,23 @@ def _signature(model: nn.Module, flat: list, spec) -> tuple:
         (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks)) for m in model.modules()
     )
     return (str(spec), described, modes)
+
+
+def _described(key: tuple) -> dict[str, str]:
+    """A signature as readable fields, the same on every rank that makes the same call."""
+    spec, inputs, modes = key
+    shapes = ", ".join(
+        f"{list(x[0])} {str(x[1]).removeprefix('torch.')}" if isinstance(x, tuple) else repr(x)
+        for x in inputs
+    )
+    training = sum(t for t, _ in modes)
+    hooks = sum(h for _, h in modes)
+    return {
+        "input structure": spec,
+        "input shapes": shapes,
+        "modes": f"{training} of {len(modes)} modules training, {hooks} forward hooks "
+        f"(#{int(digest(modes)) % 10000:04d})",
+    }
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

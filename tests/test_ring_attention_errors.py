@@ -95,3 +95,42 @@ def backend_cannot_serve():
 def test_backend_cannot_serve_device(ranks):
     with pytest.raises(ValueError, match=r"cannot move cpu tensors"):
         ranks(2).run(backend_cannot_serve, timeout=60)
+
+
+def _outcome(fn):
+    import time
+
+    start = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - start)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+
+
+def mask_on_rank_0_only():
+    import torch.distributed as dist
+
+    q, k, v = qkv(seq=8)
+    mask = torch.ones(1, 1, 8, 16, dtype=torch.bool) if dist.get_rank() == 0 else None
+    return _outcome(lambda: ring_attention(q, k, v, attn_mask=mask, layout="zigzag"))
+
+
+def test_a_mask_passed_by_some_ranks_raises_on_every_rank(ranks):
+    for kind, message, elapsed in ranks(2).run(mask_on_rank_0_only, timeout=30):
+        assert kind == "ValueError" and "attn_mask: rank 0: ((1, 1, 8, 16)" in message, message
+        assert elapsed < 2.0
+
+
+def dropout_on_rank_1():
+    import torch.distributed as dist
+
+    return _outcome(lambda: ring_attention(*qkv(), dropout_p=0.1 * dist.get_rank()))
+
+
+def test_a_rank_failing_its_own_validation_stops_every_rank(ranks):
+    """Rank 1's error is raised on rank 1, and named on rank 0, at once: no wait for a timeout."""
+    (kind0, message0, t0), (kind1, message1, t1) = ranks(2).run(dropout_on_rank_1, timeout=30)
+    assert kind1 == "ValueError" and "does not support dropout" in message1
+    assert kind0 == "RankFailed" and "rank 1: ValueError" in message0 and "dropout" in message0
+    assert max(t0, t1) < 2.0

@@ -7,12 +7,23 @@ import torch
 
 from ringify import ringify
 from ringify.passes.report import GatherReason, MaskKind
-from ringify.testing.models import CumsumModel, NanoGPT, gpt2, llama, transformer_encoder
+from ringify.testing.models import (
+    BiasedAttention,
+    CumsumModel,
+    NanoGPT,
+    gpt2,
+    llama,
+    t5,
+    transformer_encoder,
+)
 
 
-def _build(name: str, dtype):
+def _build(name: str, dtype, seq: int = 0):
     torch.manual_seed(0)
     model = {
+        "t5-encoder": lambda: t5(encoder_only=True),
+        "t5": t5,
+        "biased": lambda: BiasedAttention(seq),
         "nanogpt": NanoGPT,
         "encoder": transformer_encoder,
         "gpt2": gpt2,
@@ -32,6 +43,11 @@ def _inputs(name: str, seq: int, dtype, g):
         )
         targets[0, :3] = -1  # ignored positions
         return (idx, targets), {}
+    if name.startswith("t5"):
+        ids = torch.randint(1, 64, (2, seq), generator=g)
+        if name == "t5-encoder":
+            return (), {"input_ids": ids}
+        return (), {"input_ids": ids, "labels": torch.randint(1, 64, (2, seq), generator=g)}
     if name.startswith(("gpt2", "llama")):
         ids, labels = (
             torch.randint(0, 64, (2, seq), generator=g),
@@ -43,7 +59,7 @@ def _inputs(name: str, seq: int, dtype, g):
             mask[1, -5:] = 0
             return (), {"input_ids": ids, "labels": labels, "attention_mask": mask}
         return (), {"input_ids": ids, "labels": labels}
-    dim = 32 if name == "encoder" else 16
+    dim = 32 if name == "encoder" else 16  # encoder, cumsum and biased take embeddings
     return (torch.randn(2, seq, dim, generator=g, dtype=dtype).requires_grad_(),), {}
 
 
@@ -51,6 +67,8 @@ def _split(out):
     """(logits, the model's own loss or None) from any of the models' outputs."""
     if hasattr(out, "logits"):
         return out.logits, out.loss
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state, None
     return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
 
@@ -79,7 +97,7 @@ def compare(name, seq, dtype, layout, compile_backend=None):
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model, g = _build(name, dtype)
+    model, g = _build(name, dtype, seq)
     args, kwargs = _inputs(name, seq, dtype, g)
     want = _forward_backward(model, model, args, kwargs)
     ringified = ringify(model, ring_size=world, layout=layout)
@@ -153,6 +171,20 @@ def test_compiled_matches_unmodified_model(ranks, backend, name):
             # backward differently from eager, which moves the grads by float32 roundoff.
             tol = 1e-7 if (name, backend, kind) == ("gpt2", "inductor", "grads") else 1e-10
             assert r[kind] <= tol, (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["biased", "t5-encoder", "t5"])
+def test_learned_attention_bias_is_gathered_with_exact_gradients(ranks, world, name):
+    """A float mask computed from parameters (T5's relative-position bias, a bias parameter)
+    runs on the gathered sequence: exact outputs and gradients (never a zero gradient
+    for the bias), and reported."""
+    for r in run_compare(ranks, world, name, 8 * world, torch.float64, "zigzag"):
+        # (T5 seq2seq: the encoder self-attentions; its decoder runs replicated, issue 12)
+        learned = [x for x in r["gathers"] if x[1] is GatherReason.LEARNED_MASK]
+        assert len(learned) == {"biased": 1, "t5-encoder": 2, "t5": 2}[name], r["gathers"]
+        for kind in ("logits", "loss", "grads", "inputs"):
+            assert r[kind] <= TOL[torch.float64], (kind, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -35,6 +35,7 @@ class GatherReason(enum.Enum):
     CAT_ALONG_SEQUENCE = "it concatenates along the sequence"
     QKV_NOT_SHARDED = "q, k and v are not all sharded along their sequence dim (-2)"
     CROSS_ATTENTION = "cross-attention (q and k of different lengths) is not supported"
+    LEARNED_MASK = "its float mask is learned (its gradient reaches a parameter or input)"
     LOSS_LAYOUT = "only (N, C) inputs sharded along N are reduced locally"
     LOSS_TARGET = "its input and target are sharded differently"
     WEIGHTED_MEAN = "a class-weighted mean"

@@ -122,3 +122,43 @@ def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
 def transformer_encoder(dim=32, heads=4, layers=2):
     layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
+    """HF T5: a learned relative-position bias added to every attention's scores."""
+    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=vocab,
+        d_model=dim,
+        d_kv=dim // heads,
+        d_ff=2 * dim,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return (T5EncoderModel if encoder_only else T5ForConditionalGeneration)(config)
+
+
+class BiasedAttention(nn.Module):
+    """Self-attention with a learned (heads, S, S) bias parameter as its float mask."""
+
+    def __init__(self, seq: int, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.bias = nn.Parameter(torch.randn(heads, seq, seq) * 0.1)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.qkv(x).split(c, 2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return y.transpose(1, 2).reshape(b, t, c)
