@@ -30,7 +30,7 @@ from ringify.consistency import check_call, check_trace
 from ringify.passes.report import Report
 from ringify.runtime.agreement import digest
 from ringify.runtime.dilation import Dilation
-from ringify.trace import Traced, dump, meta_of, state_of, trace
+from ringify.trace import Traced, dump, state_of, still_fits, trace
 
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
 _PREFIX = "model."
@@ -124,8 +124,8 @@ def _prepare(module: RingifiedModule, args, kwargs) -> None:
     key = _signature(module.model, flat, spec)
     traced = module._traced.get(key)
     state = None if traced is None else state_of(module.model, traced.state_names)
-    if traced is not None and traced.state_meta != meta_of(state):
-        del module._traced[key]  # the model's parameters changed dtype, device or shape
+    if traced is not None and not still_fits(traced, module.model, state):
+        del module._traced[key]  # the model's parameters changed dtype, device, shape or ties
         traced = state = None
     config, ring = module.config, module._ring
     if ring.size > 1 and (traced is None or config.check_inputs):

@@ -44,6 +44,7 @@ class Traced:
     report: Report
     state_names: tuple[str, ...]
     state_meta: tuple
+    tied: tuple[tuple[str, ...], ...]  # names that shared one tensor when traced
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     shared_inputs: tuple[int, ...]  # flat inputs every rank passes whole (fingerprinted)
@@ -61,6 +62,24 @@ def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
 def meta_of(tensors: list[torch.Tensor]) -> tuple:
     """What a traced graph assumed about the model's state: a change means a new trace."""
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def still_fits(traced: Traced, model: nn.Module, state: list[torch.Tensor]) -> bool:
+    """Whether ``traced`` still computes the model: same state shapes, dtypes and devices,
+    and tied tensors still tied (an untied copy would get no gradient from the graph)."""
+    if meta_of(state) != traced.state_meta:
+        return False
+    return all(len({id(t) for t in state_of(model, names)}) == 1 for names in traced.tied)
+
+
+def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    names: dict[int, list[str]] = {}
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(t), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
 def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
@@ -105,6 +124,7 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
         report,
         state_names,
         meta_of(state_of(model, state_names)),
+        _tied(model),
         exported.call_spec.in_spec,
         exported.call_spec.out_spec,
         tuple(i for i in tensors if i not in dims),

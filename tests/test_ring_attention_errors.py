@@ -64,8 +64,11 @@ def test_shard_length_not_divisible():
 
 
 def test_group_without_distributed():
-    with pytest.raises(ValueError, match="not initialised"):
+    with pytest.raises(TypeError, match=r"must be a torch\.distributed\.ProcessGroup"):
         gather(torch.randn(4), 0, group=object())
+    group = torch.distributed.ProcessGroup.__new__(torch.distributed.ProcessGroup)
+    with pytest.raises(ValueError, match="not initialised"):
+        gather(torch.randn(4), 0, group=group)
 
 
 def disagreeing_ranks():
@@ -134,3 +137,9 @@ def test_a_rank_failing_its_own_validation_stops_every_rank(ranks):
     assert kind1 == "ValueError" and "does not support dropout" in message1
     assert kind0 == "RankFailed" and "rank 1: ValueError" in message0 and "dropout" in message0
     assert max(t0, t1) < 2.0
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 8, 4), (1, 2, 0, 4), (0, 2, 8, 4)])
+def test_empty_inputs_name_the_cause(shape):
+    with pytest.raises(ValueError, match="must not be empty"):
+        ring_attention(*(torch.randn(shape) for _ in range(3)))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ringify import ringify
 from ringify.passes.report import GatherReason, MaskKind
+from ringify.runtime import ring_attention
 
 
 class MaskedAttention(nn.Module):
@@ -180,18 +181,41 @@ class AttentionDropout(nn.Module):
         return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
 
 
+class Attention(nn.Module):
+    """Self-attention on q, k, v of any rank (SDPA takes 3-D and 5-D as well)."""
+
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
 @pytest.mark.parametrize(
-    ("model", "error", "match"),
+    ("model", "x", "error", "match"),
     [
-        (NoAttention(), ValueError, "found no attention"),
-        (DataDependent(), RuntimeError, "could not trace DataDependent with torch.export"),
-        (AttentionDropout(), ValueError, "dropout_p=0.1.*eval mode"),
+        (NoAttention(), (2, 8, 4), ValueError, "found no attention"),
+        (DataDependent(), (1, 2, 8, 4), RuntimeError, "could not trace DataDependent"),
+        (AttentionDropout(), (1, 2, 8, 4), ValueError, "dropout_p=0.1.*eval mode"),
+        (Attention(), (2, 8, 4), ValueError, r"\[3\]-D q, k and v; ringify shards 4-D"),
+        (Attention(), (2, 3, 2, 8, 4), ValueError, r"\[5\]-D q, k and v"),
+        (Attention(), (2, 2, 1, 4), ValueError, "sequence has length 1.*unmodified model"),
+        (Attention(), (2, 2, 0, 4), ValueError, "empty q, k or v.*skip empty batches"),
+        (Attention(), (2, 0, 8, 4), ValueError, "empty q, k or v"),
     ],
 )
-def test_errors_name_the_fix(model, error, match):
-    x = torch.randn(1, 2, 8, 4) if not isinstance(model, NoAttention) else torch.randn(2, 8, 4)
+def test_errors_name_the_fix(model, x, error, match):
     with pytest.raises(error, match=match):
-        ringify(model, ring_size=1)(x)
+        ringify(model, ring_size=1)(torch.randn(x))
+
+
+def group_not_a_process_group():
+    with pytest.raises(TypeError, match=r"must be a torch\.distributed\.ProcessGroup.*got object"):
+        ringify(NoAttention(), ring_size=2, group=object())
+    with pytest.raises(TypeError, match=r"must be a torch\.distributed\.ProcessGroup"):
+        ring_attention(*(torch.randn(1, 2, 8, 4) for _ in range(3)), group=object())
+    return True
+
+
+def test_group_that_is_not_a_process_group(ranks):
+    assert ranks(2).run(group_not_a_process_group) == [True, True]
 
 
 def test_ring_size_must_match_the_group():

@@ -68,6 +68,7 @@ def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
             "F.scaled_dot_product_attention; a model that computes attention by hand "
             "(softmax(q @ k^T) @ v) must call F.scaled_dot_product_attention instead"
         )
+    _check_attention_shapes(attentions, config)
     self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
     reached = [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
     seeds: dict[fx.Node, Seq] = {}
@@ -89,6 +90,30 @@ def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
             "embeddings)"
         )
     return seeds
+
+
+def _check_attention_shapes(attentions: list, config: Config) -> None:
+    """Name the cause when no attention can be sharded: empty, not 4-D, or one position."""
+    for a in attentions:
+        shapes = [tuple(shape(x)) for x in (a.q, a.k, a.v)]
+        if any(0 in s for s in shapes):
+            raise ValueError(
+                f"attention {a.node.name} has an empty q, k or v (shapes {shapes}): a sequence "
+                "of length 0, or 0 heads, cannot be split over a ring; skip empty batches"
+            )
+    if all(len(shape(a.q)) != 4 for a in attentions):
+        found = sorted({len(shape(a.q)) for a in attentions})
+        raise ValueError(
+            f"the model calls scaled_dot_product_attention on {found}-D q, k and v; ringify "
+            "shards 4-D (batch, heads, sequence, head_dim) attention, the multi-head form "
+            "every transformer layer uses. Unbatched or extra-dim calls are not supported"
+        )
+    if all(shape(a.q)[-2] == 1 for a in attentions):
+        raise ValueError(
+            "every attention's sequence has length 1: there is nothing to split over a ring "
+            f"of {config.ring_size}. Run single-position calls (a decoding step, say) with "
+            "the unmodified model"
+        )
 
 
 def _companion_inputs(

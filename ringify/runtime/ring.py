@@ -34,6 +34,16 @@ class Ring:
 
 def resolve_ring(group: dist.ProcessGroup | None) -> Ring:
     """The ring for ``group`` (``None``: the default group), or a local one-rank ring."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        hint = (
+            " (for a DeviceMesh, pass mesh.get_group(dim_name))"
+            if hasattr(group, "get_group")
+            else ""
+        )
+        raise TypeError(
+            "group must be a torch.distributed.ProcessGroup, or None for the default group; "
+            f"got {type(group).__name__}{hint}"
+        )
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError(

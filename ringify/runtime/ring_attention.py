@@ -151,6 +151,11 @@ def check_inputs(
             "q, k and v must be 4-D (batch, heads, seq, head_dim); got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if any(0 in t.shape for t in (q, k, v)):
+        raise ValueError(
+            "q, k and v must not be empty (no heads, no positions or no batch); got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: skip empty batches"
+        )
     if len({q.dtype, k.dtype, v.dtype}) > 1 or q.dtype not in DTYPES:
         raise ValueError(
             f"q, k and v must share one dtype among {[str(d) for d in DTYPES]}; "

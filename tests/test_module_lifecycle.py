@@ -1,0 +1,139 @@
+"""The ringified module over a model's life: new weights, dtype moves, hooks, checkpoints, caching."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ringify import ringify
+from ringify.module import TRACE_CACHE_SIZE
+from ringify.testing.models import NanoGPT
+
+
+def _batch(seed=0, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (2, seq), generator=g), torch.randint(0, 64, (2, seq), generator=g)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return NanoGPT().double()
+
+
+def new_weights_after_the_first_call():
+    """load_state_dict(assign=True), a swapped parameter and model.to() after the first call:
+    the ringified model computes with, and gives gradients to, the model's current tensors."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = _model()
+    ringified = ringify(model, ring_size=world)
+    ringified(*_batch())[1].backward()
+    model.load_state_dict(_model(seed=1).state_dict(), assign=True)
+    model.ln_f.weight = nn.Parameter(torch.rand_like(model.ln_f.weight))
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        model.to(dtype)
+        model.zero_grad(set_to_none=True)
+        got = ringified(*_batch(1))
+        got[1].backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        want = model(*_batch(1))
+        want[1].backward()
+        results[str(dtype)] = {
+            "dtype": got[0].dtype == dtype,
+            "logits": (got[0] - want[0]).abs().max().item(),
+            "missing grads": [n for n, g in grads.items() if g is None],
+            "grads": max(
+                (grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters()
+            ),
+        }
+    results["graph holds no parameter"] = not any(
+        True for t in ringified._traced.values() for _ in t.module.parameters()
+    )
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_new_weights_after_the_first_call_are_used(ranks, world):
+    per_rank = (
+        [new_weights_after_the_first_call()]
+        if world == 1
+        else ranks(world).run(new_weights_after_the_first_call)
+    )
+    for r in per_rank:
+        assert r.pop("graph holds no parameter")
+        for dtype, tol in (("torch.float64", 1e-10), ("torch.float32", 2e-5)):
+            assert r[dtype]["dtype"] and r[dtype]["missing grads"] == [], r
+            assert r[dtype]["logits"] <= tol and r[dtype]["grads"] <= tol, r
+
+
+class AttentionThenBatchNorm(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v).squeeze(1)
+        return self.norm(y.transpose(1, 2))
+
+
+def test_buffers_the_model_updates_are_updated_in_the_model():
+    """BatchNorm's running statistics live in the model, not in a copy held by the graph."""
+    torch.manual_seed(0)
+    model, twin = AttentionThenBatchNorm().double(), AttentionThenBatchNorm().double()
+    twin.load_state_dict(model.state_dict())
+    ringified = ringify(model, ring_size=1)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, 8, 8, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(ringified(x), twin(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.norm.running_var, twin.norm.running_var, rtol=0, atol=1e-12)
+    assert model.norm.num_batches_tracked.item() == 3
+
+
+def test_hooks_warn_and_a_hook_added_later_takes_effect(caplog):
+    model = _model()
+    model.blocks[0].register_forward_hook(lambda m, i, o: o * 2)
+    ringified = ringify(model, ring_size=1)
+    with caplog.at_level(logging.WARNING, logger="ringify"):
+        got = ringified(*_batch())
+    assert any("forward hooks on blocks.0" in r.message for r in caplog.records)
+    torch.testing.assert_close(got[0], model(*_batch())[0], rtol=0, atol=1e-12)
+    handle = model.blocks[1].register_forward_hook(lambda m, i, o: o + 1)  # after the first call
+    torch.testing.assert_close(ringified(*_batch())[0], model(*_batch())[0], rtol=0, atol=1e-12)
+    handle.remove()
+    torch.testing.assert_close(ringified(*_batch())[0], model(*_batch())[0], rtol=0, atol=1e-12)
+    assert len(ringified._traced) == 2  # with and without the later hook
+
+
+def test_state_dict_keys_are_the_models_both_ways():
+    model, other = _model(), _model(seed=1)
+    ringified = ringify(model, ring_size=1)
+    ringified(*_batch())
+    saved = ringified.state_dict()
+    assert list(saved) == list(model.state_dict())
+    assert [n for n, _ in ringified.named_parameters()] == [n for n, _ in model.named_parameters()]
+    other.load_state_dict(saved)  # strict: the ringified checkpoint loads into the model
+    ringified.load_state_dict(_model(seed=2).state_dict())  # and the model's into it
+    torch.testing.assert_close(model.wte.weight, _model(seed=2).wte.weight, rtol=0, atol=0)
+    ringified.load_state_dict({"model." + k: v for k, v in saved.items()})  # old checkpoints
+    torch.testing.assert_close(model.wte.weight, saved["wte.weight"], rtol=0, atol=0)
+    parent = nn.ModuleDict({"lm": ringified})
+    assert list(parent.state_dict()) == ["lm." + k for k in model.state_dict()]
+    parent.load_state_dict(parent.state_dict())
+
+
+def test_trace_cache_is_bounded():
+    ringified = ringify(_model(), ring_size=1)
+    for seq in range(4, 4 + TRACE_CACHE_SIZE + 4):
+        ringified(*_batch(seq=seq))
+    assert len(ringified._traced) == TRACE_CACHE_SIZE
+    lengths = [key[1][0][0][1] for key in ringified._traced]
+    assert lengths == list(range(8, 8 + TRACE_CACHE_SIZE))  # the least recently used went first
