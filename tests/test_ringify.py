@@ -26,6 +26,7 @@ def _build(name: str, dtype, seq: int = 0):
         "biased": lambda: BiasedAttention(seq),
         "nanogpt": NanoGPT,
         "encoder": transformer_encoder,
+        "encoder-padding": transformer_encoder,
         "gpt2": gpt2,
         "gpt2-padding": gpt2,
         "llama": llama,
@@ -59,7 +60,12 @@ def _inputs(name: str, seq: int, dtype, g):
             mask[1, -5:] = 0
             return (), {"input_ids": ids, "labels": labels, "attention_mask": mask}
         return (), {"input_ids": ids, "labels": labels}
-    dim = 32 if name == "encoder" else 16  # encoder, cumsum and biased take embeddings
+    dim = 32 if name.startswith("encoder") else 16  # encoder, cumsum and biased: embeddings
+    if name == "encoder-padding":  # nn.MultiheadAttention's key padding: a (B, H, 1, S) mask
+        padding = torch.zeros(2, seq, dtype=torch.bool)
+        padding[1, -5:] = True
+        x = torch.randn(2, seq, dim, generator=g, dtype=dtype).requires_grad_()
+        return (x,), {"src_key_padding_mask": padding}
     return (torch.randn(2, seq, dim, generator=g, dtype=dtype).requires_grad_(),), {}
 
 
@@ -147,6 +153,17 @@ def test_matches_unmodified_model(ranks, world, name):
         }.get(name, MaskKind.CAUSAL)
         assert r["masks"] == [(want, None)] * 2, r["masks"]
         for kind in ("logits", "loss", "grads", "inputs"):
+            assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_key_padding_mask_of_multihead_attention(ranks, world):
+    """nn.TransformerEncoder with src_key_padding_mask: SDPA gets a mask with one query row
+    (a broadcast), kept as a broadcast, never sliced by rows."""
+    for r in run_compare(ranks, world, "encoder-padding", 8 * world, torch.float64, "zigzag"):
+        assert r["gathers"] == [] and r["rewritten"] == 2
+        assert [m for m, _ in r["masks"]] == [MaskKind.KEPT] * 2, r["masks"]
+        for kind in ("logits", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
 
