@@ -4,11 +4,14 @@
 of its whole graph over a ring of P ranks, and replaces every
 ``scaled_dot_product_attention`` with ring attention (``ringify.runtime``);
 with ``dilation=Dilation(...)``, with LongNet's dilated attention on the ring.
+Ranks that disagree raise together: ``ValueError`` naming what differs, or
+``RankFailed`` on the ranks whose peer raised.
 """
 
 from ringify import runtime
 from ringify.module import RingifiedModule, ringify
 from ringify.passes.report import Report
+from ringify.runtime.agreement import RankFailed
 from ringify.runtime.dilation import Dilation
 
-__all__ = ["Dilation", "Report", "RingifiedModule", "ringify", "runtime"]
+__all__ = ["Dilation", "RankFailed", "Report", "RingifiedModule", "ringify", "runtime"]
