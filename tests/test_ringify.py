@@ -11,6 +11,7 @@ from ringify.testing.models import (
     BiasedAttention,
     CumsumModel,
     NanoGPT,
+    falcon,
     gpt2,
     llama,
     t5,
@@ -24,6 +25,8 @@ def _build(name: str, dtype, seq: int = 0):
         "t5-encoder": lambda: t5(encoder_only=True),
         "t5": t5,
         "biased": lambda: BiasedAttention(seq),
+        "falcon-mqa": lambda: falcon(new_decoder_architecture=False),
+        "falcon-new-decoder": lambda: falcon(new_decoder_architecture=True),
         "nanogpt": NanoGPT,
         "encoder": transformer_encoder,
         "encoder-padding": transformer_encoder,
@@ -49,7 +52,7 @@ def _inputs(name: str, seq: int, dtype, g):
         if name == "t5-encoder":
             return (), {"input_ids": ids}
         return (), {"input_ids": ids, "labels": torch.randint(1, 64, (2, seq), generator=g)}
-    if name.startswith(("gpt2", "llama")):
+    if name.startswith(("gpt2", "llama", "falcon")):
         ids, labels = (
             torch.randint(0, 64, (2, seq), generator=g),
             torch.randint(0, 64, (2, seq), generator=g),
@@ -157,6 +160,16 @@ def test_matches_unmodified_model(ranks, world, name):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["falcon-mqa", "falcon-new-decoder"])
+def test_falcon_picks_heads_by_index_without_gathers(ranks, world, name):
+    """Falcon's fused_qkv[..., [-2], :] (aten.index on the head dim) keeps the sequence."""
+    for r in run_compare(ranks, world, name, 8 * world, torch.float64, "zigzag"):
+        assert r["gathers"] == [] and r["rewritten"] == 2, r["gathers"]
+        for kind in ("logits", "loss", "grads"):
+            assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_key_padding_mask_of_multihead_attention(ranks, world):
     """nn.TransformerEncoder with src_key_padding_mask: SDPA gets a mask with one query row
     (a broadcast), kept as a broadcast, never sliced by rows."""
@@ -179,7 +192,7 @@ def test_padding_mask_is_kept(ranks, world):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2"])
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa"])
 def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):

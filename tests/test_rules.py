@@ -170,6 +170,70 @@ CASES = {
         GatherReason.ALONG_SEQUENCE,
     ),
     "slice": (lambda x: x[..., 1:3], (x3(2, S, 4),), 1, aten.slice.Tensor, Seq(1)),
+    "broadcast_to": (
+        lambda x: torch.broadcast_to(x, (2, S, 5)),
+        (x3(2, S, 1),),
+        1,
+        aten.broadcast_to.default,
+        Seq(1),
+    ),
+    # Falcon's fused_qkv[..., [-2], :]: a constant index on the head dim
+    "index on heads": (
+        lambda x: x[..., [-2], :],
+        (x3(2, S, 6, 4),),
+        1,
+        aten.index.Tensor,
+        Seq(1),
+    ),
+    "index on heads, sequence after": (
+        lambda x: x[:, torch.tensor([[0, 1]])],
+        (x3(2, 3, S, 4),),
+        2,
+        aten.index.Tensor,
+        Seq(3),
+    ),
+    "index on two dims apart": (
+        lambda x: x[torch.tensor([1, 0]), :, torch.tensor([2, 3])],
+        (x3(2, S, 4, 4),),
+        1,
+        aten.index.Tensor,
+        Seq(1),
+    ),
+    "index along the sequence": (
+        lambda x: x[:, torch.tensor([0, 2])],
+        (x3(2, S, 4),),
+        1,
+        aten.index.Tensor,
+        GatherReason.ALONG_SEQUENCE,
+    ),
+    "index_select": (
+        lambda x: x.index_select(-1, torch.tensor([3, 0])),
+        (x3(2, S, 4),),
+        1,
+        aten.index_select.default,
+        Seq(1),
+    ),
+    "index_select along the sequence": (
+        lambda x: x.index_select(1, torch.tensor([3, 0])),
+        (x3(2, S, 4),),
+        1,
+        aten.index_select.default,
+        GatherReason.ALONG_SEQUENCE,
+    ),
+    "gather": (
+        lambda x: x.gather(-1, torch.zeros(2, S, 1, dtype=torch.long)),
+        (x3(2, S, 4),),
+        1,
+        aten.gather.default,
+        Seq(1),
+    ),
+    "gather along the sequence": (
+        lambda x: x.gather(1, torch.zeros(2, S, 4, dtype=torch.long)),
+        (x3(2, S, 4),),
+        1,
+        aten.gather.default,
+        GatherReason.ALONG_SEQUENCE,
+    ),
     "split": (lambda x: x.split(2, -1)[1], (x3(2, S, 4),), 1, aten.split.Tensor, [Seq(1)] * 2),
     "unbind": (lambda x: x.unbind(0)[1], (x3(2, S, 4),), 1, aten.unbind.int, [Seq(0)] * 2),
     "sum over features": (lambda x: x.sum(-1), (x3(2, S, 4),), 1, aten.sum.dim_IntList, Seq(1)),
@@ -259,9 +323,19 @@ def test_views_get_local_sizes(case, local):
     assert view.args[1] == local
 
 
-def test_expand_gets_local_size():
-    graph, _ = targets_after("expand")
-    assert node_of(graph, aten.expand.default).args[1] == [2, S // 2, 5]
+@pytest.mark.parametrize(
+    ("case", "op"), [("expand", aten.expand.default), ("broadcast_to", aten.broadcast_to.default)]
+)
+def test_expand_gets_local_size(case, op):
+    graph, _ = targets_after(case)
+    assert node_of(graph, op).args[1] == [2, S // 2, 5]
+
+
+def test_gather_slices_a_replicated_index_that_lines_up():
+    graph, _ = targets_after("gather")
+    index = node_of(graph, aten.gather.default).args[2]
+    assert index.target is aten.reshape.default  # of take_shard's output
+    assert index.args[0].target is ringify_ops.take_shard.default
 
 
 @pytest.mark.parametrize(

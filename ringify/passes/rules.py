@@ -233,6 +233,42 @@ def _infer_indexing(node, place, p: Seq, ndim: int):
 
 
 @_sharded_first
+def _infer_index(node, place, p: Seq, ndim: int):
+    """``x[..., idx, ...]`` with replicated index tensors on dims other than the sequence."""
+    indices = node.args[1]
+    picked = [i for i, t in enumerate(indices) if t is not None]
+    if p.dim in picked:
+        return Fallback(GatherReason.ALONG_SEQUENCE)
+    if any(place.sharded(t) for t in indices if t is not None):
+        return Fallback(GatherReason.MIXED_DIMS)
+    index_ndim = len(torch.broadcast_shapes(*(tuple(shape(indices[i])) for i in picked)))
+    before = sum(i < p.dim for i in picked)
+    if picked == list(range(picked[0], picked[-1] + 1)):  # adjacent: results stay in place
+        return Seq(p.dim if p.dim < picked[0] else p.dim - len(picked) + index_ndim, p.inner)
+    return Seq(index_ndim + p.dim - before, p.inner)  # apart: the indexed dims go first
+
+
+@_sharded_first
+def _infer_index_select(node, place, p: Seq, ndim: int):
+    dim, index = node.args[1:3]
+    if norm_dim(dim, ndim) == p.dim:
+        return Fallback(GatherReason.ALONG_SEQUENCE)
+    return p if not place.sharded(index) else Fallback(GatherReason.MIXED_DIMS)
+
+
+@_sharded_first
+def _infer_gather(node, place, p: Seq, ndim: int):
+    """``torch.gather`` along another dim: the index has a row per position (sharded alike,
+    or replicated at the full length, then sliced)."""
+    x, dim, index = node.args[:3]
+    if norm_dim(dim, ndim) == p.dim:
+        return Fallback(GatherReason.ALONG_SEQUENCE)
+    if place.sharded(index):
+        return p if place[index] == p else Fallback(GatherReason.MIXED_DIMS)
+    return p if shape(index)[p.dim] == shape(x)[p.dim] else Fallback(GatherReason.MISALIGNED)
+
+
+@_sharded_first
 def _infer_reduction(node, place, p: Seq, ndim: int):
     return infer_reduction(node, place)
 
@@ -264,7 +300,9 @@ RULES: dict[object, Rule] = {
     ),
     aten.embedding.default: Rule(_infer_embedding, _fit_whole),
     **dict.fromkeys(VIEWS, Rule(_infer_view, _local_size)),
-    aten.expand.default: Rule(_infer_expand, _local_size),
+    **dict.fromkeys(
+        (aten.expand.default, aten.broadcast_to.default), Rule(_infer_expand, _local_size)
+    ),
     aten.transpose.int: Rule(_infer_transpose, _fit_whole),
     aten.t.default: Rule(_infer_t, _fit_whole),
     aten.permute.default: Rule(_infer_permute, _fit_whole),
@@ -274,6 +312,9 @@ RULES: dict[object, Rule] = {
         Rule(_infer_squeeze, _fit_whole),
     ),
     **dict.fromkeys(_INDEXING, Rule(_infer_indexing, _fit_whole)),
+    aten.index.Tensor: Rule(_infer_index, _fit_whole),
+    aten.index_select.default: Rule(_infer_index_select, _fit_whole),
+    aten.gather.default: Rule(_infer_gather, _fit_broadcast),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }

@@ -162,3 +162,27 @@ class BiasedAttention(nn.Module):
         )
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
         return y.transpose(1, 2).reshape(b, t, c)
+
+
+def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
+    """HF Falcon, multi-query (one k/v head) or the new decoder architecture (k/v groups):
+    q, k and v are picked out of the fused projection with a constant index on the head dim."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=2 if new_decoder_architecture else None,
+        new_decoder_architecture=new_decoder_architecture,
+        multi_query=not new_decoder_architecture,
+        alibi=False,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return FalconForCausalLM(config)
