@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,9 +198,25 @@ def _export(model: nn.Module, spec, flat: list) -> torch.export.ExportedProgram:
             f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
             "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
             "Python control flow in forward, and return plain tensors/tuples/dicts (for HF "
-            "models, build them with use_cache=False). The full error is chained above."
+            f"models, build them with use_cache=False).{_known_cause(e)} The full error is "
+            "chained above."
         ) from e
     return exported
+
+
+# functions whose data-dependent checks export cannot trace -> what the caller can pass instead
+_KNOWN_CAUSES = {
+    "_detect_is_causal_mask": (
+        "nn.Transformer / TransformerDecoder(Layer) / TransformerEncoder inspect a tgt_mask or "
+        "mask's values to detect a causal mask: pass tgt_is_causal=True (or is_causal=True) "
+        "with a causal mask, or tgt_is_causal=False otherwise"
+    ),
+}
+
+
+def _known_cause(error: Exception) -> str:
+    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
+    return "".join(f" Here: {fix}." for name, fix in _KNOWN_CAUSES.items() if name in frames)
 
 
 def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:

@@ -225,3 +225,18 @@ def test_ring_size_must_match_the_group():
         ringify(NoAttention(), ring_size=1, layout="striped")
     with pytest.raises(ValueError, match="inputs must be one of"):
         ringify(NoAttention(), ring_size=1, inputs="local")
+
+
+def test_transformer_decoder_mask_inspection_names_tgt_is_causal():
+    """nn.TransformerDecoder called as PyTorch's docs show (tgt_mask, no tgt_is_causal) reads
+    the mask's values, which torch.export cannot trace: the error says what to pass."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    decoder = nn.TransformerDecoder(layer, 2).double()
+    tgt, memory = torch.randn(2, 8, 16, dtype=torch.float64), torch.randn(2, 8, 16).double()
+    mask = nn.Transformer.generate_square_subsequent_mask(8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="pass tgt_is_causal=True"):
+        ringify(decoder, ring_size=1)(tgt, memory, tgt_mask=mask)
+    got = ringify(decoder, ring_size=1)(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    want = decoder(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
