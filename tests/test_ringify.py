@@ -9,8 +9,8 @@ from ringify import ringify
 from ringify.passes.report import GatherReason, MaskKind
 from ringify.testing.models import (
     BiasedAttention,
-    CumsumModel,
     NanoGPT,
+    RunningModel,
     falcon,
     gpt2,
     llama,
@@ -33,7 +33,8 @@ def _build(name: str, dtype, seq: int = 0):
         "gpt2": gpt2,
         "gpt2-padding": gpt2,
         "llama": llama,
-        "cumsum": CumsumModel,
+        "cumsum": RunningModel,
+        "cummax": lambda: RunningModel("cummax"),
     }[name]().to(dtype)
     g = torch.Generator().manual_seed(1)
     return model, g
@@ -192,7 +193,7 @@ def test_padding_mask_is_kept(ranks, world):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa"])
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum"])
 def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):
@@ -218,10 +219,21 @@ def test_learned_attention_bias_is_gathered_with_exact_gradients(ranks, world, n
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_cumsum_along_the_sequence_is_a_ring_scan(ranks, world, layout):
+    """A running sum over the sequence: each rank adds the totals of every earlier chunk."""
+    for seq in (8 * world, 8 * world + 3):  # and a padded length
+        for r in run_compare(ranks, world, "cumsum", seq, torch.float64, layout):
+            assert r["gathers"] == [], r["gathers"]
+            for kind in ("logits", "grads", "inputs"):
+                assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_unsupported_op_is_gathered_and_reported(ranks, world):
-    """cumsum over the sequence has no local rule: gathered, run replicated, exact, reported."""
-    for r in run_compare(ranks, world, "cumsum", 8 * world, torch.float64, "contiguous"):
-        assert r["gathers"] == [("aten.cumsum.default", GatherReason.NO_RULE)]
+    """cummax over the sequence has no rule: gathered, run replicated, exact, reported."""
+    for r in run_compare(ranks, world, "cummax", 8 * world, torch.float64, "contiguous"):
+        assert r["gathers"] == [("aten.cummax.default", GatherReason.NO_RULE)]
         for kind in ("logits", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 

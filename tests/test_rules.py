@@ -22,6 +22,7 @@ from ringify.passes.report import GatherReason
 from ringify.passes.rules import infer_placements
 from ringify.passes.shard_sequence import shard_sequence
 from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring
+from ringify.runtime.ring_scan import ring_cumsum
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
@@ -266,11 +267,32 @@ CASES = {
         aten.scaled_dot_product_attention.default,
         GatherReason.QKV_NOT_SHARDED,
     ),
-    "no rule": (
+    "cumsum along the sequence": (
         lambda x: x.cumsum(1),
         (x3(2, S, 4),),
         1,
         aten.cumsum.default,
+        Seq(1),
+    ),
+    "cumsum over features": (
+        lambda x: x.cumsum(-1),
+        (x3(2, S, 4),),
+        1,
+        aten.cumsum.default,
+        Seq(1),
+    ),
+    "cumsum over sequence and heads": (
+        lambda x: x.reshape(2, -1).cumsum(1),
+        (x3(2, S, 4),),
+        1,
+        aten.cumsum.default,
+        GatherReason.ALONG_SEQUENCE,
+    ),
+    "no rule": (
+        lambda x: x.cummax(1)[0],
+        (x3(2, S, 4),),
+        1,
+        aten.cummax.default,
         GatherReason.NO_RULE,
     ),
 }
@@ -360,9 +382,15 @@ def test_attention_becomes_the_ring_op_with_its_fake_value():
 
 def test_a_fallback_gathers_its_sharded_inputs():
     graph, _targets = targets_after("no rule")
-    cumsum = node_of(graph, aten.cumsum.default)
-    assert cumsum.args[0].target is aten.reshape.default
-    assert cumsum.args[0].args[0].target is ringify_ops.gather.default
+    cummax = node_of(graph, aten.cummax.default)
+    assert cummax.args[0].target is aten.reshape.default
+    assert cummax.args[0].args[0].target is ringify_ops.gather.default
+
+
+def test_cumsum_along_the_sequence_becomes_the_ring_scan():
+    graph, _ = targets_after("cumsum along the sequence")
+    (scan,) = [n for n in graph.nodes if n.target is ring_cumsum]
+    assert scan.args[1:] == (1, "", "contiguous")
 
 
 def test_state_crossings_are_inserted_once():

@@ -45,6 +45,7 @@ from ringify.passes.reductions import (
     rewrite_reduction,
 )
 from ringify.passes.report import GatherReason
+from ringify.runtime.ring_scan import ring_cumsum
 
 aten = torch.ops.aten
 
@@ -269,6 +270,23 @@ def _infer_gather(node, place, p: Seq, ndim: int):
 
 
 @_sharded_first
+def _infer_cumsum(node, place, p: Seq, ndim: int):
+    """A running sum: local off the sequence, a scan over the ring along it."""
+    if norm_dim(node.args[1], ndim) != p.dim:
+        return p
+    if place.geometry.split(shape(node.args[0])[p.dim], p) != (1, 1):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
+    return p
+
+
+def _rewrite_cumsum(node, out: Seq, state: PassState) -> None:
+    x, dim = node.args[:2]
+    if norm_dim(dim, len(shape(x))) == out.dim:
+        node.target = ring_cumsum
+        node.args = (x, dim, state.group_name, state.geo.layout)
+
+
+@_sharded_first
 def _infer_reduction(node, place, p: Seq, ndim: int):
     return infer_reduction(node, place)
 
@@ -315,6 +333,7 @@ RULES: dict[object, Rule] = {
     aten.index.Tensor: Rule(_infer_index, _fit_whole),
     aten.index_select.default: Rule(_infer_index_select, _fit_whole),
     aten.gather.default: Rule(_infer_gather, _fit_broadcast),
+    aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }

@@ -60,12 +60,13 @@ class NanoGPT(nn.Module):
         return logits, loss
 
 
-class CumsumModel(nn.Module):
-    """Attention followed by a running sum over the sequence: no local rule exists for it."""
+class RunningModel(nn.Module):
+    """Attention followed by a running op over the sequence: ``"cumsum"`` (a scan over the
+    ring) or ``"cummax"`` (no rule: gathered)."""
 
-    def __init__(self, dim=16, heads=2):
+    def __init__(self, running: str = "cumsum", dim=16, heads=2):
         super().__init__()
-        self.heads = heads
+        self.heads, self.running = heads, running
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
@@ -75,6 +76,8 @@ class CumsumModel(nn.Module):
             z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(c, dim=-1)
         )
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        if self.running == "cummax":
+            return self.out(y.cummax(dim=1).values)
         return self.out(y.cumsum(dim=1))
 
 

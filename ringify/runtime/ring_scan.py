@@ -1,0 +1,47 @@
+"""A running sum (``cumsum``) along a sequence sharded over the ring.
+
+Each rank sums its chunks locally; the chunk totals of every rank are gathered,
+laid out in the sequence's global chunk order (the layout's), and each chunk adds
+the total of every chunk before it: an exclusive scan of the totals. The totals
+travel by ``ringify::gather``, whose backward takes each rank's slice of the
+(replicated) gradient, so a position's gradient reaches the earlier positions on
+every rank, as in the full cumsum.
+
+Padding sits at the end of the global sequence, so it never enters a real
+position's prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import ringify.runtime.sharding  # noqa: F401  (registers ringify::take_shard)
+from ringify.runtime.layout import chunks_per_rank, rank_chunks
+from ringify.runtime.ring import LOCAL
+
+
+def ring_cumsum(
+    x: torch.Tensor, dim: int, group_name: str, layout: str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``cumsum`` along ``dim`` of the full sequence, this rank's positions of it."""
+    x = x if dtype is None else x.to(dtype)
+    if group_name == LOCAL:
+        return x.cumsum(dim)
+    dim = dim % x.dim()
+    per_rank = chunks_per_rank(layout)
+    shape = list(x.shape)
+    chunked = x.unflatten(dim, (per_rank, shape[dim] // per_rank))  # (..., c, chunk, ...)
+    running = chunked.cumsum(dim + 1)
+    totals = running.narrow(dim + 1, -1, 1)  # (..., c, 1, ...)
+    flat = torch.ops.ringify.gather(totals, dim, group_name, "contiguous")  # rank-major
+    size = flat.shape[dim] // per_rank
+    # rank-major order -> global chunk order (the same on every rank: nothing rank-dependent
+    # is traced into a compiled graph; this rank's chunks are taken by take_shard)
+    order = [0] * (size * per_rank)
+    for rank in range(size):
+        for local, chunk in enumerate(rank_chunks(rank, size, layout)):
+            order[chunk] = rank * per_rank + local
+    in_order = flat.index_select(dim, torch.tensor(order, device=x.device))
+    before = in_order.cumsum(dim) - in_order  # exclusive: the total of all earlier chunks
+    mine = torch.ops.ringify.take_shard(before, dim, group_name, layout)  # (..., c, 1, ...)
+    return (running + mine).flatten(dim, dim + 1)
