@@ -195,3 +195,39 @@ def group_of_one_rank():
 
 def test_group_of_one_rank_is_local_attention(ranks):
     assert ranks(2).run(group_of_one_rank) == [0.0, 0.0]
+
+
+def ring_amax_matches_torch(layout):
+    """ring_amax against torch.amax on the full tensor: ties shared across ranks, inf, NaN."""
+    import torch.distributed as dist
+
+    from ringify.runtime.ring_reduce import ring_amax
+
+    name = dist.group.WORLD.group_name
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    full = torch.randint(0, 4, (3, 8 * world, 2), generator=g).double()  # many ties
+    full[1, 5, 0] = float("inf")
+    full[2, -1, 1] = float("nan")
+    results = []
+    for dims in ([1], [0, 1], [1, 2]):
+        x = full.clone().requires_grad_()
+        want = x.amax(dims, keepdim=True)
+        want.backward(torch.arange(want.numel(), dtype=torch.float64).view_as(want) + 1)
+        part = shard(full, 1, layout=layout).requires_grad_()
+        got = ring_amax(part, dims, name)
+        got.backward(torch.arange(got.numel(), dtype=torch.float64).view_as(got) + 1)
+        results.append(
+            (
+                torch.equal(got.detach().nan_to_num(7.0), want.detach().nan_to_num(7.0)),
+                torch.allclose(part.grad, shard(x.grad, 1, layout=layout), equal_nan=True),
+            )
+        )
+    return results
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_amax_shares_the_gradient_of_ties_across_ranks(ranks, world, layout):
+    for per_rank in ranks(world).run(ring_amax_matches_torch, layout):
+        assert per_rank == [(True, True)] * 3

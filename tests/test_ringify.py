@@ -35,6 +35,7 @@ def _build(name: str, dtype, seq: int = 0):
         "llama": llama,
         "cumsum": RunningModel,
         "cummax": lambda: RunningModel("cummax"),
+        "pool": lambda: RunningModel("pool"),
     }[name]().to(dtype)
     g = torch.Generator().manual_seed(1)
     return model, g
@@ -64,7 +65,7 @@ def _inputs(name: str, seq: int, dtype, g):
             mask[1, -5:] = 0
             return (), {"input_ids": ids, "labels": labels, "attention_mask": mask}
         return (), {"input_ids": ids, "labels": labels}
-    dim = 32 if name.startswith("encoder") else 16  # encoder, cumsum and biased: embeddings
+    dim = 32 if name.startswith("encoder") else 16  # the others take embeddings
     if name == "encoder-padding":  # nn.MultiheadAttention's key padding: a (B, H, 1, S) mask
         padding = torch.zeros(2, seq, dtype=torch.bool)
         padding[1, -5:] = True
@@ -193,7 +194,7 @@ def test_padding_mask_is_kept(ranks, world):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum"])
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum", "pool"])
 def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):
@@ -224,6 +225,17 @@ def test_cumsum_along_the_sequence_is_a_ring_scan(ranks, world, layout):
     """A running sum over the sequence: each rank adds the totals of every earlier chunk."""
     for seq in (8 * world, 8 * world + 3):  # and a padded length
         for r in run_compare(ranks, world, "cumsum", seq, torch.float64, layout):
+            assert r["gathers"] == [], r["gathers"]
+            for kind in ("logits", "grads", "inputs"):
+                assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_max_and_min_pooling_over_the_sequence_reduce_over_the_ring(ranks, world, layout):
+    """amax / amin / max over the sequence: the ring's maximum, padding masked out."""
+    for seq in (8 * world, 8 * world + 3):
+        for r in run_compare(ranks, world, "pool", seq, torch.float64, layout):
             assert r["gathers"] == [], r["gathers"]
             for kind in ("logits", "grads", "inputs"):
                 assert r[kind] <= TOL[torch.float64], (kind, r)

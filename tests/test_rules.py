@@ -21,7 +21,7 @@ from ringify.passes.plan import Plan
 from ringify.passes.report import GatherReason
 from ringify.passes.rules import infer_placements
 from ringify.passes.shard_sequence import shard_sequence
-from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring
+from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax
 from ringify.runtime.ring_scan import ring_cumsum
 
 aten = torch.ops.aten
@@ -246,6 +246,9 @@ CASES = {
         None,
     ),
     "mean": (lambda x: x.mean(), (x3(2, S, 4),), 1, aten.mean.default, None),
+    "amax over the sequence": (lambda x: x.amax(1), (x3(2, S, 4),), 1, aten.amax.default, None),
+    "amin over features": (lambda x: x.amin(-1), (x3(2, S, 4),), 1, aten.amin.default, Seq(1)),
+    "max of all": (lambda x: x.max(), (x3(2, S, 4),), 1, aten.max.default, None),
     "cross_entropy": (
         lambda x, t: F.cross_entropy(x, t),
         (x3(S, 5), torch.randint(0, 5, (S,))),
@@ -385,6 +388,12 @@ def test_a_fallback_gathers_its_sharded_inputs():
     cummax = node_of(graph, aten.cummax.default)
     assert cummax.args[0].target is aten.reshape.default
     assert cummax.args[0].args[0].target is ringify_ops.gather.default
+
+
+@pytest.mark.parametrize("case", ["amax over the sequence", "max of all"])
+def test_maxima_over_the_sequence_become_ring_amax(case):
+    _, targets = targets_after(case)
+    assert targets.count(ring_amax) == 1 and aten.amax.default not in targets
 
 
 def test_cumsum_along_the_sequence_becomes_the_ring_scan():

@@ -19,21 +19,26 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dims, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import reduce_from_ring
+from ringify.runtime.ring_reduce import reduce_from_ring, ring_amax
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
 
 REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim})
+# max-like reduction -> +1 for a maximum, -1 for a minimum (min(x) = -max(-x))
+EXTREMA = {aten.amax.default: 1, aten.max.default: 1, aten.amin.default: -1, aten.min.default: -1}
 # loss op -> positions of (reduction, ignore_index) in its arguments
 LOSSES = {aten.cross_entropy_loss.default: (3, 4), aten.nll_loss.default: (3, 4)}
 _MEAN, _SUM, _NONE = 1, 2, 0
 
 
 def _reduced_dims(node: fx.Node, ndim: int) -> list[int]:
-    if node.target in (aten.sum.default, aten.mean.default) or not node.args[1]:
+    if len(node.args) < 2 or node.target in _WHOLE or not node.args[1]:
         return list(range(ndim))
     return norm_dims(node.args[1], ndim)
+
+
+_WHOLE = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
 
 
 def infer_reduction(node: fx.Node, place: Placements) -> Placement:
@@ -42,7 +47,7 @@ def infer_reduction(node: fx.Node, place: Placements) -> Placement:
     dims = _reduced_dims(node, ndim)
     if p.dim in dims:
         return None
-    keep = len(node.args) > 2 and node.args[2]
+    keep = _keepdim(node)
     return Seq(p.dim if keep else p.dim - sum(d < p.dim for d in dims), p.inner)
 
 
@@ -52,7 +57,7 @@ def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
         return
     x = node.args[0]
     dims = _reduced_dims(node, len(shape(x)))
-    keep = len(node.args) > 2 and node.args[2]
+    keep = _keepdim(node)
     dtype = node.kwargs.get("dtype")
     g = state.graph
     with g.inserting_before(node):
@@ -65,6 +70,38 @@ def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
             count = math.prod(shape(x)[d] for d in dims)
             total = g.call_function(aten.div.Tensor, (total, count))
     node.replace_all_uses_with(total)
+    g.erase_node(node)
+
+
+def _keepdim(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+def rewrite_extremum(node: fx.Node, out: Placement, state: PassState) -> None:
+    """amax / amin / max / min over the sequence: ``ring_amax`` of the local positions
+    (padding masked to the lowest value; a minimum is minus the maximum of minus x)."""
+    if out is not None:  # over other dims: local
+        state.fit_replicated_inputs(node, out)
+        return
+    x = node.args[0]
+    sign = EXTREMA[node.target]
+    dims = _reduced_dims(node, len(shape(x)))
+    dtype = val(x).dtype
+    if dtype.is_floating_point:
+        fill = float("-inf") * sign
+    else:
+        fill = torch.iinfo(dtype).min if sign > 0 else torch.iinfo(dtype).max
+    g = state.graph
+    with g.inserting_before(node):
+        local = masked_padding(x, fill, state)
+        if sign < 0:
+            local = g.call_function(aten.neg.default, (local,))
+        result = g.call_function(ring_amax, (local, dims, state.group_name))
+        if not _keepdim(node):
+            result = g.call_function(aten.squeeze.dims, (result, dims))
+        if sign < 0:
+            result = g.call_function(aten.neg.default, (result,))
+    node.replace_all_uses_with(result)
     g.erase_node(node)
 
 

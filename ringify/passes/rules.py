@@ -37,10 +37,12 @@ from ringify.passes.placement import (
     view_placement,
 )
 from ringify.passes.reductions import (
+    EXTREMA,
     LOSSES,
     REDUCTIONS,
     infer_loss,
     infer_reduction,
+    rewrite_extremum,
     rewrite_loss,
     rewrite_reduction,
 )
@@ -335,6 +337,7 @@ RULES: dict[object, Rule] = {
     aten.gather.default: Rule(_infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
+    **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }
 

@@ -12,6 +12,10 @@ pair Megatron calls f and g):
   reduces its positions, the forward sums over the ring; the backward hands every
   rank the (identical) incoming gradient.
 
+``ring_amax`` is ``torch.amax`` over dims that include the sequence: the largest
+of every rank's partial maxima (NaN wins), whose gradient, as torch's, is shared
+evenly by the positions equal to the maximum, on whichever ranks they are.
+
 Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
 """
 
@@ -49,6 +53,40 @@ class _ReduceFromRing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def _max_over_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The elementwise maximum over the ring of every rank's ``x`` (NaN if any rank's is)."""
+    if not x.is_floating_point():
+        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "max", group_name))
+    nan = torch.isnan(x)
+    packed = torch.stack([x.masked_fill(nan, float("-inf")), nan.to(x.dtype)])
+    out = _c10d.wait_tensor(_c10d.all_reduce(packed, "max", group_name))
+    return out[0].masked_fill(out[1] > 0, float("nan"))
+
+
+class _RingAmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor:
+        top = _max_over_ring(x.amax(dims, keepdim=True), group_name)
+        if x.is_floating_point():
+            hit = x == top
+            count = _all_reduce(hit.sum(dims, keepdim=True, dtype=x.dtype), group_name)
+            ctx.save_for_backward(hit, count)
+        return top
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hit, count = ctx.saved_tensors
+        return grad * hit / count, None, None
+
+
+def ring_amax(x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor:
+    """``x.amax(dims, keepdim=True)`` over the ring: ``dims`` hold this rank's part of the
+    sequence (padding already at -inf)."""
+    if group_name == LOCAL:
+        return x.amax(dims, keepdim=True)
+    return _RingAmax.apply(x, dims, group_name)
 
 
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -61,8 +61,9 @@ class NanoGPT(nn.Module):
 
 
 class RunningModel(nn.Module):
-    """Attention followed by a running op over the sequence: ``"cumsum"`` (a scan over the
-    ring) or ``"cummax"`` (no rule: gathered)."""
+    """Attention followed by an op over the sequence: ``"cumsum"`` (a scan over the ring),
+    ``"pool"`` (max and min pooling: maxima over the ring) or ``"cummax"`` (no rule:
+    gathered)."""
 
     def __init__(self, running: str = "cumsum", dim=16, heads=2):
         super().__init__()
@@ -78,6 +79,8 @@ class RunningModel(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
         if self.running == "cummax":
             return self.out(y.cummax(dim=1).values)
+        if self.running == "pool":
+            return self.out(y.amax(1) - y.amin(1, keepdim=True).squeeze(1)) + y.max()
         return self.out(y.cumsum(dim=1))
 
 
