@@ -36,6 +36,7 @@ def _build(name: str, dtype, seq: int = 0):
         "cumsum": RunningModel,
         "cummax": lambda: RunningModel("cummax"),
         "pool": lambda: RunningModel("pool"),
+        "softmax": lambda: RunningModel("softmax"),
     }[name]().to(dtype)
     g = torch.Generator().manual_seed(1)
     return model, g
@@ -194,7 +195,7 @@ def test_padding_mask_is_kept(ranks, world):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum", "pool"])
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum", "pool", "softmax"])
 def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):
@@ -232,10 +233,12 @@ def test_cumsum_along_the_sequence_is_a_ring_scan(ranks, world, layout):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_max_and_min_pooling_over_the_sequence_reduce_over_the_ring(ranks, world, layout):
-    """amax / amin / max over the sequence: the ring's maximum, padding masked out."""
+@pytest.mark.parametrize("name", ["pool", "softmax"])
+def test_pooling_over_the_sequence_reduces_over_the_ring(ranks, world, layout, name):
+    """amax / amin / max, softmax and log_softmax over the sequence: the ring's maximum and
+    sum, padding masked out."""
     for seq in (8 * world, 8 * world + 3):
-        for r in run_compare(ranks, world, "pool", seq, torch.float64, layout):
+        for r in run_compare(ranks, world, name, seq, torch.float64, layout):
             assert r["gathers"] == [], r["gathers"]
             for kind in ("logits", "grads", "inputs"):
                 assert r[kind] <= TOL[torch.float64], (kind, r)

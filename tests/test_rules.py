@@ -249,6 +249,13 @@ CASES = {
     "amax over the sequence": (lambda x: x.amax(1), (x3(2, S, 4),), 1, aten.amax.default, None),
     "amin over features": (lambda x: x.amin(-1), (x3(2, S, 4),), 1, aten.amin.default, Seq(1)),
     "max of all": (lambda x: x.max(), (x3(2, S, 4),), 1, aten.max.default, None),
+    "softmax along the sequence": (
+        lambda x: x.softmax(1),
+        (x3(2, S, 4),),
+        1,
+        aten.softmax.int,
+        Seq(1),
+    ),
     "cross_entropy": (
         lambda x, t: F.cross_entropy(x, t),
         (x3(S, 5), torch.randint(0, 5, (S,))),
@@ -394,6 +401,13 @@ def test_a_fallback_gathers_its_sharded_inputs():
 def test_maxima_over_the_sequence_become_ring_amax(case):
     _, targets = targets_after(case)
     assert targets.count(ring_amax) == 1 and aten.amax.default not in targets
+
+
+def test_softmax_along_the_sequence_normalises_over_the_ring():
+    _, targets = targets_after("softmax along the sequence")
+    assert aten.softmax.int not in targets
+    assert targets.count(ring_amax) == 1 and targets.count(reduce_from_ring) == 1
+    assert targets.count(copy_to_ring) == 1  # the total's gradient is summed over the ring
 
 
 def test_cumsum_along_the_sequence_becomes_the_ring_scan():

@@ -13,7 +13,9 @@ outputs has a list of placements.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -117,3 +119,16 @@ class Placements:
             if k >= 0 and shape(a)[k] > 1:
                 self.meetings.append((a, Seq(k, seq.inner)))
         return seq
+
+
+def sharded_first(infer: Callable) -> Callable:
+    """An inference rule for ops whose first input carries the sequence: ``infer`` also gets
+    that input's placement and rank; a replicated first input falls back."""
+
+    @functools.wraps(infer)
+    def wrapped(node, place):
+        if not place.sharded(node.args[0]):
+            return Fallback(GatherReason.REPLICATED_FIRST)
+        return infer(node, place, place[node.args[0]], len(shape(node.args[0])))
+
+    return wrapped

@@ -19,12 +19,13 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dims, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import reduce_from_ring, ring_amax
+from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
 
 REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim})
+SOFTMAXES = frozenset({aten.softmax.int, aten.log_softmax.int})
 # max-like reduction -> +1 for a maximum, -1 for a minimum (min(x) = -max(-x))
 EXTREMA = {aten.amax.default: 1, aten.max.default: 1, aten.amin.default: -1, aten.min.default: -1}
 # loss op -> positions of (reduction, ignore_index) in its arguments
@@ -69,8 +70,7 @@ def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
         if node.target in (aten.mean.default, aten.mean.dim):
             count = math.prod(shape(x)[d] for d in dims)
             total = g.call_function(aten.div.Tensor, (total, count))
-    node.replace_all_uses_with(total)
-    g.erase_node(node)
+    _replace(node, total, None, state)
 
 
 def _keepdim(node: fx.Node) -> bool:
@@ -101,8 +101,47 @@ def rewrite_extremum(node: fx.Node, out: Placement, state: PassState) -> None:
             result = g.call_function(aten.squeeze.dims, (result, dims))
         if sign < 0:
             result = g.call_function(aten.neg.default, (result,))
+    _replace(node, result, None, state)
+
+
+def rewrite_softmax(node: fx.Node, out: Placement, state: PassState) -> None:
+    """Along the sequence: ``exp(x - M) / sum``, with ``M`` the ring's maximum (a constant
+    shift: no gradient needed) and the sum over the ring; padding at -inf adds nothing."""
+    x, dim = node.args[:2]
+    ndim = len(shape(x))
+    if norm_dims([dim], ndim)[0] != out.dim:
+        return
+    dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+    g, group = state.graph, state.group_name
+    with g.inserting_before(node):
+        local = masked_padding(x, float("-inf"), state)
+        if dtype is not None:
+            local = g.call_function(aten._to_copy.default, (local,), {"dtype": dtype})
+        fixed = g.call_function(aten.detach.default, (local,))
+        top = g.call_function(ring_amax, (fixed, [out.dim], group))
+        shifted = g.call_function(aten.sub.Tensor, (local, top))
+        exp = g.call_function(aten.exp.default, (shifted,))
+        total = g.call_function(aten.sum.dim_IntList, (exp, [out.dim], True))
+        total = g.call_function(reduce_from_ring, (total, group))
+        # the total is replicated and every rank's positions divide by it: their gradients
+        # of it are partial, summed over the ring
+        total = g.call_function(copy_to_ring, (total, group))
+        if node.target is aten.softmax.int:
+            result = g.call_function(aten.div.Tensor, (exp, total))
+        else:
+            log_total = g.call_function(aten.log.default, (total,))
+            result = g.call_function(aten.sub.Tensor, (shifted, log_total))
+    _replace(node, result, out, state)
+
+
+def _replace(node: fx.Node, result: fx.Node, out: Placement, state: PassState) -> None:
+    """``result`` in place of ``node``, with its value and placement, so that the rules of its
+    users see it as they saw ``node`` (a replicated maximum meeting the sequence is copied
+    to the ring, and its gradient summed)."""
+    result.meta["val"] = val(node)
+    state.place[result] = out
     node.replace_all_uses_with(result)
-    g.erase_node(node)
+    state.graph.erase_node(node)
 
 
 def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
@@ -184,5 +223,4 @@ def rewrite_loss(node: fx.Node, out: Placement, state: PassState) -> None:
             count = g.call_function(aten.sum.dim_IntList, (counted, [0]), {"dtype": val(x).dtype})
             count = g.call_function(reduce_from_ring, (count, state.group_name))
             total = g.call_function(aten.div.Tensor, (total, count))
-    node.replace_all_uses_with(total)
-    g.erase_node(node)
+    _replace(node, total, None, state)

@@ -17,7 +17,6 @@ other op with a sharded input falls back (its inputs are gathered).
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,13 @@ from torch import fx
 
 from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
 from ringify.passes.crossings import PassState
+from ringify.passes.indexing import (
+    INDEXING,
+    infer_gather,
+    infer_index,
+    infer_index_select,
+    infer_indexing,
+)
 from ringify.passes.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.placement import (
     Fallback,
@@ -34,17 +40,20 @@ from ringify.passes.placement import (
     Placement,
     Placements,
     Seq,
+    sharded_first,
     view_placement,
 )
 from ringify.passes.reductions import (
     EXTREMA,
     LOSSES,
     REDUCTIONS,
+    SOFTMAXES,
     infer_loss,
     infer_reduction,
     rewrite_extremum,
     rewrite_loss,
     rewrite_reduction,
+    rewrite_softmax,
 )
 from ringify.passes.report import GatherReason
 from ringify.runtime.ring_scan import ring_cumsum
@@ -70,18 +79,6 @@ VIEWS = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
     aten.flatten.using_ints,
 })  # fmt: skip
-
-
-def _sharded_first(infer: Infer) -> Infer:
-    """``infer`` for ops whose first input carries the sequence."""
-
-    @functools.wraps(infer)
-    def wrapped(node, place):
-        if not place.sharded(node.args[0]):
-            return Fallback(GatherReason.REPLICATED_FIRST)
-        return infer(node, place, place[node.args[0]], len(shape(node.args[0])))
-
-    return wrapped
 
 
 # ---- rewrites shared by several rules ---------------------------------------------------
@@ -171,35 +168,35 @@ def _infer_embedding(node, place: Placements):
     return Fallback(GatherReason.SHARDED_TABLE)
 
 
-@_sharded_first
+@sharded_first
 def _infer_view(node, place, p: Seq, ndim: int):
     seq = view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry.length)
     return seq or Fallback(GatherReason.VIEW_SPLITS)
 
 
-@_sharded_first
+@sharded_first
 def _infer_transpose(node, place, p: Seq, ndim: int):
     a, b = (norm_dim(d, ndim) for d in node.args[1:3])
     return Seq({a: b, b: a}.get(p.dim, p.dim), p.inner)
 
 
-@_sharded_first
+@sharded_first
 def _infer_t(node, place, p: Seq, ndim: int):
     return Seq(ndim - 1 - p.dim, p.inner)
 
 
-@_sharded_first
+@sharded_first
 def _infer_permute(node, place, p: Seq, ndim: int):
     return Seq(norm_dims(node.args[1], ndim).index(p.dim), p.inner)
 
 
-@_sharded_first
+@sharded_first
 def _infer_unsqueeze(node, place, p: Seq, ndim: int):
     k = norm_dim(node.args[1], ndim + 1)
     return Seq(p.dim + (k <= p.dim), p.inner)
 
 
-@_sharded_first
+@sharded_first
 def _infer_squeeze(node, place, p: Seq, ndim: int):
     x = node.args[0]
     named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
@@ -207,71 +204,12 @@ def _infer_squeeze(node, place, p: Seq, ndim: int):
     return Seq(p.dim - sum(d < p.dim for d in dropped), p.inner)
 
 
-@_sharded_first
+@sharded_first
 def _infer_expand(node, place, p: Seq, ndim: int):
     return Seq(p.dim + val(node).dim() - ndim, p.inner)
 
 
-# op -> position of its dim argument (and its default)
-_INDEXING = {
-    aten.select.int: 1, aten.slice.Tensor: 1, aten.unbind.int: 1,
-    aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2,
-}  # fmt: skip
-
-
-@_sharded_first
-def _infer_indexing(node, place, p: Seq, ndim: int):
-    """select / slice / unbind / split / chunk: local unless along the sequence."""
-    t, pos = node.target, _INDEXING[node.target]
-    k = norm_dim(node.args[pos] if len(node.args) > pos else 0, ndim)
-    out = val(node)
-    if k == p.dim:
-        if t is aten.slice.Tensor and list(out.shape) == shape(node.args[0]):
-            return p  # the whole sequence: the end index clamps to the local length
-        return Fallback(GatherReason.ALONG_SEQUENCE)
-    if t is aten.select.int or t is aten.unbind.int:
-        seq = Seq(p.dim - (k < p.dim), p.inner)
-        return seq if t is aten.select.int else [seq] * len(out)
-    return p if t is aten.slice.Tensor else [p] * len(out)
-
-
-@_sharded_first
-def _infer_index(node, place, p: Seq, ndim: int):
-    """``x[..., idx, ...]`` with replicated index tensors on dims other than the sequence."""
-    indices = node.args[1]
-    picked = [i for i, t in enumerate(indices) if t is not None]
-    if p.dim in picked:
-        return Fallback(GatherReason.ALONG_SEQUENCE)
-    if any(place.sharded(t) for t in indices if t is not None):
-        return Fallback(GatherReason.MIXED_DIMS)
-    index_ndim = len(torch.broadcast_shapes(*(tuple(shape(indices[i])) for i in picked)))
-    before = sum(i < p.dim for i in picked)
-    if picked == list(range(picked[0], picked[-1] + 1)):  # adjacent: results stay in place
-        return Seq(p.dim if p.dim < picked[0] else p.dim - len(picked) + index_ndim, p.inner)
-    return Seq(index_ndim + p.dim - before, p.inner)  # apart: the indexed dims go first
-
-
-@_sharded_first
-def _infer_index_select(node, place, p: Seq, ndim: int):
-    dim, index = node.args[1:3]
-    if norm_dim(dim, ndim) == p.dim:
-        return Fallback(GatherReason.ALONG_SEQUENCE)
-    return p if not place.sharded(index) else Fallback(GatherReason.MIXED_DIMS)
-
-
-@_sharded_first
-def _infer_gather(node, place, p: Seq, ndim: int):
-    """``torch.gather`` along another dim: the index has a row per position (sharded alike,
-    or replicated at the full length, then sliced)."""
-    x, dim, index = node.args[:3]
-    if norm_dim(dim, ndim) == p.dim:
-        return Fallback(GatherReason.ALONG_SEQUENCE)
-    if place.sharded(index):
-        return p if place[index] == p else Fallback(GatherReason.MIXED_DIMS)
-    return p if shape(index)[p.dim] == shape(x)[p.dim] else Fallback(GatherReason.MISALIGNED)
-
-
-@_sharded_first
+@sharded_first
 def _infer_cumsum(node, place, p: Seq, ndim: int):
     """A running sum: local off the sequence, a scan over the ring along it."""
     if norm_dim(node.args[1], ndim) != p.dim:
@@ -288,12 +226,18 @@ def _rewrite_cumsum(node, out: Seq, state: PassState) -> None:
         node.args = (x, dim, state.group_name, state.geo.layout)
 
 
-@_sharded_first
+@sharded_first
+def _infer_softmax(node, place, p: Seq, ndim: int):
+    """softmax / log_softmax keep the placement (along the sequence: normalised over the ring)."""
+    return p
+
+
+@sharded_first
 def _infer_reduction(node, place, p: Seq, ndim: int):
     return infer_reduction(node, place)
 
 
-@_sharded_first
+@sharded_first
 def _infer_loss(node, place, p: Seq, ndim: int):
     return infer_loss(node, place)
 
@@ -331,13 +275,14 @@ RULES: dict[object, Rule] = {
         (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
         Rule(_infer_squeeze, _fit_whole),
     ),
-    **dict.fromkeys(_INDEXING, Rule(_infer_indexing, _fit_whole)),
-    aten.index.Tensor: Rule(_infer_index, _fit_whole),
-    aten.index_select.default: Rule(_infer_index_select, _fit_whole),
-    aten.gather.default: Rule(_infer_gather, _fit_broadcast),
+    **dict.fromkeys(INDEXING, Rule(infer_indexing, _fit_whole)),
+    aten.index.Tensor: Rule(infer_index, _fit_whole),
+    aten.index_select.default: Rule(infer_index_select, _fit_whole),
+    aten.gather.default: Rule(infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
+    **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
     **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }
 

@@ -14,7 +14,8 @@ pair Megatron calls f and g):
 
 ``ring_amax`` is ``torch.amax`` over dims that include the sequence: the largest
 of every rank's partial maxima (NaN wins), whose gradient, as torch's, is shared
-evenly by the positions equal to the maximum, on whichever ranks they are.
+evenly by the positions equal to the maximum, on whichever ranks they are (the
+custom op ``ringify::ring_amax`` computes those shares once, in the forward).
 
 Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
 """
@@ -65,28 +66,47 @@ def _max_over_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out[0].masked_fill(out[1] > 0, float("nan"))
 
 
-class _RingAmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor:
-        top = _max_over_ring(x.amax(dims, keepdim=True), group_name)
-        if x.is_floating_point():
-            hit = x == top
-            count = _all_reduce(hit.sum(dims, keepdim=True, dtype=x.dtype), group_name)
-            ctx.save_for_backward(hit, count)
-        return top
+@torch.library.custom_op("ringify::ring_amax", mutates_args=())
+def ring_amax_op(
+    x: torch.Tensor, dims: list[int], group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the maximum over ``dims`` and the ring, each position's share of its gradient).
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        hit, count = ctx.saved_tensors
-        return grad * hit / count, None, None
+    An opaque op, so that a compiler cannot recompute ``x == max`` in the backward
+    from a bitwise different ``x``: the shares are computed once, here.
+    """
+    top = _max_over_ring(x.amax(dims, keepdim=True), group_name)
+    hit = x == top
+    count = _all_reduce(hit.sum(dims, keepdim=True, dtype=x.dtype), group_name)
+    return top, hit / count
+
+
+@ring_amax_op.register_fake
+def _(x, dims, group_name):
+    return x.amax(dims, keepdim=True), torch.empty_like(x)
+
+
+def _save_shares(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _amax_backward(ctx, grad_top, _grad_shares):
+    (shares,) = ctx.saved_tensors
+    return grad_top * shares, None, None
+
+
+ring_amax_op.register_autograd(_amax_backward, setup_context=_save_shares)
 
 
 def ring_amax(x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor:
     """``x.amax(dims, keepdim=True)`` over the ring: ``dims`` hold this rank's part of the
-    sequence (padding already at -inf)."""
+    sequence (padding already at the lowest value)."""
     if group_name == LOCAL:
         return x.amax(dims, keepdim=True)
-    return _RingAmax.apply(x, dims, group_name)
+    if not x.is_floating_point():
+        return _max_over_ring(x.amax(dims, keepdim=True), group_name)
+    return ring_amax_op(x, dims, group_name)[0]
 
 
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
