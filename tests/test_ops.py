@@ -231,3 +231,26 @@ def ring_amax_matches_torch(layout):
 def test_ring_amax_shares_the_gradient_of_ties_across_ranks(ranks, world, layout):
     for per_rank in ranks(world).run(ring_amax_matches_torch, layout):
         assert per_rank == [(True, True)] * 3
+
+
+def ring_argmax_matches_torch(layout):
+    """ring_argmax against torch.argmax on the full tensor: the first of ties across ranks, NaN."""
+    import torch.distributed as dist
+
+    from ringify.runtime.ring_reduce import ring_argmax
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    full = torch.randint(0, 3, (4, 8 * world), generator=g).double()  # many ties
+    full[1, 6] = float("nan")
+    full[2, -1] = float("inf")
+    want = full.argmax(1, keepdim=True)
+    part = shard(full, 1, layout=layout)
+    got = ring_argmax(part, 1, 8 * world, dist.group.WORLD.group_name, layout)
+    return torch.equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_argmax_is_the_first_maximum_over_the_ring(ranks, world, layout):
+    assert all(ranks(world).run(ring_argmax_matches_torch, layout))

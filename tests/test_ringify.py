@@ -37,6 +37,7 @@ def _build(name: str, dtype, seq: int = 0):
         "cummax": lambda: RunningModel("cummax"),
         "pool": lambda: RunningModel("pool"),
         "softmax": lambda: RunningModel("softmax"),
+        "argmax": lambda: RunningModel("argmax"),
     }[name]().to(dtype)
     g = torch.Generator().manual_seed(1)
     return model, g
@@ -195,7 +196,9 @@ def test_padding_mask_is_kept(ranks, world):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum", "pool", "softmax"])
+@pytest.mark.parametrize(
+    "name", ["nanogpt", "gpt2", "falcon-mqa", "cumsum", "pool", "softmax", "argmax"]
+)
 def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):
@@ -233,7 +236,7 @@ def test_cumsum_along_the_sequence_is_a_ring_scan(ranks, world, layout):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("name", ["pool", "softmax"])
+@pytest.mark.parametrize("name", ["pool", "softmax", "argmax"])
 def test_pooling_over_the_sequence_reduces_over_the_ring(ranks, world, layout, name):
     """amax / amin / max, softmax and log_softmax over the sequence: the ring's maximum and
     sum, padding masked out."""

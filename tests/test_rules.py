@@ -249,6 +249,27 @@ CASES = {
     "amax over the sequence": (lambda x: x.amax(1), (x3(2, S, 4),), 1, aten.amax.default, None),
     "amin over features": (lambda x: x.amin(-1), (x3(2, S, 4),), 1, aten.amin.default, Seq(1)),
     "max of all": (lambda x: x.max(), (x3(2, S, 4),), 1, aten.max.default, None),
+    "argmax along the sequence": (
+        lambda x: x.argmax(1),
+        (x3(2, S, 4),),
+        1,
+        aten.argmax.default,
+        None,
+    ),
+    "argmax over features": (
+        lambda x: x.argmax(-1),
+        (x3(2, S, 4),),
+        1,
+        aten.argmax.default,
+        Seq(1),
+    ),
+    "argmax of all": (
+        lambda x: x.argmax(),
+        (x3(2, S, 4),),
+        1,
+        aten.argmax.default,
+        GatherReason.ALONG_SEQUENCE,
+    ),
     "softmax along the sequence": (
         lambda x: x.softmax(1),
         (x3(2, S, 4),),

@@ -19,7 +19,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dims, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax
+from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax, ring_argmax
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
@@ -101,6 +101,35 @@ def rewrite_extremum(node: fx.Node, out: Placement, state: PassState) -> None:
             result = g.call_function(aten.squeeze.dims, (result, dims))
         if sign < 0:
             result = g.call_function(aten.neg.default, (result,))
+    _replace(node, result, None, state)
+
+
+def infer_argmax(node: fx.Node, place: Placements) -> Placement | Fallback:
+    """argmax along one dim: local off the sequence; along it, the ring's first maximum."""
+    x = node.args[0]
+    p, ndim = place[x], len(shape(x))
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim is None or place.geometry.split(shape(x)[p.dim], p) != (1, 1):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(argmax over several dims)")
+    if norm_dims([dim], ndim)[0] == p.dim:
+        return None
+    return Seq(p.dim if _keepdim(node) else p.dim - (norm_dims([dim], ndim)[0] < p.dim), p.inner)
+
+
+def rewrite_argmax(node: fx.Node, out: Placement, state: PassState) -> None:
+    if out is not None:  # along another dim: local
+        return
+    x = node.args[0]
+    dim = norm_dims([node.args[1]], len(shape(x)))[0]
+    dtype = val(x).dtype
+    lowest = float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+    g, geo = state.graph, state.geo
+    with g.inserting_before(node):
+        local = masked_padding(x, lowest, state)
+        args = (local, dim, geo.padded, state.group_name, geo.layout)
+        result = g.call_function(ring_argmax, args)
+        if not _keepdim(node):
+            result = g.call_function(aten.squeeze.dims, (result, [dim]))
     _replace(node, result, None, state)
 
 

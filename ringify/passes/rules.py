@@ -48,8 +48,10 @@ from ringify.passes.reductions import (
     LOSSES,
     REDUCTIONS,
     SOFTMAXES,
+    infer_argmax,
     infer_loss,
     infer_reduction,
+    rewrite_argmax,
     rewrite_extremum,
     rewrite_loss,
     rewrite_reduction,
@@ -233,6 +235,11 @@ def _infer_softmax(node, place, p: Seq, ndim: int):
 
 
 @sharded_first
+def _infer_argmax(node, place, p: Seq, ndim: int):
+    return infer_argmax(node, place)
+
+
+@sharded_first
 def _infer_reduction(node, place, p: Seq, ndim: int):
     return infer_reduction(node, place)
 
@@ -283,6 +290,9 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
+    aten.argmax.default: Rule(
+        sharded_first(lambda n, place, p, ndim: infer_argmax(n, place)), rewrite_argmax
+    ),
     **dict.fromkeys(LOSSES, Rule(_infer_loss, rewrite_loss)),
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+import ringify.runtime.sharding  # noqa: F401  (registers ringify::take_shard)
 from ringify.runtime.ring import LOCAL
 
 _c10d = torch.ops._c10d_functional
@@ -107,6 +108,25 @@ def ring_amax(x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor
     if not x.is_floating_point():
         return _max_over_ring(x.amax(dims, keepdim=True), group_name)
     return ring_amax_op(x, dims, group_name)[0]
+
+
+def ring_argmax(x: torch.Tensor, dim: int, padded: int, group_name: str, layout: str):
+    """``x.argmax(dim, keepdim=True)`` of the full sequence: the global position of the first
+    maximum (NaN counts as the maximum, as in torch); ``dim`` holds this rank's positions of
+    a (padded) sequence of ``padded``, the padding already at the lowest value."""
+    if group_name == LOCAL:
+        return x.argmax(dim, keepdim=True)
+    local = x.argmax(dim, keepdim=True)
+    best = x.gather(dim, local)
+    positions = torch.ops.ringify.take_shard(
+        torch.arange(padded, device=x.device), 0, group_name, layout
+    )
+    found = positions[local]  # the global position of this rank's first maximum
+    top = _max_over_ring(best, group_name)
+    mine = (best == top) | (best.isnan() & top.isnan()) if x.is_floating_point() else best == top
+    # the first occurrence over the ring: the smallest position among the ranks holding top
+    candidate = torch.where(mine, -found, torch.iinfo(torch.int64).min)
+    return -_max_over_ring(candidate, group_name)
 
 
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:

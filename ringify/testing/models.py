@@ -62,8 +62,8 @@ class NanoGPT(nn.Module):
 
 class RunningModel(nn.Module):
     """Attention followed by an op over the sequence: ``"cumsum"`` (a scan over the ring),
-    ``"pool"`` (max and min pooling: maxima over the ring), ``"softmax"`` (normalised over
-    the ring) or ``"cummax"`` (no rule: gathered)."""
+    ``"pool"`` (max and min pooling: maxima over the ring), ``"argmax"``, ``"softmax"``
+    (normalised over the ring) or ``"cummax"`` (no rule: gathered)."""
 
     def __init__(self, running: str = "cumsum", dim=16, heads=2):
         super().__init__()
@@ -83,6 +83,9 @@ class RunningModel(nn.Module):
             centred = (y - y.amax(1, keepdim=True)).exp().sum(1)  # the max meets the sequence
             centred = centred + (y - y.mean(1, keepdim=True)).square().sum(1)  # and the mean
             return self.out(y.amax(1) - y.amin(1, keepdim=True).squeeze(1)) + y.max() + centred
+        if self.running == "argmax":  # the position of each row's largest activation
+            where = y.sum(-1).argmax(1, keepdim=True) + y.mean(-1).argmax(1).unsqueeze(-1)
+            return self.out(y.amax(1)) * where.to(y.dtype)
         if self.running == "softmax":  # attention pooling over the sequence
             weights = y.softmax(1) + y.log_softmax(1, dtype=torch.float64).exp()
             return self.out((weights * y).sum(1))
