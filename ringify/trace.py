@@ -73,12 +73,17 @@ def still_fits(traced: Traced, model: nn.Module, state: list[torch.Tensor]) -> b
     return all(len({id(t) for t in state_of(model, names)}) == 1 for names in traced.tied)
 
 
-def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
-    names: dict[int, list[str]] = {}
-    for name, t in [
+def _named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every name of every parameter and buffer (a tied tensor under each of its names)."""
+    return [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
-    ]:
+    ]
+
+
+def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    names: dict[int, list[str]] = {}
+    for name, t in _named_state(model):
         names.setdefault(id(t), []).append(name)
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
@@ -138,8 +143,7 @@ def _lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
     The graph then returns its flat outputs (the call's pytree structure is applied
     by the caller), so it holds no reference to the model's tensors.
     """
-    owned = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    owned |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    owned = {n for n, _ in _named_state(model)}
     reads = [n for n in graph.nodes if n.op == "get_attr" and n.target in owned]
     with graph.inserting_before(next(iter(graph.nodes))):
         lifted = [graph.placeholder(f"state_{node.name}") for node in reads]

@@ -1,29 +1,19 @@
 """Ranks that disagree raise together, within seconds, with an error that names the cause.
 
-Each job returns every rank's outcome (the exception's type and message, and how
+Each job returns every rank's ``outcome`` (the exception's type and message, and how
 long the rank took), so a test sees that *every* rank raised, not only the first.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from ringify import ringify
+from ringify.testing import outcome
 from ringify.testing.models import NanoGPT, gpt2
 
 WITHIN_S = 2.0  # a disagreement ends every rank this fast, never at the group timeout
-
-
-def _outcome(fn) -> tuple[str, str, float]:
-    start = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - start)
-    except Exception as e:
-        return (type(e).__name__, str(e), time.monotonic() - start)
 
 
 def _batch(seed: int, seq: int = 16):
@@ -45,7 +35,7 @@ def different_batches(first_call_agrees: bool, check_inputs: bool = True):
     model = _nanogpt(check_inputs=check_inputs)
     if first_call_agrees:
         model(*_batch(0)).__getitem__(1).backward()  # a trusted first step, then a bad one
-    return _outcome(lambda: model(*_batch(100 + dist.get_rank())))
+    return outcome(lambda: model(*_batch(100 + dist.get_rank())))
 
 
 def assert_every_rank_raised(outcomes, error: str, *fragments: str) -> None:
@@ -75,7 +65,7 @@ def lengths_16_and_15():
     import torch.distributed as dist
 
     model = _nanogpt()
-    return _outcome(lambda: model(*_batch(0, seq=16 - dist.get_rank())))
+    return outcome(lambda: model(*_batch(0, seq=16 - dist.get_rank())))
 
 
 def test_ranks_given_different_lengths_raise(ranks):
@@ -89,18 +79,12 @@ def skipped_step():
     import torch.distributed as dist
 
     model = _nanogpt()
-    outcomes = []
-    step, batch = 0, 0
-    while step < 3:
-        if dist.get_rank() == 1 and batch == 1:
-            batch += 1  # the failed step's batch is skipped
-            continue
-        outcome = _outcome(lambda b=batch: model(*_batch(b))[1].backward())
-        outcomes.append(outcome)
-        if outcome[0] != "ok":
-            return outcome
-        step, batch = step + 1, batch + 1
-    return outcomes
+    batches = [0, 1, 2] if dist.get_rank() == 0 else [0, 2, 3]  # batch 1's step was skipped
+    for batch in batches:
+        step = outcome(lambda b=batch: model(*_batch(b))[1].backward())
+        if step[0] != "ok":
+            break
+    return step
 
 
 def test_a_skipped_step_raises(ranks):
@@ -111,7 +95,7 @@ def different_seeds():
     import torch.distributed as dist
 
     model = _nanogpt(seed=dist.get_rank())
-    return _outcome(lambda: model(*_batch(0)))
+    return outcome(lambda: model(*_batch(0)))
 
 
 def test_ranks_with_different_parameters_raise(ranks):
@@ -122,7 +106,7 @@ def outputs_mode_differs():
     import torch.distributed as dist
 
     model = _nanogpt(outputs="full" if dist.get_rank() == 0 else "sharded")
-    return _outcome(lambda: model(*_batch(0)))
+    return outcome(lambda: model(*_batch(0)))
 
 
 def test_ranks_configured_differently_raise(ranks):
@@ -140,7 +124,7 @@ def mask_on_rank_0_only():
     kwargs = {"input_ids": ids, "labels": labels}
     if dist.get_rank() == 0:
         kwargs["attention_mask"] = torch.ones_like(ids)
-    return _outcome(lambda: model(**kwargs))
+    return outcome(lambda: model(**kwargs))
 
 
 def test_a_mask_passed_by_some_ranks_raises(ranks):
@@ -166,7 +150,7 @@ def trace_fails_on_rank_1():
     import torch.distributed as dist
 
     model = ringify(FailsOnRank1(), ring_size=dist.get_world_size())
-    return _outcome(lambda: model(*_batch(0)))
+    return outcome(lambda: model(*_batch(0)))
 
 
 def test_a_rank_whose_trace_fails_stops_every_rank(ranks):

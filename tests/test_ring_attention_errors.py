@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ringify.runtime import gather, ring_attention, shard
+from ringify.testing import outcome
 
 
 def qkv(heads=4, kv_heads=4, seq=16, dim=8, dtype=torch.float32):
@@ -100,23 +101,12 @@ def test_backend_cannot_serve_device(ranks):
         ranks(2).run(backend_cannot_serve, timeout=60)
 
 
-def _outcome(fn):
-    import time
-
-    start = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - start)
-    except Exception as e:
-        return (type(e).__name__, str(e), time.monotonic() - start)
-
-
 def mask_on_rank_0_only():
     import torch.distributed as dist
 
     q, k, v = qkv(seq=8)
     mask = torch.ones(1, 1, 8, 16, dtype=torch.bool) if dist.get_rank() == 0 else None
-    return _outcome(lambda: ring_attention(q, k, v, attn_mask=mask, layout="zigzag"))
+    return outcome(lambda: ring_attention(q, k, v, attn_mask=mask, layout="zigzag"))
 
 
 def test_a_mask_passed_by_some_ranks_raises_on_every_rank(ranks):
@@ -128,7 +118,7 @@ def test_a_mask_passed_by_some_ranks_raises_on_every_rank(ranks):
 def dropout_on_rank_1():
     import torch.distributed as dist
 
-    return _outcome(lambda: ring_attention(*qkv(), dropout_p=0.1 * dist.get_rank()))
+    return outcome(lambda: ring_attention(*qkv(), dropout_p=0.1 * dist.get_rank()))
 
 
 def test_a_rank_failing_its_own_validation_stops_every_rank(ranks):

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import norm_dims, shape, val
+from ringify.passes.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason
 from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax, ring_argmax
@@ -86,14 +86,9 @@ def rewrite_extremum(node: fx.Node, out: Placement, state: PassState) -> None:
     x = node.args[0]
     sign = EXTREMA[node.target]
     dims = _reduced_dims(node, len(shape(x)))
-    dtype = val(x).dtype
-    if dtype.is_floating_point:
-        fill = float("-inf") * sign
-    else:
-        fill = torch.iinfo(dtype).min if sign > 0 else torch.iinfo(dtype).max
     g = state.graph
     with g.inserting_before(node):
-        local = masked_padding(x, fill, state)
+        local = masked_padding(x, _bottom(val(x).dtype, sign), state)
         if sign < 0:
             local = g.call_function(aten.neg.default, (local,))
         result = g.call_function(ring_amax, (local, dims, state.group_name))
@@ -111,21 +106,20 @@ def infer_argmax(node: fx.Node, place: Placements) -> Placement | Fallback:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dim is None or place.geometry.split(shape(x)[p.dim], p) != (1, 1):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(argmax over several dims)")
-    if norm_dims([dim], ndim)[0] == p.dim:
+    dim = norm_dim(dim, ndim)
+    if dim == p.dim:
         return None
-    return Seq(p.dim if _keepdim(node) else p.dim - (norm_dims([dim], ndim)[0] < p.dim), p.inner)
+    return Seq(p.dim if _keepdim(node) else p.dim - (dim < p.dim), p.inner)
 
 
 def rewrite_argmax(node: fx.Node, out: Placement, state: PassState) -> None:
     if out is not None:  # along another dim: local
         return
     x = node.args[0]
-    dim = norm_dims([node.args[1]], len(shape(x)))[0]
-    dtype = val(x).dtype
-    lowest = float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+    dim = norm_dim(node.args[1], len(shape(x)))
     g, geo = state.graph, state.geo
     with g.inserting_before(node):
-        local = masked_padding(x, lowest, state)
+        local = masked_padding(x, _bottom(val(x).dtype, 1), state)
         args = (local, dim, geo.padded, state.group_name, geo.layout)
         result = g.call_function(ring_argmax, args)
         if not _keepdim(node):
@@ -138,7 +132,7 @@ def rewrite_softmax(node: fx.Node, out: Placement, state: PassState) -> None:
     shift: no gradient needed) and the sum over the ring; padding at -inf adds nothing."""
     x, dim = node.args[:2]
     ndim = len(shape(x))
-    if norm_dims([dim], ndim)[0] != out.dim:
+    if norm_dim(dim, ndim) != out.dim:
         return
     dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
     g, group = state.graph, state.group_name
@@ -161,6 +155,13 @@ def rewrite_softmax(node: fx.Node, out: Placement, state: PassState) -> None:
             log_total = g.call_function(aten.log.default, (total,))
             result = g.call_function(aten.sub.Tensor, (shifted, log_total))
     _replace(node, result, out, state)
+
+
+def _bottom(dtype: torch.dtype, sign: int):
+    """The value padding takes so that it never wins a maximum (``sign`` 1) or minimum (-1)."""
+    if dtype.is_floating_point:
+        return float("-inf") * sign
+    return torch.iinfo(dtype).min if sign > 0 else torch.iinfo(dtype).max
 
 
 def _replace(node: fx.Node, result: fx.Node, out: Placement, state: PassState) -> None:

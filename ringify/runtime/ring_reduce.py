@@ -16,6 +16,7 @@ pair Megatron calls f and g):
 of every rank's partial maxima (NaN wins), whose gradient, as torch's, is shared
 evenly by the positions equal to the maximum, on whichever ranks they are (the
 custom op ``ringify::ring_amax`` computes those shares once, in the forward).
+``ring_argmax`` is the global position of the ring's first maximum.
 
 Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
 """
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-import ringify.runtime.sharding  # noqa: F401  (registers ringify::take_shard)
 from ringify.runtime.ring import LOCAL
+from ringify.runtime.sharding import take_shard_op
 
 _c10d = torch.ops._c10d_functional
 
@@ -118,9 +119,7 @@ def ring_argmax(x: torch.Tensor, dim: int, padded: int, group_name: str, layout:
         return x.argmax(dim, keepdim=True)
     local = x.argmax(dim, keepdim=True)
     best = x.gather(dim, local)
-    positions = torch.ops.ringify.take_shard(
-        torch.arange(padded, device=x.device), 0, group_name, layout
-    )
+    positions = take_shard_op(torch.arange(padded, device=x.device), 0, group_name, layout)
     found = positions[local]  # the global position of this rank's first maximum
     top = _max_over_ring(best, group_name)
     mine = (best == top) | (best.isnan() & top.isnan()) if x.is_floating_point() else best == top

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-import ringify.runtime.sharding  # noqa: F401  (registers ringify::take_shard)
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
 from ringify.runtime.ring import LOCAL
+from ringify.runtime.sharding import gather_op, take_shard_op
 
 
 def ring_cumsum(
@@ -33,7 +33,7 @@ def ring_cumsum(
     chunked = x.unflatten(dim, (per_rank, shape[dim] // per_rank))  # (..., c, chunk, ...)
     running = chunked.cumsum(dim + 1)
     totals = running.narrow(dim + 1, -1, 1)  # (..., c, 1, ...)
-    flat = torch.ops.ringify.gather(totals, dim, group_name, "contiguous")  # rank-major
+    flat = gather_op(totals, dim, group_name, "contiguous")  # rank-major
     size = flat.shape[dim] // per_rank
     # rank-major order -> global chunk order (the same on every rank: nothing rank-dependent
     # is traced into a compiled graph; this rank's chunks are taken by take_shard)
@@ -43,5 +43,5 @@ def ring_cumsum(
             order[chunk] = rank * per_rank + local
     in_order = flat.index_select(dim, torch.tensor(order, device=x.device))
     before = in_order.cumsum(dim) - in_order  # exclusive: the total of all earlier chunks
-    mine = torch.ops.ringify.take_shard(before, dim, group_name, layout)  # (..., c, 1, ...)
+    mine = take_shard_op(before, dim, group_name, layout)  # (..., c, 1, ...)
     return (running + mine).flatten(dim, dim + 1)

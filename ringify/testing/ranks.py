@@ -14,6 +14,7 @@ import datetime
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -58,6 +59,17 @@ def _worker(
             except Exception:
                 results.put((rank, False, (RuntimeError(detail), detail)))
     dist.destroy_process_group()
+
+
+def outcome(fn) -> tuple[str, str, float]:
+    """On a rank: ``fn()``'s outcome, (exception type name or "ok", message, seconds taken),
+    so that a test sees what *every* rank did, not only the first rank that raised."""
+    start = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - start)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
 
 
 class RankPool:
