@@ -11,7 +11,8 @@ import torch
 
 from ringify import ringify
 from ringify.testing import outcome
-from ringify.testing.models import NanoGPT, gpt2
+from ringify.testing.hf_models import gpt2
+from ringify.testing.models import NanoGPT
 
 WITHIN_S = 2.0  # a disagreement ends every rank this fast, never at the group timeout
 

@@ -163,11 +163,19 @@ CASES = {
     "squeeze": (lambda x: x.squeeze(0), (x3(1, S, 4),), 1, aten.squeeze.dim, Seq(0)),
     "expand": (lambda x: x.expand(2, S, 5), (x3(2, S, 1),), 1, aten.expand.default, Seq(1)),
     "select": (lambda x: x[:, :, 0], (x3(2, S, 4),), 1, aten.select.int, Seq(1)),
-    "select along the sequence": (
+    "select along the sequence": (  # taken from the rank that holds it: replicated
         lambda x: x[:, 3],
         (x3(2, S, 4),),
         1,
         aten.select.int,
+        None,
+    ),
+    "last position": (lambda x: x[:, -1:], (x3(2, S, 4),), 1, aten.slice.Tensor, None),
+    "a slice longer than a shard": (
+        lambda x: x[:, 1:],
+        (x3(2, S, 4),),
+        1,
+        aten.slice.Tensor,
         GatherReason.ALONG_SEQUENCE,
     ),
     "slice": (lambda x: x[..., 1:3], (x3(2, S, 4),), 1, aten.slice.Tensor, Seq(1)),
@@ -219,7 +227,7 @@ CASES = {
         (x3(2, S, 4),),
         1,
         aten.index_select.default,
-        GatherReason.ALONG_SEQUENCE,
+        None,
     ),
     "gather": (
         lambda x: x.gather(-1, torch.zeros(2, S, 1, dtype=torch.long)),
@@ -291,8 +299,22 @@ CASES = {
         aten.scaled_dot_product_attention.default,
         Seq(2),
     ),
-    "cross-attention": (
+    "cross-attention to a replicated memory": (
         lambda q, m: F.scaled_dot_product_attention(q, m, m),
+        (x3(1, 2, S, 4), x3(1, 2, 3, 4)),
+        2,
+        aten.scaled_dot_product_attention.default,
+        Seq(2),
+    ),
+    "causal cross-attention": (
+        lambda q, m: F.scaled_dot_product_attention(q, m, m, is_causal=True),
+        (x3(1, 2, S, 4), x3(1, 2, 3, 4)),
+        2,
+        aten.scaled_dot_product_attention.default,
+        GatherReason.CAUSAL_MEMORY,
+    ),
+    "replicated queries": (
+        lambda kv, m: F.scaled_dot_product_attention(m, kv, kv),
         (x3(1, 2, S, 4), x3(1, 2, 3, 4)),
         2,
         aten.scaled_dot_product_attention.default,

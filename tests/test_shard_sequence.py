@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ringify import ringify
-from ringify.passes.report import GatherReason, MaskKind
+from ringify.passes.report import AttentionRun, GatherReason, MaskKind
 from ringify.runtime import ring_attention
 
 
@@ -48,8 +48,14 @@ class KernelAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    def forward(self, x, memory):
-        return F.scaled_dot_product_attention(x, memory, memory)
+    def __init__(self, is_causal=False):
+        super().__init__()
+        self.is_causal = is_causal
+
+    def forward(self, x, memory, mask=None):
+        return F.scaled_dot_product_attention(
+            x, memory, memory, attn_mask=mask, is_causal=self.is_causal
+        )
 
 
 def _compare(model, inputs, world):
@@ -113,21 +119,38 @@ def test_lowered_kernel_with_lse_is_rewritten(ranks):
         assert (err <= 1e-10, rewritten, gathers) == (True, 1, 0)
 
 
-def cross_attention(world):
+def cross_attention(world, mask, is_causal=False):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, 4 * world, 8, generator=g, dtype=torch.float64)
-    memory = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64)
-    err, report, _ = _compare(CrossAttention(), [x, memory], world)
-    return err, [(x.op, x.reason) for x in report.gathers]
+    length = 4 * world + 1  # padded: the padded query rows must not turn into NaN
+    x = torch.randn(2, 2, length, 8, generator=g, dtype=torch.float64)
+    memory = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64)
+    inputs = [x, memory]
+    if mask == "bool":  # every row sees some keys, no two rows alike
+        inputs.append(torch.rand(2, 1, length, 6, generator=g) < 0.6)
+        inputs[-1][..., 0] = True
+    elif mask == "float":
+        inputs.append(torch.randn(1, 2, length, 6, generator=g, dtype=torch.float64))
+    elif mask == "keys":  # one row for every query: broadcast, nothing to slice
+        inputs.append(torch.tensor([True] * 4 + [False] * 2).expand(2, 1, 1, 6))
+    err, report, _ = _compare(CrossAttention(is_causal), inputs, world)
+    return err, [a.run for a in report.attentions], [x.reason for x in report.gathers]
 
 
-def test_cross_attention_is_gathered_and_reported(ranks):
-    """q and k of different lengths: not rewritten, but exact (replicated) and reported."""
-    for err, gathers in ranks(2).run(cross_attention, 2):
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "keys"])
+def test_cross_attention_to_a_replicated_memory_runs_locally(ranks, world, mask):
+    """Each rank's queries (and mask rows) against the whole memory: no ring, no gather;
+    the memory's gradient, partial on each rank, is summed."""
+    for err, runs, gathers in ranks(world).run(cross_attention, world, mask):
         assert err <= 1e-10
-        assert gathers == [
-            ("aten.scaled_dot_product_attention.default", GatherReason.QKV_NOT_SHARDED)
-        ]
+        assert (runs, gathers) == ([AttentionRun.LOCAL], [])
+
+
+def test_causal_attention_to_a_replicated_memory_is_gathered(ranks):
+    """is_causal with k shorter than q puts the diagonal at the top left: run whole, exactly."""
+    for err, runs, gathers in ranks(2).run(cross_attention, 2, None, True):
+        assert err <= 1e-10
+        assert (runs, gathers) == ([AttentionRun.GATHERED], [GatherReason.CAUSAL_MEMORY])
 
 
 def test_graph_diff_dump_and_untouched_model(tmp_path, monkeypatch):

@@ -8,7 +8,10 @@ Outputs: the plain op returns ``out``; the kernels return a tuple whose item 0 i
 
 The rewrite: a positions-only causal mask becomes ``is_causal=True``; any other
 mask is kept, its rows sliced with the queries (the op cuts the columns per ring
-step); with a ``Dilation`` the attention becomes the dilated ring op.
+step); with a ``Dilation`` the attention becomes the dilated ring op. An attention
+whose k and v are replicated (cross-attention to a text prompt, an encoder output
+that is not sharded) needs no ring: it stays as it is, on this rank's queries and
+mask rows and the whole memory.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ringify.passes.causal_mask import is_causal_mask
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
-from ringify.passes.report import GatherReason, MaskKind, RewrittenAttention
+from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
@@ -91,15 +94,24 @@ def find_attention(graph: fx.Graph) -> list[Attention]:
 
 def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
     att = read_attention(node)
-    for x in (att.q, att.k, att.v):
-        if place[x] != Seq(2) or len(shape(x)) != 4:
-            return Fallback(GatherReason.QKV_NOT_SHARDED)
+    out = [Seq(2), Seq(2)] + [None] * (len(val(node)) - 2) if att.returns_tuple else Seq(2)
+    if place[att.q] != Seq(2) or len(shape(att.q)) != 4:
+        return Fallback(GatherReason.QKV_NOT_SHARDED)
+    if place[att.k] is None and place[att.v] is None:
+        if att.is_causal:  # its diagonal is at the top left of the whole (q, k) square
+            return Fallback(GatherReason.CAUSAL_MEMORY)
+        mask = att.mask
+        if mask is not None and place.sharded(mask) and place[mask] != Seq(len(shape(mask)) - 2):
+            return Fallback(GatherReason.MIXED_DIMS, f"(mask {mask.name})")
+        return out  # local: this rank's queries against the whole memory
+    if place[att.k] != Seq(2) or place[att.v] != Seq(2):
+        return Fallback(GatherReason.QKV_NOT_SHARDED)
     if shape(att.q)[2] != shape(att.k)[2]:
         return Fallback(GatherReason.CROSS_ATTENTION)
     if att.mask is not None and _learned(att.mask):
         # The ring op gives a mask no gradient: run it on the gathered sequence, exactly.
         return Fallback(GatherReason.LEARNED_MASK, f"(mask {att.mask.name})")
-    return [Seq(2), Seq(2)] + [None] * (len(val(node)) - 2) if att.returns_tuple else Seq(2)
+    return out
 
 
 def _learned(mask: fx.Node) -> bool:
@@ -124,7 +136,8 @@ _NO_GRADIENT = frozenset({aten.detach.default, aten.alias.default})
 
 
 def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
-    """Replace ``node`` by the ring (or, with ``state.dilation``, the dilated ring) op."""
+    """Replace ``node`` by the ring (or, with ``state.dilation``, the dilated ring) op; or,
+    with a replicated memory, run it on this rank's queries."""
     att = read_attention(node)
     dilation = state.dilation
     if att.dropout_p > 0:
@@ -132,6 +145,9 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
             f"attention {node.name} uses dropout_p={att.dropout_p}: ring attention cannot "
             "reproduce dropout; put the model in eval mode or set its attention dropout to 0"
         )
+    if not state.sharded(att.k):
+        _rewrite_local(att, state)
+        return
     geo, g = state.geo, state.graph
     q_shape = shape(att.q)
     causal, mask = att.is_causal, None
@@ -164,17 +180,49 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         node.replace_all_uses_with(ring_out)
     g.erase_node(node)
     kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
+    bytes_per_step = sum(math.prod(s) for s in kv) * val(att.k).element_size()
     state.attentions.append(
-        RewrittenAttention(
-            node=node.name,
-            global_shape=tuple(q_shape),
-            local_shape=tuple(geo.local_shape(q_shape, Seq(2))),
-            mask=kind,
-            mask_shape=tuple(shape(att.mask)) if kind is MaskKind.KEPT else None,
-            layout=geo.layout,
-            dilation=dilation,
-            bytes_per_step=sum(math.prod(s) for s in kv) * val(att.k).element_size(),
-        )
+        reported(att, AttentionRun.RING, state, kind, dilation=dilation, bytes=bytes_per_step)
+    )
+
+
+def _rewrite_local(att: Attention, state: PassState) -> None:
+    """Attention to a replicated memory: this rank's queries and mask rows, the whole k and v
+    (whose gradients, partial on each rank, are summed over the ring)."""
+    node, mask = att.node, att.mask
+    for x in (att.k, att.v):
+        node.replace_input_with(x, state.copy_to_ring(x))
+    if mask is not None and not state.sharded(mask) and shape(mask)[-2] > 1:
+        # padded query rows see every key, so that no row is all masked (NaN)
+        fill = True if val(mask).dtype == torch.bool else 0
+        node.replace_input_with(mask, state.slice(mask, Seq(len(shape(mask)) - 2), fill))
+    state.attentions.append(reported(att, AttentionRun.LOCAL, state))
+
+
+def reported(
+    att: Attention,
+    run: AttentionRun,
+    state: PassState,
+    mask: MaskKind | None = None,
+    dilation=None,
+    bytes: int = 0,
+) -> ReportedAttention:
+    """``att``'s row in the report."""
+    q_shape = tuple(shape(att.q))
+    if mask is None:
+        mask = MaskKind.NONE if att.mask is None else MaskKind.KEPT
+        mask = MaskKind.CAUSAL if att.is_causal else mask
+    sharded = run in (AttentionRun.RING, AttentionRun.LOCAL)
+    return ReportedAttention(
+        node=att.node.name,
+        run=run,
+        global_shape=q_shape,
+        local_shape=tuple(state.geo.local_shape(q_shape, Seq(2))) if sharded else q_shape,
+        mask=mask,
+        mask_shape=tuple(shape(att.mask)) if mask is MaskKind.KEPT else None,
+        layout=state.geo.layout if sharded else None,
+        dilation=dilation,
+        bytes_per_step=bytes,
     )
 
 

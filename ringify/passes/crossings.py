@@ -17,7 +17,7 @@ from torch import fx
 
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Fallback, Geometry, Placement, Seq
-from ringify.passes.report import InsertedGather, RewrittenAttention
+from ringify.passes.report import InsertedGather, ReportedAttention
 from ringify.runtime.dilation import Dilation
 from ringify.runtime.ring_reduce import copy_to_ring
 
@@ -38,7 +38,7 @@ class PassState:
     ):
         self.graph, self.geo, self.group_name, self.place = graph, geometry, group_name, place
         self.dilation = dilation  # every attention becomes dilated attention
-        self.attentions: list[RewrittenAttention] = []
+        self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
         self._cache: dict[tuple, fx.Node] = {}
 
@@ -122,6 +122,15 @@ class PassState:
                 node.replace_input_with(a, self.slice(a, Seq(k, seq.inner), 0))
             elif val(a).is_floating_point():
                 node.replace_input_with(a, self.copy_to_ring(a))
+
+    def replace(self, node: fx.Node, result: fx.Node, out: Placement) -> None:
+        """``result`` in place of ``node``, with its value and placement, so that the rules of
+        its users see it as they saw ``node`` (a replicated maximum meeting the sequence is
+        copied to the ring, and its gradient summed)."""
+        result.meta["val"] = val(node)
+        self.place[result] = out
+        node.replace_all_uses_with(result)
+        self.graph.erase_node(node)
 
     def fall_back(self, node: fx.Node, fallback: Fallback) -> None:
         """Gather ``node``'s sharded inputs: it runs replicated. Reported."""

@@ -1,16 +1,21 @@
 """Indexing rules: select, slice, split, chunk, unbind, advanced indexing, index_select, gather.
 
 Off the sequence dim each is local to the rank (replicated indices are used
-whole, or sliced where they line up with the sequence); along it, it falls back.
+whole, or sliced where they line up with the sequence). Along it, a select (a cls
+token), or a slice or index_select of no more positions than a rank holds (the
+last token), is taken from the ranks that hold those positions (``ring_take``):
+the result is replicated. Longer picks fall back (a gather).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dim, shape, val
-from ringify.passes.placement import Fallback, Seq, sharded_first
+from ringify.passes.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.report import GatherReason
+from ringify.runtime.ring_reduce import ring_take
 
 aten = torch.ops.aten
 
@@ -30,6 +35,8 @@ def infer_indexing(node, place, p: Seq, ndim: int):
     if k == p.dim:
         if t is aten.slice.Tensor and list(out.shape) == shape(node.args[0]):
             return p  # the whole sequence: the end index clamps to the local length
+        if t in (aten.select.int, aten.slice.Tensor):
+            return _taken(node, place, p, k)
         return Fallback(GatherReason.ALONG_SEQUENCE)
     if t is aten.select.int or t is aten.unbind.int:
         seq = Seq(p.dim - (k < p.dim), p.inner)
@@ -56,9 +63,51 @@ def infer_index(node, place, p: Seq, ndim: int):
 @sharded_first
 def infer_index_select(node, place, p: Seq, ndim: int):
     dim, index = node.args[1:3]
-    if norm_dim(dim, ndim) == p.dim:
-        return Fallback(GatherReason.ALONG_SEQUENCE)
-    return p if not place.sharded(index) else Fallback(GatherReason.MIXED_DIMS)
+    if place.sharded(index):
+        return Fallback(GatherReason.MIXED_DIMS)
+    return _taken(node, place, p, dim) if norm_dim(dim, ndim) == p.dim else p
+
+
+def _taken(node, place, p: Seq, dim: int) -> Fallback | None:
+    """Along the sequence: replicated, taken from the ranks that hold the positions, if they
+    are no more than a rank holds and the dim holds the sequence alone."""
+    x = node.args[0]
+    out_shape = val(node).shape
+    count = out_shape[dim] if len(out_shape) == len(shape(x)) else 1
+    if place.geometry.split(shape(x)[p.dim], p) != (1, 1):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
+    if count > place.geometry.local:
+        return Fallback(GatherReason.ALONG_SEQUENCE, f"({count} positions: more than a shard)")
+    return None
+
+
+def rewrite_indexing(node, out: Placement, state: PassState) -> None:
+    """Along the sequence (``out`` replicated): ``ring_take`` of the picked positions."""
+    if out is not None:
+        state.fit_replicated_inputs(node, None)
+        return
+    x, dim = node.args[0], norm_dim(node.args[1], len(shape(node.args[0])))
+    g, geo = state.graph, state.geo
+    device = val(x).device
+    with g.inserting_before(node):
+        if node.target is aten.index_select.default:
+            index = node.args[2]
+        elif node.target is aten.select.int:
+            i = node.args[2] % geo.length
+            index = g.call_function(
+                aten.arange.start, (i, i + 1), {"dtype": torch.int64, "device": device}
+            )
+        else:  # slice: its bounds clamped to the true length, as torch does
+            given = list(node.args[2:5])
+            start, end, step = slice(*given, *[None, None, 1][len(given) :]).indices(geo.length)
+            index = g.call_function(
+                aten.arange.start_step, (start, end, step), {"dtype": torch.int64, "device": device}
+            )
+        args = (x, dim, index, geo.padded, state.group_name, geo.layout)
+        result = g.call_function(ring_take, args)
+        if node.target is aten.select.int:
+            result = g.call_function(aten.squeeze.dims, (result, [dim]))
+    state.replace(node, result, None)
 
 
 @sharded_first

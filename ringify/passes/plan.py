@@ -4,6 +4,11 @@ Sequence inputs are found structurally: each dim of each input is tried alone,
 and it is a sequence dim if, sharded, the rules (``rules.py``) carry it to the
 sequence dim of some attention's q, or of the k or v of a self-attention (k as
 long as q; a cross-attention's memory stays replicated). Sizes are never matched.
+Where no input carries the sequence to an attention (a ViT's patches, audio
+frames after a conv, a cls token concatenated in front), the sequence is *born*
+inside the graph: the first node, in graph order, whose output carries it to that
+attention is a seed as well (there, sizes name the candidates; the rules decide).
+Each rank computes the graph up to the birth whole and keeps its own positions.
 Companion inputs (labels) never reach attention but meet the sharded sequence;
 they are found by following each replicated tensor that lines up with the
 sequence back to an input. The geometry decides the padding: a length the ring
@@ -31,8 +36,13 @@ _SEQUENCE_PRESERVING = frozenset({
 
 @dataclass(frozen=True)
 class Plan:
-    seeds: dict[fx.Node, Seq]  # the sequence inputs and where their sequence is
+    seeds: dict[fx.Node, Seq]  # the sequence inputs and births, and where their sequence is
     geometry: Geometry
+
+    @property
+    def births(self) -> list[fx.Node]:
+        """The nodes where the sequence is born inside the graph (not an input)."""
+        return [n for n in self.seeds if n.op != "placeholder"]
 
 
 def sequence_input_dims(
@@ -40,27 +50,35 @@ def sequence_input_dims(
 ) -> dict[int, int]:
     """Input index -> its sequence dim; with ``companions`` also the inputs (labels) that
     meet the sequence without reaching attention (passed sharded in sharded mode)."""
-    seeds = _sequence_inputs(gm.graph, config)
+    seeds = _sequence_sources(gm.graph, config)
     if companions:
         node, seq = next(iter(seeds.items()))
         length = shape(node)[seq.dim]  # this trace's (local) sequence length
         geometry = Geometry(length, length, config.ring_size, config.layout)
         seeds |= _companion_inputs(gm.graph, seeds, geometry)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {placeholders.index(n): seq.dim for n, seq in seeds.items() if seq.inner == 1}
+    return {
+        placeholders.index(n): seq.dim
+        for n, seq in seeds.items()
+        if n.op == "placeholder" and seq.inner == 1
+    }
 
 
 def plan_sequence(gm: fx.GraphModule, config: Config, dims: dict[int, int] | None = None) -> Plan:
     """The plan for ``gm``, traced at global shapes; ``dims`` (input index -> sequence dim)
     when the sequence inputs were found already (on the trace at local shapes)."""
     if dims is None:
-        dims = sequence_input_dims(gm, config)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
+        seeds = _sequence_sources(gm.graph, config)
+    else:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
+        seeds |= _births(gm.graph, config, seeds, _targets(gm.graph, config))
     return Plan(seeds, _geometry(gm.graph, config))
 
 
-def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
+def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
+    """The tensors whose dim 2 the sequence must reach: every attention's q, and the k and
+    v of self-attentions."""
     attentions = find_attention(graph)
     if not attentions:
         raise ValueError(
@@ -70,7 +88,12 @@ def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
         )
     _check_attention_shapes(attentions, config)
     self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
-    reached = [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+    return [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+
+
+def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
+    """The inputs whose sequence reaches attention, and the births of the others."""
+    reached = _targets(graph, config)
     seeds: dict[fx.Node, Seq] = {}
     for node in graph.nodes:
         if node.op != "placeholder" or not is_tensor(node):
@@ -83,13 +106,59 @@ def _sequence_inputs(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
             if any(place[x] == Seq(2) for x in reached):
                 seeds[node] = Seq(dim)
                 break
+    seeds |= _births(graph, config, seeds, reached)
     if not seeds:
         raise ValueError(
-            "no input of the model has a dim that reaches the sequence dim of its attention's "
-            "q, k and v; ringify needs the sequence to come from an input (token ids or "
-            "embeddings)"
+            "no input of the model, and no tensor computed inside it, has a dim that reaches "
+            "the sequence dim of its attention's q, k and v: ringify follows the sequence "
+            "from where it is created (token ids, embeddings, a patch embedding) through ops "
+            "that act per position. Set RINGIFY_DUMP_DIR=<folder> to see the graph, and "
+            "report the op between the sequence and attention"
         )
     return seeds
+
+
+def _births(
+    graph: fx.Graph, config: Config, seeds: dict[fx.Node, Seq], targets: list[fx.Node]
+) -> dict[fx.Node, Seq]:
+    """Nodes where the sequence of an attention the ``seeds`` do not reach is born: tried in
+    graph order among the targets' ancestors with a dim as long as an attention's sequence;
+    one is kept if it reaches more targets and loses none."""
+    lengths = {shape(t)[2] for t in targets}
+    geometry = Geometry(max(lengths), max(lengths), config.ring_size, config.layout)
+    place = infer_placements(graph, geometry, seeds).place
+
+    def reached(p) -> set[fx.Node]:
+        return {t for t in targets if p[t] == Seq(2)}
+
+    found: dict[fx.Node, Seq] = {}
+    ancestors = _ancestors(targets)
+    for node in graph.nodes:
+        if len(reached(place)) == len(targets):
+            break
+        if node.op != "call_function" or node not in ancestors or place[node] is not None:
+            continue
+        if not is_tensor(node):
+            continue
+        for dim, size in enumerate(shape(node)):
+            if size < 2 or size not in lengths:
+                continue
+            geometry = Geometry(size, size, config.ring_size, config.layout)
+            trial = infer_placements(graph, geometry, seeds | found | {node: Seq(dim)}).place
+            if reached(trial) > reached(place):  # a strict superset
+                found[node], place = Seq(dim), trial
+                break
+    return found
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def _check_attention_shapes(attentions: list, config: Config) -> None:

@@ -70,7 +70,7 @@ def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
         if node.target in (aten.mean.default, aten.mean.dim):
             count = math.prod(shape(x)[d] for d in dims)
             total = g.call_function(aten.div.Tensor, (total, count))
-    _replace(node, total, None, state)
+    state.replace(node, total, None)
 
 
 def _keepdim(node: fx.Node) -> bool:
@@ -96,7 +96,7 @@ def rewrite_extremum(node: fx.Node, out: Placement, state: PassState) -> None:
             result = g.call_function(aten.squeeze.dims, (result, dims))
         if sign < 0:
             result = g.call_function(aten.neg.default, (result,))
-    _replace(node, result, None, state)
+    state.replace(node, result, None)
 
 
 def infer_argmax(node: fx.Node, place: Placements) -> Placement | Fallback:
@@ -124,7 +124,7 @@ def rewrite_argmax(node: fx.Node, out: Placement, state: PassState) -> None:
         result = g.call_function(ring_argmax, args)
         if not _keepdim(node):
             result = g.call_function(aten.squeeze.dims, (result, [dim]))
-    _replace(node, result, None, state)
+    state.replace(node, result, None)
 
 
 def rewrite_softmax(node: fx.Node, out: Placement, state: PassState) -> None:
@@ -154,7 +154,7 @@ def rewrite_softmax(node: fx.Node, out: Placement, state: PassState) -> None:
         else:
             log_total = g.call_function(aten.log.default, (total,))
             result = g.call_function(aten.sub.Tensor, (shifted, log_total))
-    _replace(node, result, out, state)
+    state.replace(node, result, out)
 
 
 def _bottom(dtype: torch.dtype, sign: int):
@@ -162,16 +162,6 @@ def _bottom(dtype: torch.dtype, sign: int):
     if dtype.is_floating_point:
         return float("-inf") * sign
     return torch.iinfo(dtype).min if sign > 0 else torch.iinfo(dtype).max
-
-
-def _replace(node: fx.Node, result: fx.Node, out: Placement, state: PassState) -> None:
-    """``result`` in place of ``node``, with its value and placement, so that the rules of its
-    users see it as they saw ``node`` (a replicated maximum meeting the sequence is copied
-    to the ring, and its gradient summed)."""
-    result.meta["val"] = val(node)
-    state.place[result] = out
-    node.replace_all_uses_with(result)
-    state.graph.erase_node(node)
 
 
 def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
@@ -253,4 +243,4 @@ def rewrite_loss(node: fx.Node, out: Placement, state: PassState) -> None:
             count = g.call_function(aten.sum.dim_IntList, (counted, [0]), {"dtype": val(x).dtype})
             count = g.call_function(reduce_from_ring, (count, state.group_name))
             total = g.call_function(aten.div.Tensor, (total, count))
-    _replace(node, total, None, state)
+    state.replace(node, total, None)

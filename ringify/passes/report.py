@@ -21,6 +21,13 @@ class MaskKind(enum.Enum):
     KEPT = "mask kept"
 
 
+class AttentionRun(enum.Enum):
+    RING = "ring attention"
+    LOCAL = "local: this rank's queries, the whole replicated memory"
+    GATHERED = "gathered: runs on the full sequence (see gathers)"
+    REPLICATED = "replicated: none of its inputs carries the sequence"
+
+
 class GatherReason(enum.Enum):
     NO_RULE = "no sequence-sharding rule"
     UNREADABLE = "could not read its arguments"
@@ -34,7 +41,8 @@ class GatherReason(enum.Enum):
     ALONG_SEQUENCE = "it indexes or splits along the sequence"
     CAT_ALONG_SEQUENCE = "it concatenates along the sequence"
     QKV_NOT_SHARDED = "q, k and v are not all sharded along their sequence dim (-2)"
-    CROSS_ATTENTION = "cross-attention (q and k of different lengths) is not supported"
+    CROSS_ATTENTION = "cross-attention to a sharded memory of another length"
+    CAUSAL_MEMORY = "causal attention to a replicated k and v"
     LEARNED_MASK = "its float mask is learned (its gradient reaches a parameter or input)"
     LOSS_LAYOUT = "only (N, C) inputs sharded along N are reduced locally"
     LOSS_TARGET = "its input and target are sharded differently"
@@ -42,8 +50,11 @@ class GatherReason(enum.Enum):
 
 
 @dataclass(frozen=True)
-class RewrittenAttention:
+class ReportedAttention:
+    """One attention of the graph and how it runs (shapes are q's; bytes are k/v's per step)."""
+
     node: str
+    run: AttentionRun
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     mask: MaskKind
@@ -67,18 +78,25 @@ class Report:
     layout: str
     length: int
     padded: int
-    rewritten: tuple[RewrittenAttention, ...]
+    births: tuple[str, ...]  # nodes where the sequence is born inside the graph, sliced there
+    attentions: tuple[ReportedAttention, ...]  # every attention of the graph, in order
     gathers: tuple[InsertedGather, ...]
+
+    @property
+    def rewritten(self) -> tuple[ReportedAttention, ...]:
+        """The attentions rewritten into ring (or dilated ring) attention."""
+        return tuple(a for a in self.attentions if a.run is AttentionRun.RING)
 
     def __str__(self) -> str:
         head = (
             f"ringify: ring of {self.ring_size}, layout {self.layout}, sequence {self.length}"
             + (f" (padded to {self.padded})" if self.padded != self.length else "")
+            + (f", born inside the model at {', '.join(self.births)}" if self.births else "")
         )
-        attn = _table(self.rewritten) or "(none)"
+        attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"
         return (
-            f"{head}\n\nattention rewritten into ring attention:\n{attn}\n\n"
+            f"{head}\n\nattention:\n{attn}\n\n"
             f"gathers inserted (ops run on the full sequence):\n{gathers}\n"
         )
 

@@ -32,6 +32,7 @@ from ringify.passes.indexing import (
     infer_index,
     infer_index_select,
     infer_indexing,
+    rewrite_indexing,
 )
 from ringify.passes.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.placement import (
@@ -282,9 +283,12 @@ RULES: dict[object, Rule] = {
         (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
         Rule(_infer_squeeze, _fit_whole),
     ),
-    **dict.fromkeys(INDEXING, Rule(infer_indexing, _fit_whole)),
+    **dict.fromkeys((aten.select.int, aten.slice.Tensor), Rule(infer_indexing, rewrite_indexing)),
+    **dict.fromkeys(
+        INDEXING.keys() - {aten.select.int, aten.slice.Tensor}, Rule(infer_indexing, _fit_whole)
+    ),
     aten.index.Tensor: Rule(infer_index, _fit_whole),
-    aten.index_select.default: Rule(infer_index_select, _fit_whole),
+    aten.index_select.default: Rule(infer_index_select, rewrite_indexing),
     aten.gather.default: Rule(infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
@@ -325,11 +329,12 @@ class Inference:
 
 
 def infer_placements(graph: fx.Graph, geometry: Geometry, seeds: dict[fx.Node, Seq]) -> Inference:
-    """Placements of every node from those of the inputs (``seeds``; others replicated)."""
+    """Placements of every node from those of the ``seeds`` (inputs, or nodes where the
+    sequence is born; the other inputs are replicated)."""
     place = Placements(geometry)
     decisions: dict[fx.Node, Placement | Fallback] = {}
     for node in graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node in seeds:
             place.of[node] = seeds.get(node)
         elif node.op != "call_function":
             continue

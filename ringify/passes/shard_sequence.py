@@ -4,8 +4,8 @@ Two phases. Inference (``rules.infer_placements``) gives every node a placement
 from its inputs': replicated, or sequence-sharded (``placement.py``). The
 rewrite then walks the graph once and makes each rank compute exactly its part:
 
-- sequence inputs are sliced on entry (``inputs_full``), sharded outputs gathered
-  on exit (``outputs_full``);
+- sequence inputs are sliced on entry (``inputs_full``), a sequence born inside
+  the graph where it is born, and sharded outputs gathered on exit (``outputs_full``);
 - every node whose inputs carry the sequence gets its rule's rewrite
   (``rules.py``): local sizes, replicated operands sliced or copied to the ring,
   reductions over the ring, attention into the ring op;
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from torch import fx
 
+from ringify.passes.attention import Attention, find_attention, reported
 from ringify.passes.crossings import PassState
 from ringify.passes.placement import Fallback
 from ringify.passes.plan import Plan
-from ringify.passes.report import Report
+from ringify.passes.report import AttentionRun, Report
 from ringify.passes.rules import infer_placements, rule_for
 from ringify.runtime.dilation import Dilation
 
@@ -40,12 +41,14 @@ def shard_sequence(
     dilation: Dilation | None = None,
 ) -> Report:
     """Rewrite ``graph`` in place into what one rank of the ring runs; what was done."""
+    attentions = find_attention(graph)
     inference = infer_placements(graph, plan.geometry, plan.seeds)
     state = PassState(graph, plan.geometry, group_name, dict(inference.place.of), dilation)
     for node in list(graph.nodes):
         if getattr(node, "_erased", False):  # an attention kernel's outputs, already replaced
             continue
-        if node.op == "placeholder" and inputs_full and node in plan.seeds:
+        if node in plan.seeds and (inputs_full or node.op != "placeholder"):
+            state.place[node] = None  # computed whole on every rank; its users get the slice
             users = list(node.users)
             local = state.slice(node, plan.seeds[node], 0)
             for user in users:
@@ -68,6 +71,23 @@ def shard_sequence(
         geo.layout,
         geo.length,
         geo.padded,
-        tuple(state.attentions),
+        tuple(n.name for n in plan.births),
+        _every_attention(attentions, state),
         tuple(state.gathers),
+    )
+
+
+def _every_attention(attentions: list[Attention], state: PassState) -> tuple:
+    """The report's row of every attention of the graph: those the rules did not run on
+    shards ran on the full sequence, gathered or replicated."""
+    rows = {row.node: row for row in state.attentions}
+    gathered = {g.node for g in state.gathers}
+    return tuple(
+        rows.get(a.node.name)
+        or reported(
+            a,
+            AttentionRun.GATHERED if a.node.name in gathered else AttentionRun.REPLICATED,
+            state,
+        )
+        for a in attentions
     )

@@ -17,6 +17,8 @@ of every rank's partial maxima (NaN wins), whose gradient, as torch's, is shared
 evenly by the positions equal to the maximum, on whichever ranks they are (the
 custom op ``ringify::ring_amax`` computes those shares once, in the forward).
 ``ring_argmax`` is the global position of the ring's first maximum.
+``ring_take`` picks given global positions of the sequence (a cls token, a last
+token): each rank contributes the rows it holds, zeros elsewhere, summed.
 
 Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
 """
@@ -126,6 +128,28 @@ def ring_argmax(x: torch.Tensor, dim: int, padded: int, group_name: str, layout:
     # the first occurrence over the ring: the smallest position among the ranks holding top
     candidate = torch.where(mine, -found, torch.iinfo(torch.int64).min)
     return -_max_over_ring(candidate, group_name)
+
+
+def ring_take(
+    x: torch.Tensor, dim: int, index: torch.Tensor, padded: int, group_name: str, layout: str
+) -> torch.Tensor:
+    """``x.index_select(dim, index)`` of the full sequence, the same on every rank: ``dim``
+    holds this rank's positions of a (padded) sequence of ``padded``; ``index`` holds global
+    positions. The gradient reaches only the rank that holds each position."""
+    if group_name == LOCAL:
+        return x.index_select(dim, index)
+    held = take_shard_op(torch.arange(padded, device=x.device), 0, group_name, layout)
+    local_of = torch.full((padded,), -1, dtype=torch.int64, device=x.device)
+    local_of[held] = torch.arange(held.numel(), device=x.device)
+    local = local_of[index]  # this rank's row of each position, -1 where another rank's
+    rows = x.index_select(dim, local.clamp(min=0))
+    shape = [1] * x.dim()
+    shape[dim] = index.numel()
+    mine = (local >= 0).view(shape)
+    if x.dtype == torch.bool:  # sum over the ring as integers
+        return reduce_from_ring((rows & mine).to(torch.uint8), group_name).bool()
+    # where, not a product: another rank's NaN or inf must not reach this one's rows
+    return reduce_from_ring(torch.where(mine, rows, torch.zeros_like(rows)), group_name)
 
 
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:

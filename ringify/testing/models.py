@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,7 +65,8 @@ class NanoGPT(nn.Module):
 class RunningModel(nn.Module):
     """Attention followed by an op over the sequence: ``"cumsum"`` (a scan over the ring),
     ``"pool"`` (max and min pooling: maxima over the ring), ``"argmax"``, ``"softmax"``
-    (normalised over the ring) or ``"cummax"`` (no rule: gathered)."""
+    (normalised over the ring), ``"take"`` (a cls token, the last token and picked positions:
+    taken from the ranks that hold them) or ``"cummax"`` (no rule: gathered)."""
 
     def __init__(self, running: str = "cumsum", dim=16, heads=2):
         super().__init__()
@@ -86,77 +89,18 @@ class RunningModel(nn.Module):
         if self.running == "argmax":  # the position of each row's largest activation
             where = y.sum(-1).argmax(1, keepdim=True) + y.mean(-1).argmax(1).unsqueeze(-1)
             return self.out(y.amax(1)) * where.to(y.dtype)
+        if self.running == "take":
+            picked = y.index_select(1, torch.tensor([t - 2, 0, t - 2], device=y.device))
+            return self.out(y[:, 0] + y[:, -1:].squeeze(1) * y[:, t - 3]) + picked.sum(1)
         if self.running == "softmax":  # attention pooling over the sequence
             weights = y.softmax(1) + y.log_softmax(1, dtype=torch.float64).exp()
             return self.out((weights * y).sum(1))
         return self.out(y.cumsum(dim=1))
 
 
-def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=dim,
-        n_head=heads,
-        vocab_size=vocab,
-        n_positions=max_len,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(config)
-
-
-def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
-    """HF Llama: RoPE tables from positions, grouped-query attention, RMSNorm, SwiGLU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=max_len,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
-
-
 def transformer_encoder(dim=32, heads=4, layers=2):
     layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-
-
-def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
-    """HF T5: a learned relative-position bias added to every attention's scores."""
-    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
-
-    config = T5Config(
-        vocab_size=vocab,
-        d_model=dim,
-        d_kv=dim // heads,
-        d_ff=2 * dim,
-        num_layers=layers,
-        num_heads=heads,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        use_cache=False,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return (T5EncoderModel if encoder_only else T5ForConditionalGeneration)(config)
 
 
 class BiasedAttention(nn.Module):
@@ -178,25 +122,56 @@ class BiasedAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, t, c)
 
 
-def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
-    """HF Falcon, multi-query (one k/v head) or the new decoder architecture (k/v groups):
-    q, k and v are picked out of the fused projection with a constant index on the head dim."""
-    from transformers import FalconConfig, FalconForCausalLM
+def transformer_decoder(dim=32, heads=4, layers=2):
+    layer = nn.TransformerDecoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+    return nn.TransformerDecoder(layer, layers)
 
-    config = FalconConfig(
-        vocab_size=vocab,
-        hidden_size=dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_kv_heads=2 if new_decoder_architecture else None,
-        new_decoder_architecture=new_decoder_architecture,
-        multi_query=not new_decoder_architecture,
-        alibi=False,
-        use_cache=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return FalconForCausalLM(config)
+
+class DiTBlock(nn.Module):
+    """A video diffusion transformer block as Open-Sora / PixArt write it: a 3-D patch
+    embedding of the latent video (the sequence is born inside the model), adaLN-Zero
+    modulation from the timestep, self-attention over the patches, cross-attention to a
+    text embedding, an MLP; returns each patch's prediction (B, patches, values)."""
+
+    def __init__(self, channels=4, patch=(1, 2, 2), dim=32, heads=4, text_dim=24, max_len=4096):
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.patchify = nn.Conv3d(channels, dim, kernel_size=patch, stride=patch)
+        self.pos = nn.Parameter(torch.randn(1, max_len, dim) * 0.02)
+        self.time = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = nn.RMSNorm(dim // heads), nn.RMSNorm(dim // heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.cross_q, self.cross_kv = nn.Linear(dim, dim), nn.Linear(text_dim, 2 * dim)
+        self.cross_proj = nn.Linear(dim, dim)
+        self.norm3 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU("tanh"), nn.Linear(4 * dim, dim))
+        self.out = nn.Linear(dim, channels * patch[0] * patch[1] * patch[2])
+
+    def _heads(self, x):
+        b, n, _ = x.shape
+        return x.view(b, n, self.heads, -1).transpose(1, 2)
+
+    def forward(self, video, timestep, text, text_mask=None):
+        x = self.patchify(video).flatten(2).transpose(1, 2)  # (B, frames * rows * cols, dim)
+        x = x + self.pos[:, : x.shape[1]]
+        half = self.dim // 2
+        steps = torch.arange(half, device=x.device, dtype=x.dtype)
+        angles = timestep[:, None].to(x.dtype) * torch.exp(-math.log(10000.0) * steps / half)
+        t = self.time(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        shift1, scale1, gate1, shift2, scale2, gate2 = t.unsqueeze(1).chunk(6, dim=-1)
+
+        h = self.norm1(x) * (1 + scale1) + shift1
+        q, k, v = (self._heads(z) for z in self.qkv(h).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        x = x + gate1 * self.proj(y.transpose(1, 2).flatten(2))
+
+        q = self._heads(self.cross_q(self.norm2(x)))
+        k, v = (self._heads(z) for z in self.cross_kv(text).chunk(2, dim=-1))
+        mask = None if text_mask is None else text_mask[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.cross_proj(y.transpose(1, 2).flatten(2))
+
+        x = x + gate2 * self.mlp(self.norm3(x) * (1 + scale2) + shift2)
+        return self.out(x)

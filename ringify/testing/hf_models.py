@@ -1,0 +1,128 @@
+"""HF transformers models built from small configs with random weights, as tests and benchmarks
+use them (SDPA attention, no dropout, no cache)."""
+
+from __future__ import annotations
+
+
+def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=dim,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=max_len,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
+    """HF Llama: RoPE tables from positions, grouped-query attention, RMSNorm, SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_len,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
+    """HF T5: a learned relative-position bias added to every attention's scores."""
+    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=vocab,
+        d_model=dim,
+        d_kv=dim // heads,
+        d_ff=2 * dim,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return (T5EncoderModel if encoder_only else T5ForConditionalGeneration)(config)
+
+
+def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
+    """HF Falcon, multi-query (one k/v head) or the new decoder architecture (k/v groups):
+    q, k and v are picked out of the fused projection with a constant index on the head dim."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=2 if new_decoder_architecture else None,
+        new_decoder_architecture=new_decoder_architecture,
+        multi_query=not new_decoder_architecture,
+        alibi=False,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return FalconForCausalLM(config)
+
+
+def vit(layers=2, dim=32, heads=4, image_size=32, patch_size=8):
+    """HF ViT: a conv patch embedding, then a cls token concatenated in front of the patches."""
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * dim,
+        image_size=image_size,
+        patch_size=patch_size,
+        num_channels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    return ViTModel(config, add_pooling_layer=True)
+
+
+def whisper_encoder(layers=2, dim=32, heads=4, mel_bins=8, frames=32):
+    """HF Whisper's encoder: two convolutions over the audio frames (the second halves them)."""
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(
+        d_model=dim,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=2 * dim,
+        num_mel_bins=mel_bins,
+        max_source_positions=frames // 2,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    return WhisperEncoder(config)

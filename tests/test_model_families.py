@@ -1,0 +1,125 @@
+"""Model families whose sequence is born inside the model, or that attend across sequences:
+ViT, Whisper's encoder, a video DiT block, nn.TransformerDecoder, T5. Against the unmodified
+model on 2 and 4 ranks, float64, eager and compiled: outputs, every parameter gradient, the
+inputs' gradients, and the report (every attention accounted for, no gathers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringify import ringify
+from ringify.passes.report import AttentionRun
+
+TOL = 1e-10
+
+
+def _case(name: str, length: int):
+    """(model, args, kwargs, the output to compare) with ``length`` attention positions."""
+    from ringify.testing import hf_models, models
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    if name == "vit":  # a cls token in front of (length - 1) patches of 4 x 4 pixels
+        side = int((length - 1) ** 0.5)
+        model = hf_models.vit(image_size=4 * side, patch_size=4)
+        return model, (), {"pixel_values": randn(2, 3, 4 * side, 4 * side)}, _hidden_and_pooled
+    if name == "whisper":  # the second conv halves the frames
+        model = hf_models.whisper_encoder(frames=2 * length)
+        return model, (), {"input_features": randn(2, 8, 2 * length)}, _hidden
+    if name == "dit":  # latent video: 2 frames of (length / 2) patches of 2 x 2
+        model = models.DiTBlock()
+        side = int((length // 2) ** 0.5)
+        video = randn(2, 4, 2, 2 * side, 2 * side)
+        text, text_mask = randn(2, 5, 24), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+        return model, (video, torch.tensor([3.0, 500.0]), text, text_mask), {}, None
+    if name == "decoder":  # memory from an encoder that is not sharded: 7 positions
+        model = models.transformer_decoder()
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+        kwargs = {"tgt_mask": mask, "tgt_is_causal": True}
+        return model, (randn(2, length, 32), randn(2, 7, 32)), kwargs, None
+    raise ValueError(name)
+
+
+def _hidden(out):
+    return out.last_hidden_state
+
+
+def _hidden_and_pooled(out):
+    return out.last_hidden_state.sum() + out.pooler_output.square().sum()
+
+
+def _run(model, fn, args, kwargs, pick):
+    """Output and gradients of a fixed random projection of the output."""
+    model.zero_grad(set_to_none=True)
+    args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = fn(*args, **kwargs)
+    out = pick(out) if pick else out
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    (out * weights).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, [a.grad for a in args if a.grad is not None]
+
+
+def compare(name: str, length: int, backend: str | None = None):
+    """On every rank: the largest differences, the report's attention runs and gathers."""
+    import torch.distributed as dist
+
+    model, args, kwargs, pick = _case(name, length)
+    model = model.double()
+    want = _run(model, model, args, kwargs, pick)
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    run = ringified
+    if backend:
+        torch._dynamo.reset()
+        run = torch.compile(ringified, backend=backend, fullgraph=True)
+    got = _run(model, run, args, kwargs, pick)
+    assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
+    report = ringified.report()
+    return {
+        "out": (got[0] - want[0]).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "inputs": max(
+            [(a - b).abs().max().item() for a, b in zip(got[2], want[2], strict=True)] or [0.0]
+        ),
+        "runs": [a.run for a in report.attentions],
+        "gathers": [(x.node, x.reason) for x in report.gathers],
+        "births": report.births,
+    }
+
+
+RING, LOCAL = AttentionRun.RING, AttentionRun.LOCAL
+EXPECTED = {
+    "vit": [RING, RING],
+    "whisper": [RING, RING],
+    "dit": [RING, LOCAL],
+    "decoder": [RING, LOCAL, RING, LOCAL],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("name", "length"), [("vit", 17), ("whisper", 16), ("dit", 32), ("decoder", 12)]
+)
+def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
+    for r in ranks(world).run(compare, name, length):
+        assert r["gathers"] == [], r["gathers"]
+        assert r["runs"] == EXPECTED[name]
+        assert bool(r["births"]) == (name in ("vit", "whisper", "dit"))
+        for kind in ("out", "grads", "inputs"):
+            assert r[kind] <= TOL, (kind, r)
+
+
+@pytest.mark.parametrize(
+    ("name", "length", "backend"),
+    [("vit", 17, "aot_eager"), ("decoder", 12, "aot_eager"), ("dit", 32, "inductor")],
+)
+def test_compiled_matches_unmodified_model(ranks, name, length, backend):
+    for r in ranks(2).run(compare, name, length, backend):
+        assert r["gathers"] == [], r["gathers"]
+        for kind in ("out", "grads", "inputs"):
+            assert r[kind] <= TOL, (kind, r)
