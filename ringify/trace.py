@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
-from ringify.passes.plan import plan_sequence, sequence_input_dims
+from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
 from ringify.passes.shard_sequence import shard_sequence
 
@@ -92,18 +92,16 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    dims = {}
+    dims, gathered = {}, {}
     if config.inputs == "sharded":
-        # The global shapes are not known before the sequence inputs are: find them on
-        # a trace at the local shapes, then trace again at the global ones.
-        structure = _exported_module(_export(model, spec, _fakes(flat, {})))
-        dims = sequence_input_dims(structure, config, companions=True)
-        exported = _export(model, spec, _fakes(flat, {i: (d, ring.size) for i, d in dims.items()}))
+        dims, gathered = _sharded_inputs(model, spec, flat, config)
+        scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
+        exported = _export(model, spec, _fakes(flat, scaled))
     else:
         exported = _export(model, spec, _fakes(flat, {}))
     gm = _exported_module(exported)
     _warn_about_hooks(model)
-    plan = plan_sequence(gm, config, dims or None)
+    plan = plan_sequence(gm, config, dims or None, gathered)
     before = gm.code
     report = shard_sequence(
         gm.graph,
@@ -133,8 +131,60 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
         _tied(model),
         exported.call_spec.in_spec,
         exported.call_spec.out_spec,
-        tuple(i for i in tensors if i not in dims),
+        tuple(i for i in tensors if i not in dims and i not in gathered),
     )
+
+
+def _sharded_inputs(model: nn.Module, spec, flat: list, config: Config):
+    """The inputs of ``inputs="sharded"`` mode that are this rank's part (see
+    ``sharded_input_dims``). The global shapes are not known before they are: they are found
+    on a trace at the local shapes. Where that trace fails because an input was passed
+    full (a (B, S) padding mask beside (B, S / P) ids), it is traced again with that input
+    cut to the local length: an integer or bool input whose dim is ring-size times the
+    same dim of another input of as many dims. Inputs passed full stay full."""
+    try:
+        structure = _exported_module(_export(model, spec, _fakes(flat, {})))
+        full = {}
+    except RuntimeError as error:
+        full = _passed_full(flat, config.ring_size)
+        if not full:
+            raise
+        try:
+            structure = _exported_module(_export(model, spec, _fakes(flat, full)))
+        except RuntimeError:
+            raise error from None
+    dims, gathered = sharded_input_dims(structure, config)
+    return (
+        {i: d for i, d in dims.items() if i not in full},
+        {i: d for i, d in gathered.items() if i not in full},
+    )
+
+
+def _passed_full(flat: list, ring_size: int) -> dict[int, list[int]]:
+    """Input index -> its shape cut to the local length, for inputs that look passed full."""
+    tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    cut = {}
+    for i, x in tensors:
+        if x.is_floating_point() or x.is_complex():
+            continue
+        for d, size in enumerate(x.shape):
+            if (
+                size > ring_size
+                and size % ring_size == 0
+                and any(
+                    j != i and y.dim() == x.dim() and y.shape[d] * ring_size == size
+                    for j, y in tensors
+                )
+            ):
+                cut[i] = _scaled(x.shape, d, 1 / ring_size)
+                break
+    return cut
+
+
+def _scaled(shape, dim: int, factor: float) -> list[int]:
+    shape = list(shape)
+    shape[dim] = round(shape[dim] * factor)
+    return shape
 
 
 def _lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
@@ -174,18 +224,15 @@ def _warn_about_hooks(model: nn.Module) -> None:
         )
 
 
-def _fakes(flat: list, scale: dict[int, tuple[int, int]]) -> list:
-    """Fake tensors like ``flat``'s, with dim ``d`` of input ``i`` multiplied as ``scale[i]``."""
+def _fakes(flat: list, shapes: dict[int, list[int]]) -> list:
+    """Fake tensors like ``flat``'s; input ``i`` of shape ``shapes[i]`` where given."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
     for i, x in enumerate(flat):
         if not isinstance(x, torch.Tensor):
             fakes.append(x)
             continue
-        shape = list(x.shape)
-        if i in scale:
-            dim, factor = scale[i]
-            shape[dim] *= factor
+        shape = shapes.get(i, list(x.shape))
         with mode:
             fake = torch.empty(shape, dtype=x.dtype, device=x.device)
         fakes.append(fake.requires_grad_(x.requires_grad))

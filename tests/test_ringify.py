@@ -274,9 +274,10 @@ def test_float32(ranks):
             assert r[kind] <= 2e-5, (kind, r)
 
 
-def compare_sharded(name, seq, layout):
+def compare_sharded(name, seq, layout, mask="sharded"):
     """inputs/outputs="sharded": each rank passes its part of the ids and labels and gets
-    its part of the logits; the loss and gradients are still the full model's."""
+    its part of the logits; the loss and gradients are still the full model's. A padding
+    ``attention_mask`` is passed sharded too, or full (``mask="full"``)."""
     import torch.distributed as dist
 
     from ringify.runtime import shard
@@ -288,7 +289,10 @@ def compare_sharded(name, seq, layout):
         model, ring_size=dist.get_world_size(), layout=layout, inputs="sharded", outputs="sharded"
     )
     args = tuple(shard(a, 1, layout=layout) for a in args)
-    kwargs = {k: shard(v, 1, layout=layout) for k, v in kwargs.items()}
+    kwargs = {
+        k: v if (k, mask) == ("attention_mask", "full") else shard(v, 1, layout=layout)
+        for k, v in kwargs.items()
+    }
     got = _forward_backward(ringified, model, args, kwargs, through_logits=False)
     return {
         "logits": (got[0] - shard(want[0], 1, layout=layout)).abs().max().item(),
@@ -306,5 +310,16 @@ def test_sharded_inputs_and_outputs(ranks, world, name):
     gathers = [] if name == "nanogpt" else [("aten.pad.default", GatherReason.NO_RULE)]
     for r in ranks(world).run(compare_sharded, name, 8 * world, "zigzag"):
         assert r["gathers"] == gathers
+        for kind in ("logits", "loss", "grads"):
+            assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mask", ["full", "sharded"])
+def test_sharded_inputs_with_a_padding_mask(ranks, world, mask):
+    """A (B, S) padding mask beside sharded ids, passed full or as this rank's part (then
+    gathered on entry: O(S), never the (S, S) mask it builds)."""
+    for r in ranks(world).run(compare_sharded, "gpt2-padding", 8 * world, "zigzag", mask):
+        assert r["gathers"] == [("aten.pad.default", GatherReason.NO_RULE)]  # the labels' shift
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)

@@ -17,7 +17,7 @@ cannot split is padded at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -38,6 +38,9 @@ _SEQUENCE_PRESERVING = frozenset({
 class Plan:
     seeds: dict[fx.Node, Seq]  # the sequence inputs and births, and where their sequence is
     geometry: Geometry
+    # inputs passed sharded that only build attention masks (a padding mask): gathered on
+    # entry, O(S) each, so that the (S, S) mask they build is never gathered
+    gathered: dict[fx.Node, Seq] = field(default_factory=dict)
 
     @property
     def births(self) -> list[fx.Node]:
@@ -45,35 +48,45 @@ class Plan:
         return [n for n in self.seeds if n.op != "placeholder"]
 
 
-def sequence_input_dims(
-    gm: fx.GraphModule, config: Config, companions: bool = False
-) -> dict[int, int]:
-    """Input index -> its sequence dim; with ``companions`` also the inputs (labels) that
-    meet the sequence without reaching attention (passed sharded in sharded mode)."""
+def sharded_input_dims(gm: fx.GraphModule, config: Config) -> tuple[dict[int, int], dict[int, int]]:
+    """The inputs of ``inputs="sharded"`` mode that are this rank's part, found on a trace at
+    the local shapes: (input index -> sequence dim) of the sequence inputs and of those
+    (labels) that meet the sequence without reaching attention; and of those that build
+    only attention masks (a padding mask passed sharded)."""
     seeds = _sequence_sources(gm.graph, config)
-    if companions:
-        node, seq = next(iter(seeds.items()))
-        length = shape(node)[seq.dim]  # this trace's (local) sequence length
-        geometry = Geometry(length, length, config.ring_size, config.layout)
-        seeds |= _companion_inputs(gm.graph, seeds, geometry)
+    node, seq = next(iter(seeds.items()))
+    length = shape(node)[seq.dim]  # this trace's (local) sequence length
+    geometry = Geometry(length, length, config.ring_size, config.layout)
+    seeds |= _companion_inputs(gm.graph, seeds, geometry)
+    masks = _mask_inputs(gm.graph, seeds, geometry)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {
-        placeholders.index(n): seq.dim
-        for n, seq in seeds.items()
-        if n.op == "placeholder" and seq.inner == 1
-    }
+
+    def dims(found: dict[fx.Node, Seq]) -> dict[int, int]:
+        return {
+            placeholders.index(n): s.dim
+            for n, s in found.items()
+            if n.op == "placeholder" and s.inner == 1
+        }
+
+    return dims(seeds), dims(masks)
 
 
-def plan_sequence(gm: fx.GraphModule, config: Config, dims: dict[int, int] | None = None) -> Plan:
-    """The plan for ``gm``, traced at global shapes; ``dims`` (input index -> sequence dim)
-    when the sequence inputs were found already (on the trace at local shapes)."""
+def plan_sequence(
+    gm: fx.GraphModule,
+    config: Config,
+    dims: dict[int, int] | None = None,
+    gathered: dict[int, int] | None = None,
+) -> Plan:
+    """The plan for ``gm``, traced at global shapes; ``dims`` and ``gathered`` (input index ->
+    sequence dim) when the sharded inputs were found already (on the trace at local shapes)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if dims is None:
         seeds = _sequence_sources(gm.graph, config)
     else:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
         seeds |= _births(gm.graph, config, seeds, _targets(gm.graph, config))
-    return Plan(seeds, _geometry(gm.graph, config))
+    masks = {placeholders[i]: Seq(d) for i, d in (gathered or {}).items()}
+    return Plan(seeds, _geometry(gm.graph, config), masks)
 
 
 def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
@@ -202,6 +215,23 @@ def _companion_inputs(
             node = x
         if node.op == "placeholder" and seq is not None and node not in seeds:
             found.setdefault(node, seq)
+    return found
+
+
+def _mask_inputs(
+    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: Geometry
+) -> dict[fx.Node, Seq]:
+    """Inputs, besides ``seeds``, that some attention's mask is computed from, and their dim
+    as long as this trace's sequence. Masks index their inputs by positions (HF's mask
+    functions), which the rules do not follow: here the length names the dim."""
+    masks = [a.mask for a in find_attention(graph) if a.mask is not None]
+    found: dict[fx.Node, Seq] = {}
+    for node in _ancestors(masks):
+        if node.op != "placeholder" or node in seeds or not is_tensor(node):
+            continue
+        dims = [d for d, size in enumerate(shape(node)) if size == geometry.length]
+        if dims:  # the last: a (batch, sequence) mask whose batch is as long
+            found[node] = Seq(dims[-1])
     return found
 
 

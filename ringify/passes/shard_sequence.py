@@ -6,6 +6,7 @@ rewrite then walks the graph once and makes each rank compute exactly its part:
 
 - sequence inputs are sliced on entry (``inputs_full``), a sequence born inside
   the graph where it is born, and sharded outputs gathered on exit (``outputs_full``);
+  sharded inputs that only build masks are gathered on entry (``Plan.gathered``);
 - every node whose inputs carry the sequence gets its rule's rewrite
   (``rules.py``): local sizes, replicated operands sliced or copied to the ring,
   reductions over the ring, attention into the ring op;
@@ -47,7 +48,13 @@ def shard_sequence(
     for node in list(graph.nodes):
         if getattr(node, "_erased", False):  # an attention kernel's outputs, already replaced
             continue
-        if node in plan.seeds and (inputs_full or node.op != "placeholder"):
+        if node in plan.gathered and not inputs_full:
+            state.place[node] = plan.gathered[node]
+            users = list(node.users)
+            full = state.gather(node)
+            for user in users:
+                user.replace_input_with(node, full)
+        elif node in plan.seeds and (inputs_full or node.op != "placeholder"):
             state.place[node] = None  # computed whole on every rank; its users get the slice
             users = list(node.users)
             local = state.slice(node, plan.seeds[node], 0)

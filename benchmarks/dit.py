@@ -1,0 +1,107 @@
+"""Per-rank peak memory and step time of a ringified video DiT block vs. the unmodified block.
+
+    python benchmarks/dit.py --frames 16 --side 64
+
+The block is the tests' ``DiTBlock`` (ringify/testing/models.py): a 3-D patch embedding
+of a latent video (4 channels, patches of 1 x 2 x 2), adaLN-Zero from the timestep,
+self-attention over the patches, cross-attention to a 77-token text embedding, an MLP.
+16 frames of 64 x 64 latents are 16 x 32 x 32 = 16384 tokens, born inside the model
+(ringify slices them where the patch embedding makes them). float32, batch 1; one step
+is forward + backward of the mean square of the output, from the full video on every
+rank. Rows in one run, round-robin, minimum over repeats: the unmodified block (one
+process), ringify on 2 and on 4 gloo ranks (one torch thread each; time is the slowest
+rank's; this machine has 2 cores, so 4 ranks share them).
+
+Memory: a rank's peak resident set during the step minus its resident set just before
+(model and inputs built): activations, gradients, buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+from tabulate import tabulate
+
+from ringify.testing import RankPool, reset_peak_memory, resident_bytes
+
+
+def step(impl: str, frames: int, side: int, dim: int) -> dict:
+    """On every rank: one warm-up step, then one timed and measured."""
+    import torch
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.testing.models import DiTBlock
+
+    torch.manual_seed(0)
+    tokens = frames * (side // 2) ** 2
+    model = DiTBlock(dim=dim, heads=dim // 64, text_dim=64, max_len=tokens)
+    run = model if impl == "unmodified" else ringify(model, ring_size=dist.get_world_size())
+    g = torch.Generator().manual_seed(1)
+    video = torch.randn(1, 4, frames, side, side, generator=g)
+    text = torch.randn(1, 77, 64, generator=g)
+    timestep = torch.tensor([500.0])
+
+    def once() -> tuple[float, int, float]:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        base = resident_bytes("VmRSS:")
+        reset_peak_memory()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = run(video, timestep, text).square().mean()
+        loss.backward()
+        seconds = time.perf_counter() - t0
+        return seconds, resident_bytes("VmHWM:") - base, loss.item()
+
+    once()  # warm-up: trace, kernels, allocator, communicators
+    seconds, peak, loss = once()
+    return {"s": seconds, "peak": peak, "loss": loss, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--side", type=int, default=64, help="latent height = width")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+
+    pools = {p: RankPool(p) for p in (1, 2, 4)}
+    configs = [("unmodified", 1), ("ringify", 2), ("ringify", 4)]
+    best: dict[int, dict] = {}
+    try:
+        for _ in range(args.repeats):
+            for i, (impl, p) in enumerate(configs):
+                per_rank = pools[p].run(step, impl, args.frames, args.side, args.dim, timeout=3600)
+                r = {k: max(x[k] for x in per_rank) for k in ("s", "peak")}
+                r["loss"], r["tokens"] = per_rank[0]["loss"], per_rank[0]["tokens"]
+                best[i] = {k: min(r[k], best.get(i, r)[k]) for k in r}
+    finally:
+        for pool in pools.values():
+            pool.close()
+    base = best[0]
+    rows = [
+        {
+            "tokens": r["tokens"],
+            "model": impl if impl == "unmodified" else f"ringify P={p}",
+            "step s": round(r["s"], 2),
+            "time / unmodified": round(r["s"] / base["s"], 3),
+            "peak MiB / rank": round(r["peak"] / 2**20, 1),
+            "memory / unmodified": round(r["peak"] / base["peak"], 3),
+            "memory / (unmodified / P)": round(r["peak"] * p / base["peak"], 3),
+            "|loss - unmodified|": f"{abs(r['loss'] - base['loss']):.1e}",
+        }
+        for (impl, p), r in zip(configs, (best[i] for i in range(len(configs))), strict=True)
+    ]
+    print(f"Command: python {' '.join(sys.argv)}")
+    print(tabulate(rows, headers="keys", tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
