@@ -42,7 +42,16 @@ def _case(name: str, length: int):
         mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
         kwargs = {"tgt_mask": mask, "tgt_is_causal": True}
         return model, (randn(2, length, 32), randn(2, 7, 32)), kwargs, None
+    if name == "t5":  # a long input, a summary half as long
+        model = hf_models.t5()
+        ids = torch.randint(1, 64, (2, length), generator=g)
+        labels = torch.randint(1, 64, (2, length // 2), generator=g)
+        return model, (), {"input_ids": ids, "labels": labels}, _logits_and_loss
     raise ValueError(name)
+
+
+def _logits_and_loss(out):
+    return out.logits.sum() + out.loss
 
 
 def _hidden(out):
@@ -92,7 +101,8 @@ def compare(name: str, length: int, backend: str | None = None):
     }
 
 
-RING, LOCAL = AttentionRun.RING, AttentionRun.LOCAL
+RING, LOCAL, MEMORY = AttentionRun.RING, AttentionRun.LOCAL, AttentionRun.MEMORY
+GATHERED, REPLICATED = AttentionRun.GATHERED, AttentionRun.REPLICATED
 EXPECTED = {
     "vit": [RING, RING],
     "whisper": [RING, RING],
@@ -121,5 +131,18 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
 def test_compiled_matches_unmodified_model(ranks, name, length, backend):
     for r in ranks(2).run(compare, name, length, backend):
         assert r["gathers"] == [], r["gathers"]
+        for kind in ("out", "grads", "inputs"):
+            assert r[kind] <= TOL, (kind, r)
+
+
+@pytest.mark.parametrize(("world", "backend"), [(2, None), (4, None), (2, "aot_eager")])
+def test_seq2seq_with_a_shorter_decoder(ranks, world, backend):
+    """T5, the labels half as long as the input: the ring splits the encoder's sequence; the
+    decoder's self-attentions run whole (another sequence), its cross-attentions merge each
+    rank's part of the encoder over the ring. The encoder's self-attentions are gathered for
+    their learned position bias (the masks issue)."""
+    for r in ranks(world).run(compare, "t5", 16, backend):
+        assert r["runs"] == [GATHERED, GATHERED, REPLICATED, MEMORY, REPLICATED, MEMORY]
+        assert {reason.name for _, reason in r["gathers"]} == {"LEARNED_MASK"}
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)

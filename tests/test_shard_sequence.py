@@ -119,6 +119,68 @@ def test_lowered_kernel_with_lse_is_rewritten(ranks):
         assert (err <= 1e-10, rewritten, gathers) == (True, 1, 0)
 
 
+class Latents(nn.Module):
+    """Self-attention over a long sequence, then a few replicated latents (queries) attend to
+    it (a Perceiver's read-out, a short decoder's cross-attention to a long encoder)."""
+
+    def __init__(self, is_causal=False):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(1, 2, 3, 8))
+        self.is_causal = is_causal
+
+    def forward(self, x, mask=None):
+        if mask is not None and mask.dtype == torch.int8:  # an additive mask made inside
+            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(mask == 0, float("-inf"))
+        memory = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        queries = self.latents.expand(x.shape[0], -1, -1, -1)
+        return F.scaled_dot_product_attention(
+            queries, memory, memory, attn_mask=mask, is_causal=self.is_causal
+        )
+
+
+def latents(world, mask, is_causal=False):
+    g = torch.Generator().manual_seed(0)
+    length = 4 * world + 1  # padded: the padded keys must be masked out
+    x = torch.randn(2, 2, length, 8, generator=g, dtype=torch.float64)
+    inputs = [x]
+    if mask == "bool":
+        inputs.append(torch.rand(2, 1, 3, length, generator=g) < 0.6)
+        inputs[-1][..., 0] = True
+    elif mask == "float":  # an input that requires grad: a learned mask
+        inputs.append(torch.randn(1, 2, 3, length, generator=g, dtype=torch.float64))
+    elif mask == "additive":
+        inputs.append((torch.rand(1, 2, 3, length, generator=g) < 0.6).to(torch.int8))
+        inputs[-1][..., 0] = 1
+    elif mask == "keys":
+        inputs.append((torch.arange(length) < length - 3).expand(2, 1, 1, length))
+    torch.manual_seed(0)
+    err, report, _ = _compare(Latents(is_causal).double(), inputs, world)
+    return err, [a.run for a in report.attentions], [x.reason for x in report.gathers]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mask", [None, "bool", "additive", "keys", "float"])
+def test_replicated_queries_to_a_sharded_memory_merge_over_the_ring(ranks, world, mask):
+    """Every query against this rank's keys, merged by log-sum-exp over the ring: no gather;
+    q's gradient summed over the ring, k's and v's on the rank that holds them. A learned
+    mask (gradient wanted) runs gathered."""
+    expected = ([AttentionRun.RING, AttentionRun.MEMORY], [])
+    if mask == "float":
+        expected = ([AttentionRun.RING, AttentionRun.GATHERED], [GatherReason.LEARNED_MASK])
+    for err, runs, gathers in ranks(world).run(latents, world, mask):
+        assert err <= 1e-10
+        assert (runs, gathers) == expected
+
+
+def test_causal_replicated_queries_to_a_sharded_memory_are_gathered(ranks):
+    for err, runs, gathers in ranks(2).run(latents, 2, None, True):
+        assert err <= 1e-10
+        assert (runs, gathers) == (
+            [AttentionRun.RING, AttentionRun.GATHERED],
+            [GatherReason.CAUSAL_MEMORY],
+        )
+
+
 def cross_attention(world, mask, is_causal=False):
     g = torch.Generator().manual_seed(0)
     length = 4 * world + 1  # padded: the padded query rows must not turn into NaN

@@ -11,7 +11,8 @@ mask is kept, its rows sliced with the queries (the op cuts the columns per ring
 step); with a ``Dilation`` the attention becomes the dilated ring op. An attention
 whose k and v are replicated (cross-attention to a text prompt, an encoder output
 that is not sharded) needs no ring: it stays as it is, on this rank's queries and
-mask rows and the whole memory.
+mask rows and the whole memory. Replicated queries attending to a sharded memory
+(a short decoder's cross-attention to a long encoder) become ``memory_attention``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
+from ringify.runtime.memory_attention import memory_attention_op
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
@@ -95,7 +97,11 @@ def find_attention(graph: fx.Graph) -> list[Attention]:
 def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
     att = read_attention(node)
     out = [Seq(2), Seq(2)] + [None] * (len(val(node)) - 2) if att.returns_tuple else Seq(2)
-    if place[att.q] != Seq(2) or len(shape(att.q)) != 4:
+    if len(shape(att.q)) != 4:
+        return Fallback(GatherReason.QKV_NOT_SHARDED)
+    if place[att.q] is None and place[att.k] == place[att.v] == Seq(2):
+        return _infer_memory(att, place)
+    if place[att.q] != Seq(2):
         return Fallback(GatherReason.QKV_NOT_SHARDED)
     if place[att.k] is None and place[att.v] is None:
         if att.is_causal:  # its diagonal is at the top left of the whole (q, k) square
@@ -112,6 +118,18 @@ def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
         # The ring op gives a mask no gradient: run it on the gathered sequence, exactly.
         return Fallback(GatherReason.LEARNED_MASK, f"(mask {att.mask.name})")
     return out
+
+
+def _infer_memory(att: Attention, place: Placements) -> Placement | Fallback:
+    """Replicated queries, a sharded memory: replicated output (``memory_attention``)."""
+    if att.is_causal:
+        return Fallback(GatherReason.CAUSAL_MEMORY)
+    mask = att.mask
+    if mask is not None and place.sharded(mask) and place[mask] != Seq(len(shape(mask)) - 1):
+        return Fallback(GatherReason.MIXED_DIMS, f"(mask {mask.name})")
+    if mask is not None and _learned(mask):
+        return Fallback(GatherReason.LEARNED_MASK, f"(mask {mask.name})")
+    return [None] * len(val(att.node)) if att.returns_tuple else None
 
 
 def _learned(mask: fx.Node) -> bool:
@@ -137,7 +155,8 @@ _NO_GRADIENT = frozenset({aten.detach.default, aten.alias.default})
 
 def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     """Replace ``node`` by the ring (or, with ``state.dilation``, the dilated ring) op; or,
-    with a replicated memory, run it on this rank's queries."""
+    with a replicated memory, run it on this rank's queries; with replicated queries and a
+    sharded memory, merge each rank's part of the attention over the ring."""
     att = read_attention(node)
     dilation = state.dilation
     if att.dropout_p > 0:
@@ -147,6 +166,9 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         )
     if not state.sharded(att.k):
         _rewrite_local(att, state)
+        return
+    if not state.sharded(att.q):
+        _rewrite_memory(att, state)
         return
     geo, g = state.geo, state.graph
     q_shape = shape(att.q)
@@ -167,6 +189,17 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         ring_out = call(g, operator.getitem, (ring, 0))
         lse = call(g, operator.getitem, (ring, 1))
     state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
+    _replace_outputs(att, ring_out, lse, state)
+    kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
+    bytes_per_step = sum(math.prod(s) for s in kv) * val(att.k).element_size()
+    state.attentions.append(
+        reported(att, AttentionRun.RING, state, kind, dilation=dilation, bytes=bytes_per_step)
+    )
+
+
+def _replace_outputs(att: Attention, out: fx.Node, lse: fx.Node, state: PassState) -> None:
+    """``out`` and ``lse`` in place of the attention node's outputs; the node erased."""
+    node, g = att.node, state.graph
     if att.returns_tuple:
         for user in list(node.users):
             if user.args[1] not in (0, 1):
@@ -174,16 +207,30 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
                     f"{node.name}: output {user.args[1]} of {node.target} (beyond out and "
                     "lse) has no ring-attention equivalent"
                 )
-            user.replace_all_uses_with(ring_out if user.args[1] == 0 else lse)
+            user.replace_all_uses_with(out if user.args[1] == 0 else lse)
             g.erase_node(user)
     else:
-        node.replace_all_uses_with(ring_out)
+        node.replace_all_uses_with(out)
     g.erase_node(node)
-    kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
-    bytes_per_step = sum(math.prod(s) for s in kv) * val(att.k).element_size()
-    state.attentions.append(
-        reported(att, AttentionRun.RING, state, kind, dilation=dilation, bytes=bytes_per_step)
-    )
+
+
+def _rewrite_memory(att: Attention, state: PassState) -> None:
+    """Replicated queries, a sharded memory: ``memory_attention`` over this rank's keys and
+    mask columns (padding columns masked), merged over the ring."""
+    geo, g, mask = state.geo, state.graph, att.mask
+    if mask is not None and not state.sharded(mask) and shape(mask)[-1] > 1:
+        fill = False if val(mask).dtype == torch.bool else float("-inf")
+        mask = state.slice(mask, Seq(len(shape(mask)) - 1), fill)
+    q_shape = shape(att.q)
+    scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+    args = (att.q, att.k, att.v, mask, scale, state.group_name, geo.layout, geo.length)
+    with g.inserting_before(att.node):
+        merged = call(g, memory_attention_op._opoverload, args)
+        out = call(g, operator.getitem, (merged, 0))
+        lse = call(g, operator.getitem, (merged, 1))
+    state.place.update({merged: [None, None], out: None, lse: None})
+    state.attentions.append(reported(att, AttentionRun.MEMORY, state))
+    _replace_outputs(att, out, lse, state)
 
 
 def _rewrite_local(att: Attention, state: PassState) -> None:
@@ -212,7 +259,7 @@ def reported(
     if mask is None:
         mask = MaskKind.NONE if att.mask is None else MaskKind.KEPT
         mask = MaskKind.CAUSAL if att.is_causal else mask
-    sharded = run in (AttentionRun.RING, AttentionRun.LOCAL)
+    sharded = run in (AttentionRun.RING, AttentionRun.LOCAL)  # the queries
     return ReportedAttention(
         node=att.node.name,
         run=run,

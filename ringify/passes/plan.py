@@ -100,8 +100,16 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
             "(softmax(q @ k^T) @ v) must call F.scaled_dot_product_attention instead"
         )
     _check_attention_shapes(attentions, config)
+    length = _sequence_length(attentions)
+    attentions = [a for a in attentions if len(shape(a.q)) == 4 and shape(a.q)[2] == length]
     self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
     return [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+
+
+def _sequence_length(attentions: list) -> int:
+    """The sequence the ring splits: the longest any attention's queries see. Attentions
+    over a sequence of another length (a short decoder beside a long encoder) run whole."""
+    return max(shape(a.q)[2] for a in attentions if len(shape(a.q)) == 4)
 
 
 def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
@@ -237,13 +245,7 @@ def _mask_inputs(
 
 def _geometry(graph: fx.Graph, config: Config) -> Geometry:
     """The sequence's length, and the padded length the ring splits (the padding decision)."""
-    lengths = {shape(a.q)[2] for a in find_attention(graph)}
-    if len(lengths) != 1:
-        raise ValueError(
-            f"the model's attentions see different sequence lengths {sorted(lengths)}; ringify "
-            "shards one sequence and needs every attention to see all of it"
-        )
-    length = lengths.pop()
+    length = _sequence_length(find_attention(graph))
     padded = padded_length(length, config.ring_size, config.layout)
     multiple = split_multiple(config.ring_size, config.layout)
     if padded != length and config.dilation is not None:

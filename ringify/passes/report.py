@@ -24,6 +24,7 @@ class MaskKind(enum.Enum):
 class AttentionRun(enum.Enum):
     RING = "ring attention"
     LOCAL = "local: this rank's queries, the whole replicated memory"
+    MEMORY = "memory: every query, this rank's keys, merged over the ring"
     GATHERED = "gathered: runs on the full sequence (see gathers)"
     REPLICATED = "replicated: none of its inputs carries the sequence"
 

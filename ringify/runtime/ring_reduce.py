@@ -33,7 +33,7 @@ from ringify.runtime.sharding import take_shard_op
 _c10d = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     # The functional op and an explicit wait: a graph node under compile, a finished
     # sum in eager (no AsyncCollectiveTensor left unwaited).
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
@@ -47,20 +47,20 @@ class _CopyToRing(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group_name), None
+        return all_reduce(grad, ctx.group_name), None
 
 
 class _ReduceFromRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return _all_reduce(x, group_name)
+        return all_reduce(x, group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
-def _max_over_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def max_over_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The elementwise maximum over the ring of every rank's ``x`` (NaN if any rank's is)."""
     if not x.is_floating_point():
         return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "max", group_name))
@@ -79,9 +79,9 @@ def ring_amax_op(
     An opaque op, so that a compiler cannot recompute ``x == max`` in the backward
     from a bitwise different ``x``: the shares are computed once, here.
     """
-    top = _max_over_ring(x.amax(dims, keepdim=True), group_name)
+    top = max_over_ring(x.amax(dims, keepdim=True), group_name)
     hit = x == top
-    count = _all_reduce(hit.sum(dims, keepdim=True, dtype=x.dtype), group_name)
+    count = all_reduce(hit.sum(dims, keepdim=True, dtype=x.dtype), group_name)
     return top, hit / count
 
 
@@ -109,7 +109,7 @@ def ring_amax(x: torch.Tensor, dims: list[int], group_name: str) -> torch.Tensor
     if group_name == LOCAL:
         return x.amax(dims, keepdim=True)
     if not x.is_floating_point():
-        return _max_over_ring(x.amax(dims, keepdim=True), group_name)
+        return max_over_ring(x.amax(dims, keepdim=True), group_name)
     return ring_amax_op(x, dims, group_name)[0]
 
 
@@ -123,11 +123,11 @@ def ring_argmax(x: torch.Tensor, dim: int, padded: int, group_name: str, layout:
     best = x.gather(dim, local)
     positions = take_shard_op(torch.arange(padded, device=x.device), 0, group_name, layout)
     found = positions[local]  # the global position of this rank's first maximum
-    top = _max_over_ring(best, group_name)
+    top = max_over_ring(best, group_name)
     mine = (best == top) | (best.isnan() & top.isnan()) if x.is_floating_point() else best == top
     # the first occurrence over the ring: the smallest position among the ranks holding top
     candidate = torch.where(mine, -found, torch.iinfo(torch.int64).min)
-    return -_max_over_ring(candidate, group_name)
+    return -max_over_ring(candidate, group_name)
 
 
 def ring_take(

@@ -1,0 +1,121 @@
+"""Attention of replicated queries to a sharded memory: ``ringify::memory_attention``.
+
+A short sequence (a decoder's, learned latents) attending to a long one that the
+ring splits (an encoder output): every rank holds all the queries and its shard of
+the keys and values. Each rank attends to its keys with a fused kernel, and the
+partial results are merged over the ring by their log-sum-exp, in two all-reduces
+(the maximum lse, then the weighted sums). No K/V travel. Backward: each rank's
+block gradient with the merged ``out`` and ``lse``; dq is summed over the ring,
+dk and dv stay on the rank that holds those keys.
+
+``key_len``: keys at global positions >= key_len are padding. ``attn_mask`` holds
+this rank's key columns (padding columns masked).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.runtime.block_attention import (
+    accumulation_dtype,
+    additive_mask,
+    block_backward,
+    block_forward,
+    empty_attention_outputs,
+)
+from ringify.runtime.layout import shard_for_rank
+from ringify.runtime.ring import LOCAL, ring_by_name
+from ringify.runtime.ring_reduce import all_reduce, max_over_ring
+
+
+def _bias(q, k, attn_mask, group_name: str, layout: str, key_len: int):
+    """The additive mask of this rank's keys: ``attn_mask``'s, and -inf at padding."""
+    bias = None if attn_mask is None else additive_mask(attn_mask, q.dtype)
+    ring = ring_by_name(group_name)
+    padded = k.shape[2] * ring.size
+    if padded == key_len:
+        return bias
+    positions = shard_for_rank(
+        torch.arange(padded, device=q.device), 0, ring.rank, ring.size, layout
+    )
+    padding = torch.zeros(1, 1, 1, k.shape[2], dtype=q.dtype, device=q.device)
+    padding = padding.masked_fill(positions >= key_len, float("-inf"))
+    return padding if bias is None else bias + padding
+
+
+@torch.library.custom_op("ringify::memory_attention", mutates_args=())
+def memory_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    group_name: str,
+    layout: str,
+    key_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = _bias(q, k, attn_mask, group_name, layout, key_len)
+    out, lse = block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
+    if group_name == LOCAL:
+        return out, lse
+    acc = accumulation_dtype(q.dtype)
+    lse = lse.to(acc)
+    top = max_over_ring(lse, group_name)
+    top = top.masked_fill(top == float("-inf"), 0.0)  # rows no rank's keys are visible to
+    weight = torch.exp(lse - top)
+    total = all_reduce(
+        torch.cat([weight.unsqueeze(-1), weight.unsqueeze(-1) * out.to(acc)], -1), group_name
+    )
+    seen = total[..., 0] > 0
+    merged = torch.where(seen.unsqueeze(-1), total[..., 1:] / total[..., :1], 0.0)
+    lse = torch.where(seen, top + total[..., 0].log(), float("-inf"))
+    target, _ = empty_attention_outputs(q)
+    return target.copy_(merged), lse
+
+
+@memory_attention_op.register_fake
+def _(q, k, v, attn_mask, scale, group_name, layout, key_len):
+    return empty_attention_outputs(q)
+
+
+@torch.library.custom_op("ringify::memory_attention_backward", mutates_args=())
+def memory_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    group_name: str,
+    layout: str,
+    key_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias = _bias(q, k, attn_mask, group_name, layout, key_len)
+    dq, dk, dv = block_backward(
+        grad_out, q, k, v, out, lse, is_causal=False, scale=scale, bias=bias
+    )
+    dq = dq.contiguous() if group_name == LOCAL else all_reduce(dq.contiguous(), group_name)
+    return dq, dk.contiguous(), dv.contiguous()
+
+
+@memory_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, attn_mask, scale, group_name, layout, key_len):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, *ctx.flags = inputs  # scale, group, layout, key_len
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    grads = memory_attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, *ctx.flags)
+    return *grads, None, *([None] * len(ctx.flags))
+
+
+memory_attention_op.register_autograd(_backward, setup_context=_setup_context)
