@@ -114,10 +114,7 @@ def infer_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
         return Fallback(GatherReason.QKV_NOT_SHARDED)
     if shape(att.q)[2] != shape(att.k)[2]:
         return Fallback(GatherReason.CROSS_ATTENTION)
-    if att.mask is not None and _learned(att.mask):
-        # The ring op gives a mask no gradient: run it on the gathered sequence, exactly.
-        return Fallback(GatherReason.LEARNED_MASK, f"(mask {att.mask.name})")
-    return out
+    return out  # a learned mask gets its gradient from the ring op, tile by tile
 
 
 def _infer_memory(att: Attention, place: Placements) -> Placement | Fallback:
@@ -127,30 +124,7 @@ def _infer_memory(att: Attention, place: Placements) -> Placement | Fallback:
     mask = att.mask
     if mask is not None and place.sharded(mask) and place[mask] != Seq(len(shape(mask)) - 1):
         return Fallback(GatherReason.MIXED_DIMS, f"(mask {mask.name})")
-    if mask is not None and _learned(mask):
-        return Fallback(GatherReason.LEARNED_MASK, f"(mask {mask.name})")
     return [None] * len(val(att.node)) if att.returns_tuple else None
-
-
-def _learned(mask: fx.Node) -> bool:
-    """Whether a gradient flows from ``mask`` to a parameter or an input that requires grad."""
-    seen, stack = set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node in seen or node.target in _NO_GRADIENT:
-            continue
-        seen.add(node)
-        value = val(node)
-        if isinstance(value, torch.Tensor):
-            if not (value.is_floating_point() or value.is_complex()):
-                continue  # integers and bools carry no gradient
-            if node.op in ("get_attr", "placeholder") and value.requires_grad:
-                return True
-        stack.extend(node.all_input_nodes)
-    return False
-
-
-_NO_GRADIENT = frozenset({aten.detach.default, aten.alias.default})
 
 
 def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:

@@ -44,7 +44,6 @@ class GatherReason(enum.Enum):
     QKV_NOT_SHARDED = "q, k and v are not all sharded along their sequence dim (-2)"
     CROSS_ATTENTION = "cross-attention to a sharded memory of another length"
     CAUSAL_MEMORY = "causal attention to a replicated k and v"
-    LEARNED_MASK = "its float mask is learned (its gradient reaches a parameter or input)"
     LOSS_LAYOUT = "only (N, C) inputs sharded along N are reduced locally"
     LOSS_TARGET = "its input and target are sharded differently"
     WEIGHTED_MEAN = "a class-weighted mean"

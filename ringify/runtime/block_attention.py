@@ -282,6 +282,33 @@ def math_backward(
     return dscores @ k_BHtD, dscores.transpose(-1, -2) @ q_BHsD, probs.transpose(-1, -2) @ dout_BHsD
 
 
+def bias_backward(
+    dout_BHsD: torch.Tensor,
+    q_BHsD: torch.Tensor,
+    k_BKtD: torch.Tensor,
+    v_BKtD: torch.Tensor,
+    out_BHsD: torch.Tensor,
+    lse_BHs: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    bias: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of one block's additive mask (a learned bias): dS = P * (dP - rowsum(dO * O))
+    with the merged ``out`` and ``lse``, (B, H, s, t) in ``lse``'s dtype; O(s * t), as the
+    block's mask itself. No fused kernel returns it."""
+    acc = lse_BHs.dtype
+    q, k, v = (x.to(acc) for x in (q_BHsD, _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)))
+    dout, out = dout_BHsD.to(acc), out_BHsD.to(acc)
+    scores = (q @ k.transpose(-1, -2)) * scale + bias.to(acc)
+    if is_causal:
+        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
+    lse = lse_BHs.masked_fill(lse_BHs == float("-inf"), float("inf"))  # empty rows: P = 0
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    delta = (dout * out).sum(-1, keepdim=True)
+    return probs * (dout @ v.transpose(-1, -2) - delta)
+
+
 def merge_block(
     out_acc_BHsD: torch.Tensor,
     lse_acc_BHs: torch.Tensor,

@@ -110,7 +110,7 @@ def dilated_attention_backward_op(
             for start in range(0, c, w):
                 kept = [_kept(x, rate, o, start, start + w) for x in (grad_out, q, k, v, out, lse)]
                 block = block_backward(*kept, is_causal=is_causal, scale=scale)
-                for total, g in zip(grads, block, strict=True):
+                for total, g in zip(grads, block[:3], strict=True):
                     _kept(total, rate, o, start, start + w).add_(g)
         else:
             span = w // c
@@ -119,7 +119,7 @@ def dilated_attention_backward_op(
                 *pieces, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
                 pieces[1].shape[2] * span,
             )  # fmt: skip
-            for total, g in zip(grads, block, strict=True):
+            for total, g in zip(grads, block[:3], strict=True):
                 _kept(total, rate, o, 0, c).add_(g)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
 

@@ -6,7 +6,8 @@ the keys and values. Each rank attends to its keys with a fused kernel, and the
 partial results are merged over the ring by their log-sum-exp, in two all-reduces
 (the maximum lse, then the weighted sums). No K/V travel. Backward: each rank's
 block gradient with the merged ``out`` and ``lse``; dq is summed over the ring,
-dk and dv stay on the rank that holds those keys.
+dk and dv stay on the rank that holds those keys; a learned mask's gradient is
+this rank's columns.
 
 ``key_len``: keys at global positions >= key_len are padding. ``attn_mask`` holds
 this rank's key columns (padding columns masked).
@@ -19,6 +20,7 @@ import torch
 from ringify.runtime.block_attention import (
     accumulation_dtype,
     additive_mask,
+    bias_backward,
     block_backward,
     block_forward,
     empty_attention_outputs,
@@ -91,18 +93,27 @@ def memory_attention_backward_op(
     group_name: str,
     layout: str,
     key_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d attn_mask): the last is empty unless ``mask_grad`` (a learned bias)."""
     bias = _bias(q, k, attn_mask, group_name, layout, key_len)
-    dq, dk, dv = block_backward(
-        grad_out, q, k, v, out, lse, is_causal=False, scale=scale, bias=bias
-    )
+    block = (grad_out, q, k, v, out, lse)
+    dq, dk, dv = block_backward(*block, is_causal=False, scale=scale, bias=bias)
     dq = dq.contiguous() if group_name == LOCAL else all_reduce(dq.contiguous(), group_name)
-    return dq, dk.contiguous(), dv.contiguous()
+    dmask = q.new_empty(0)
+    if mask_grad:
+        dbias = bias_backward(*block, is_causal=False, scale=scale, bias=bias)
+        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        broadcast = [d for d in range(4) if shape[d] == 1 < dbias.shape[d]]
+        dbias = dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+        dmask = dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk.contiguous(), dv.contiguous(), dmask
 
 
 @memory_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, attn_mask, scale, group_name, layout, key_len):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(grad_out, q, k, v, out, lse, attn_mask, scale, group_name, layout, key_len, mask_grad=False):
+    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return *grads, torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -114,8 +125,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    grads = memory_attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, *ctx.flags)
-    return *grads, None, *([None] * len(ctx.flags))
+    mask_grad = ctx.needs_input_grad[3]  # a learned bias
+    dq, dk, dv, dmask = memory_attention_backward_op(
+        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, mask_grad=mask_grad
+    )
+    return dq, dk, dv, dmask if mask_grad else None, *([None] * len(ctx.flags))
 
 
 memory_attention_op.register_autograd(_backward, setup_context=_setup_context)

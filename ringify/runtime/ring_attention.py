@@ -201,11 +201,6 @@ def _check_mask(mask: torch.Tensor, q, k, is_causal: bool, ring_size: int) -> No
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool (True attends) or floating; got {mask.dtype}")
-    if mask.requires_grad:
-        raise ValueError(
-            "ring_attention's attn_mask is not differentiable (a learned attention bias is not "
-            "supported); pass attn_mask.detach() if its gradient is not needed"
-        )
     try:
         torch.broadcast_shapes(mask.shape, full)
         broadcasts = mask.dim() <= 4

@@ -32,6 +32,7 @@ import torch
 
 from ringify.runtime.block_attention import (
     accumulation_dtype,
+    bias_backward,
     block_backward,
     block_forward,
     empty_attention_outputs,
@@ -46,6 +47,7 @@ from ringify.runtime.schedule import (
     ring_visits,
     shard_tiles,
     tile_bias,
+    tile_of,
     tile_pairs,
 )
 
@@ -116,36 +118,45 @@ def ring_attention_backward_op(
     layout: str,
     key_len: int,
     tiles_per_chunk: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d attn_mask): the last is empty unless ``mask_grad`` (a learned bias)."""
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
     rows = q.shape[2]
+    no_mask_grad = q.new_empty(0)
     if ring.size == 1 and attn_mask is None and key_len >= rows:
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
-        return tuple(
-            g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True)
-        )
+        grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
+        return *grads, no_mask_grad
 
     acc = accumulation_dtype(q.dtype)
     tiling = _tiling(ring, q, attn_mask, is_causal, layout, key_len, tiles_per_chunk)
     mine = tiling(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
+    dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     pending_dkv = None  # the accumulators of the held tiles, on their way to the next rank
     for own, step, held, kv in ring_visits(ring, k, v, tiling):
         dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
         for i, r, causal, keys in tile_pairs(mine, held, is_causal, key_len):
-            dq_blk, dk_blk, dv_blk = block_backward(
+            block = (
                 grad_out[:, :, r],
                 q[:, :, r],
                 kv[i][:, :, :keys],
                 kv[len(own) + i][:, :, :keys],
                 out[:, :, r],
                 lse[:, :, r],
-                is_causal=causal,
-                scale=scale,
-                bias=tile_bias(attn_mask, r, held[i], keys, acc),
             )
+            bias = tile_bias(attn_mask, r, held[i], keys, acc)
+            dq_blk, dk_blk, dv_blk = block_backward(
+                *block, is_causal=causal, scale=scale, bias=bias
+            )
+            if dmask is not None:
+                tile = tile_of(dmask, r, held[i], keys)
+                dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=bias)
+                broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
+                tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
             dq_acc[:, :, r] += dq_blk
             _accumulate(dkv_here, i, dk_blk, kv[i], acc)
             _accumulate(dkv_here, len(own) + i, dv_blk, kv[len(own) + i], acc)
@@ -167,7 +178,8 @@ def ring_attention_backward_op(
             home = pending_dkv.wait() if ring.size > 1 else dkv
             for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
                 dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
-    return dq_acc.to(q.dtype), dk, dv
+    dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
+    return dq_acc.to(q.dtype), dk, dv, dmask
 
 
 def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, acc) -> None:
@@ -185,9 +197,11 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, 
 
 @ring_attention_backward_op.register_fake
 def _(
-    grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len, tiles=0
-):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
+    tiles=0, mask_grad=False,
+):  # fmt: skip
+    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return *grads, torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -199,8 +213,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, *ctx.flags)
-    return dq, dk, dv, None, *([None] * len(ctx.flags))
+    mask_grad = ctx.needs_input_grad[3]  # a learned bias
+    dq, dk, dv, dmask = ring_attention_backward_op(
+        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, mask_grad=mask_grad
+    )
+    return dq, dk, dv, dmask if mask_grad else None, *([None] * len(ctx.flags))
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -88,7 +88,13 @@ def tile_bias(mask: torch.Tensor | None, rows: slice, k_tile: Tile, keys: int, d
     """
     if mask is None:
         return None
+    return additive_mask(tile_of(mask, rows, k_tile, keys), dtype)
+
+
+def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
+    """``mask`` (or its gradient) viewed as 4-D, at one tile pair's rows and key columns
+    (a size-1 query or key dim stays a broadcast); a view, to read or to add into."""
     mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
     q_part = rows if mask.shape[2] > 1 else slice(None)
     k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
-    return additive_mask(mask[:, :, q_part, k_part], dtype)
+    return mask[:, :, q_part, k_part]
