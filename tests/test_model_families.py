@@ -126,7 +126,12 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
 
 @pytest.mark.parametrize(
     ("name", "length", "backend"),
-    [("vit", 17, "aot_eager"), ("decoder", 12, "aot_eager"), ("dit", 32, "inductor")],
+    [
+        ("vit", 17, "aot_eager"),
+        ("whisper", 16, "aot_eager"),
+        ("decoder", 12, "aot_eager"),
+        ("dit", 32, "inductor"),
+    ],
 )
 def test_compiled_matches_unmodified_model(ranks, name, length, backend):
     for r in ranks(2).run(compare, name, length, backend):

@@ -291,16 +291,18 @@ def mask_gradient(q, k, v, dout, mask, layout, tiles):
     mask = (shard(mask, -2, layout=layout) if rows else mask).detach().clone().requires_grad_()
     name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
     scale = q.shape[-1] ** -0.5
-    out, _ = torch.ops.ringify.ring_attention(
-        q, k, v, mask, False, scale, name, layout, full, tiles
-    )
+    if tiles is None:  # the public function, which picks the tiling
+        out = ring_attention(q, k, v, attn_mask=mask, layout=layout, enable_gqa=True)
+    else:
+        args = (mask, False, scale, name, layout, full, tiles)
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     out.backward(dout)
     return mask.grad
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("tiles", [None, 1, 2])
 @pytest.mark.parametrize(
     "mask_shape", [(2, 4, "S", "S"), (4, "S", "S"), (1, "S"), ("S", 1)], ids=str
 )

@@ -274,7 +274,7 @@ def test_float32(ranks):
             assert r[kind] <= 2e-5, (kind, r)
 
 
-def compare_sharded(name, seq, layout, mask="sharded"):
+def compare_sharded(name, seq, layout, mask="sharded", compile_backend=None):
     """inputs/outputs="sharded": each rank passes its part of the ids and labels and gets
     its part of the logits; the loss and gradients are still the full model's. A padding
     ``attention_mask`` is passed sharded too, or full (``mask="full"``)."""
@@ -293,7 +293,11 @@ def compare_sharded(name, seq, layout, mask="sharded"):
         k: v if (k, mask) == ("attention_mask", "full") else shard(v, 1, layout=layout)
         for k, v in kwargs.items()
     }
-    got = _forward_backward(ringified, model, args, kwargs, through_logits=False)
+    run = ringified
+    if compile_backend:
+        torch._dynamo.reset()
+        run = torch.compile(ringified, backend=compile_backend, fullgraph=True)
+    got = _forward_backward(run, model, args, kwargs, through_logits=False)
     return {
         "logits": (got[0] - shard(want[0], 1, layout=layout)).abs().max().item(),
         "loss": (got[1] - want[1]).abs().item() * TOL[torch.float64] / TOL[want[1].dtype],
@@ -314,12 +318,22 @@ def test_sharded_inputs_and_outputs(ranks, world, name):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("mask", ["full", "sharded"])
-def test_sharded_inputs_with_a_padding_mask(ranks, world, mask):
+@pytest.mark.parametrize(
+    ("world", "mask", "backend"),
+    [
+        (2, "full", None),
+        (4, "full", None),
+        (2, "sharded", None),
+        (4, "sharded", None),
+        (2, "full", "aot_eager"),
+        (2, "sharded", "aot_eager"),
+    ],
+)
+def test_sharded_inputs_with_a_padding_mask(ranks, world, mask, backend):
     """A (B, S) padding mask beside sharded ids, passed full or as this rank's part (then
-    gathered on entry: O(S), never the (S, S) mask it builds)."""
-    for r in ranks(world).run(compare_sharded, "gpt2-padding", 8 * world, "zigzag", mask):
+    gathered on entry: O(S), never the (S, S) mask it builds); eager and compiled."""
+    args = ("gpt2-padding", 8 * world, "zigzag", mask, backend)
+    for r in ranks(world).run(compare_sharded, *args):
         assert r["gathers"] == [("aten.pad.default", GatherReason.NO_RULE)]  # the labels' shift
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)

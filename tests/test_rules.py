@@ -313,9 +313,16 @@ CASES = {
         aten.scaled_dot_product_attention.default,
         GatherReason.CAUSAL_MEMORY,
     ),
-    "replicated queries": (
+    "replicated queries to a sharded memory": (  # replicated: memory_attention
         lambda kv, m: F.scaled_dot_product_attention(m, kv, kv),
         (x3(1, 2, S, 4), x3(1, 2, 3, 4)),
+        2,
+        aten.scaled_dot_product_attention.default,
+        None,
+    ),
+    "sharded queries, one of k and v sharded": (
+        lambda q, m: F.scaled_dot_product_attention(q, q, m),
+        (x3(1, 2, S, 4), x3(1, 2, S, 4)),
         2,
         aten.scaled_dot_product_attention.default,
         GatherReason.QKV_NOT_SHARDED,
