@@ -28,6 +28,7 @@ from ringify.config import Config
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
 from ringify.passes.shard_sequence import shard_sequence
+from ringify.passes.shifts import fold_shifts
 
 log = logging.getLogger("ringify")
 
@@ -275,6 +276,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
+    fold_shifts(gm.graph)
     return gm
 
 

@@ -254,3 +254,47 @@ def ring_argmax_matches_torch(layout):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_argmax_is_the_first_maximum_over_the_ring(ranks, world, layout):
     assert all(ranks(world).run(ring_argmax_matches_torch, layout))
+
+
+def _real_part(full, pad, real, layout):
+    """This rank's part of ``full`` padded with ``pad``, without the padding's positions."""
+    return shard(torch.cat([full, pad], 1), 1, layout=layout)[:, real]
+
+
+def ring_shift_matches_shifted(layout):
+    """ring_shift of each rank's part against ``shifted`` of the full sequence, values and
+    gradients, shifts both ways, scalar and start-token fills, a padded sequence."""
+    import torch.distributed as dist
+
+    from ringify.runtime.ring_shift import ring_shift, shifted
+
+    name = dist.group.WORLD.group_name
+    world = dist.get_world_size()
+    padded = 6 * world * 2
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for length in (padded, padded - 3):
+        full = torch.randn(2, length, 3, generator=g, dtype=torch.float64)
+        start = torch.randn(2, 2, 3, generator=g, dtype=torch.float64)
+        for shift, fill in ((1, -100.0), (2, 0.0), (-1, start[:, :1]), (-2, start), (-3, 5.0)):
+            x = full.clone().requires_grad_()
+            want = shifted(x, 1, shift, fill)
+            seed = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            want.backward(seed)
+            pad = torch.zeros(2, padded - length, 3, dtype=torch.float64)
+            part = shard(torch.cat([full, pad], 1), 1, layout=layout).requires_grad_()
+            got = ring_shift(part, 1, shift, fill, padded, length, name, layout)
+            got.backward(shard(torch.cat([seed, pad], 1), 1, layout=layout))
+            real = shard(torch.arange(padded) < length, 0, layout=layout)
+            results.append(
+                torch.equal(got.detach()[:, real], _real_part(want.detach(), pad, real, layout))
+                and torch.allclose(part.grad[:, real], _real_part(x.grad, pad, real, layout))
+            )
+    return results
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
+    for per_rank in ranks(world).run(ring_shift_matches_shifted, layout):
+        assert per_rank == [True] * 10

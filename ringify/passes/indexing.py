@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import norm_dim, shape, val
+from ringify.passes.nodes import norm_dim, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.report import GatherReason
 from ringify.runtime.ring_reduce import ring_take
@@ -98,8 +98,7 @@ def rewrite_indexing(node, out: Placement, state: PassState) -> None:
                 aten.arange.start, (i, i + 1), {"dtype": torch.int64, "device": device}
             )
         else:  # slice: its bounds clamped to the true length, as torch does
-            given = list(node.args[2:5])
-            start, end, step = slice(*given, *[None, None, 1][len(given) :]).indices(geo.length)
+            start, end, step = slice_bounds(node, geo.length)
             index = g.call_function(
                 aten.arange.start_step, (start, end, step), {"dtype": torch.int64, "device": device}
             )

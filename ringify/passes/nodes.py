@@ -35,6 +35,13 @@ def norm_dims(dims, ndim: int) -> list[int]:
     return [norm_dim(d, ndim) for d in dims]
 
 
+def slice_bounds(node: fx.Node, length: int) -> tuple[int, int, int]:
+    """``(start, end, step)`` of an ``aten.slice.Tensor`` node over a dim of ``length``,
+    clamped as torch clamps them."""
+    given = list(node.args[2:5])
+    return slice(*given, *[None, None, 1][len(given) :]).indices(length)
+
+
 def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with its ``meta["val"]``."""
     node = graph.call_function(target, args, kwargs or {})

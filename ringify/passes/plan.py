@@ -28,9 +28,11 @@ from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
 from ringify.runtime.layout import padded_length, split_multiple
+from ringify.runtime.ring_shift import shifted
 
 _SEQUENCE_PRESERVING = frozenset({
-    torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default
+    torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default,
+    shifted,
 })  # fmt: skip
 
 

@@ -59,7 +59,9 @@ from ringify.passes.reductions import (
     rewrite_softmax,
 )
 from ringify.passes.report import GatherReason
+from ringify.passes.shifts import infer_shift, rewrite_shift
 from ringify.runtime.ring_scan import ring_cumsum
+from ringify.runtime.ring_shift import shifted
 
 aten = torch.ops.aten
 
@@ -291,6 +293,7 @@ RULES: dict[object, Rule] = {
     aten.index_select.default: Rule(infer_index_select, rewrite_indexing),
     aten.gather.default: Rule(infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
+    shifted: Rule(infer_shift, rewrite_shift),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
