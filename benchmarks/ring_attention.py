@@ -54,7 +54,18 @@ def _attention(impl: str, is_causal: bool, layout: str):
         op = torch.ops.ringify.ring_attention
         world = dist.get_world_size()
         fwd = lambda q, k, v: op(
-            q, k, v, None, is_causal, q.shape[-1] ** -0.5, name, layout, q.shape[2] * world, 1
+            q,
+            k,
+            v,
+            None,
+            is_causal,
+            q.shape[-1] ** -0.5,
+            name,
+            layout,
+            q.shape[2] * world,
+            "",
+            [],
+            1,
         )[0]
         return fwd, lambda out, dout: out.backward(dout)
 

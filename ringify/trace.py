@@ -25,6 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
+from ringify.passes.attention import find_attention
+from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
 from ringify.passes.shard_sequence import shard_sequence
@@ -277,6 +279,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     fold_shifts(gm.graph)
+    fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm
 
 

@@ -34,7 +34,7 @@ def opcheck_ops():
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
-        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", q.shape[2] * 2, 2)
+        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", q.shape[2] * 2, "", [], 2)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)
         # The backward op is not differentiable itself (no double backward): plain tensors.

@@ -165,7 +165,7 @@ def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal, tiles):
     )
     name = dist.group.WORLD.group_name if dist.is_initialized() else ""
     out, _ = torch.ops.ringify.ring_attention(
-        q, k, v, None, is_causal, 0.35, name, layout, key_len, tiles
+        q, k, v, None, is_causal, 0.35, name, layout, key_len, "", [], tiles
     )
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
@@ -294,7 +294,7 @@ def mask_gradient(q, k, v, dout, mask, layout, tiles):
     if tiles is None:  # the public function, which picks the tiling
         out = ring_attention(q, k, v, attn_mask=mask, layout=layout, enable_gqa=True)
     else:
-        args = (mask, False, scale, name, layout, full, tiles)
+        args = (mask, False, scale, name, layout, full, "", [], tiles)
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     out.backward(dout)
     return mask.grad

@@ -150,11 +150,11 @@ def test_matches_unmodified_model(ranks, world, name):
     for r in results:
         assert r["gathers"] == []
         assert r["rewritten"] == 2
-        # GPT-2 builds its causal mask from positions: it becomes is_causal=True
+        # GPT-2 and Llama build their causal masks from positions: programs
         want = {
             "encoder": MaskKind.NONE,
-            "gpt2": MaskKind.CAUSAL_FROM_MASK,
-            "llama": MaskKind.CAUSAL_FROM_MASK,
+            "gpt2": MaskKind.PROGRAM,
+            "llama": MaskKind.PROGRAM,
         }.get(name, MaskKind.CAUSAL)
         assert r["masks"] == [(want, None)] * 2, r["masks"]
         for kind in ("logits", "loss", "grads", "inputs"):
@@ -174,21 +174,21 @@ def test_falcon_picks_heads_by_index_without_gathers(ranks, world, name):
 @pytest.mark.parametrize("world", [2, 4])
 def test_key_padding_mask_of_multihead_attention(ranks, world):
     """nn.TransformerEncoder with src_key_padding_mask: SDPA gets a mask with one query row
-    (a broadcast), kept as a broadcast, never sliced by rows."""
+    (a broadcast, O(S)): the program is that mask, read per key tile."""
     for r in run_compare(ranks, world, "encoder-padding", 8 * world, torch.float64, "zigzag"):
         assert r["gathers"] == [] and r["rewritten"] == 2
-        assert [m for m, _ in r["masks"]] == [MaskKind.KEPT] * 2, r["masks"]
+        assert [m for m, _ in r["masks"]] == [MaskKind.PROGRAM] * 2, r["masks"]
         for kind in ("logits", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_padding_mask_is_kept(ranks, world):
-    """HF GPT-2 with an attention_mask: the mask depends on an input, so it is kept exactly
-    (rows sharded with the queries, columns cut per ring step), never replaced."""
+def test_padding_mask_is_a_program(ranks, world):
+    """HF GPT-2 with an attention_mask: the padding mask is an O(S) input of the mask's
+    program, evaluated tile by tile, never an S x S tensor."""
     for r in run_compare(ranks, world, "gpt2-padding", 8 * world, torch.float64, "zigzag"):
         assert r["gathers"] == [] and r["rewritten"] == 2
-        assert r["masks"] == [(MaskKind.KEPT, (2, 1, 8 * world, 8 * world))] * 2, r["masks"]
+        assert r["masks"] == [(MaskKind.PROGRAM, None)] * 2, r["masks"]
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 

@@ -31,7 +31,10 @@ class MaskedAttention(nn.Module):
             mask = offset >= 0
         elif self.mask == "causal-float":
             mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(offset < 0, float("-inf"))
-        else:  # sliding window of 3: not causal, kept as a mask
+        elif self.mask == "window-float":  # additive, as HF's eager masks are
+            window = (offset >= 0) & (offset < 3)
+            mask = torch.where(window, x.new_zeros(()), torch.finfo(x.dtype).min)
+        else:  # a sliding window of 3
             mask = (offset >= 0) & (offset < 3)
         mask = mask[None, None].expand(b, 1, t, t)
         return (
@@ -80,31 +83,34 @@ def _compare(model, inputs, world):
 
 
 def masked(kind, world):
+    from ringify.testing.graphs import quadratic_nodes
+
     torch.manual_seed(0)
     model = MaskedAttention(kind).double()
-    x = torch.randn(2, 4 * world, 16, dtype=torch.float64)
+    length = 10 * world  # no other dim of the model has this size
+    x = torch.randn(2, length, 16, dtype=torch.float64)
     err, report, diff = _compare(model, [x], world)
+    ringified = ringify(model, ring_size=world, layout="zigzag")
+    ringified(x)
     rewritten = report.rewritten[0]
     return (
         err,
         (rewritten.mask, rewritten.mask_shape),
         len(report.gathers),
         "ring_attention" in diff,
+        quadratic_nodes(ringified, length),
     )
 
 
-@pytest.mark.parametrize(
-    ("kind", "expected"),
-    [
-        ("causal-bool", (MaskKind.CAUSAL_FROM_MASK, None)),
-        ("causal-float", (MaskKind.CAUSAL_FROM_MASK, None)),
-        ("window", (MaskKind.KEPT, (2, 1, 8, 8))),
-    ],
-)
-def test_positions_only_causal_mask_becomes_is_causal(ranks, kind, expected):
-    for err, mask, gathers, rewritten in ranks(2).run(masked, kind, 2):
+@pytest.mark.parametrize("kind", ["causal-bool", "causal-float", "window", "window-float"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_masks_built_from_positions_are_programs(ranks, kind, world):
+    """Bool and additive masks a model builds with arange: a program on O(S) inputs, exact,
+    and no node of the rewritten graph holds S x S values."""
+    for err, mask, gathers, rewritten, quadratic in ranks(world).run(masked, kind, world):
         assert err <= 1e-10 and gathers == 0 and rewritten
-        assert mask == expected
+        assert mask == (MaskKind.PROGRAM, None)
+        assert quadratic == []
 
 
 def kernel_form(world):

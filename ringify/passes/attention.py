@@ -6,9 +6,9 @@ dispatch or a model calls them directly. All are read into one ``Attention``.
 Outputs: the plain op returns ``out``; the kernels return a tuple whose item 0 is
 ``out`` and item 1 the log-sum-exp, which the ring op also returns.
 
-The rewrite: a positions-only causal mask becomes ``is_causal=True``; any other
-mask is kept, its rows sliced with the queries (the op cuts the columns per ring
-step); with a ``Dilation`` the attention becomes the dilated ring op. An attention
+The rewrite: a mask read as a program (``mask_programs.py``) goes to the ring op as
+its text and O(S) inputs; any other mask is kept, its rows sliced with the queries
+(the op cuts the columns per tile pair); with a ``Dilation`` the attention becomes the dilated ring op. An attention
 whose k and v are replicated (cross-attention to a text prompt, an encoder output
 that is not sharded) needs no ring: it stays as it is, on this rank's queries and
 mask rows and the whole memory. Replicated queries attending to a sharded memory
@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ringify.passes.causal_mask import is_causal_mask
 from ringify.passes.crossings import PassState
+from ringify.passes.mask_programs import MASK_NOTE, program_inputs
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
+from ringify.runtime.mask_program import program_mask
 from ringify.runtime.memory_attention import memory_attention_op
 
 aten = torch.ops.aten
@@ -146,20 +147,19 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         return
     geo, g = state.geo, state.graph
     q_shape = shape(att.q)
-    causal, mask = att.is_causal, None
+    causal, mask, program = att.is_causal, None, ("", [])
     kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
-    if att.mask is not None:
-        if is_causal_mask(att.mask):
-            causal, kind = True, MaskKind.CAUSAL_FROM_MASK
-        else:
-            mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
+    if att.mask is not None and att.mask.target is program_mask:
+        program, kind = program_inputs(att.mask, state), MaskKind.PROGRAM
+    elif att.mask is not None:
+        mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(node):
         if dilation is None:
             args = (att.q, att.k, att.v, mask, causal, scale, state.group_name, geo.layout)
-            ring = call(g, ringify_ops.ring_attention.default, (*args, geo.length))
+            ring = call(g, ringify_ops.ring_attention.default, (*args, geo.length, *program))
         else:
-            ring = _dilated(att, mask, causal, scale, state, dilation)
+            ring = _dilated(att, mask or att.mask, causal, scale, state, dilation)
         ring_out = call(g, operator.getitem, (ring, 0))
         lse = call(g, operator.getitem, (ring, 1))
     state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
@@ -241,6 +241,7 @@ def reported(
         local_shape=tuple(state.geo.local_shape(q_shape, Seq(2))) if sharded else q_shape,
         mask=mask,
         mask_shape=tuple(shape(att.mask)) if mask is MaskKind.KEPT else None,
+        mask_detail=att.node.meta.get(MASK_NOTE, ""),
         layout=state.geo.layout if sharded else None,
         dilation=dilation,
         bytes_per_step=bytes,

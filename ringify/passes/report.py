@@ -17,7 +17,7 @@ from ringify.runtime.dilation import Dilation
 class MaskKind(enum.Enum):
     NONE = "none"
     CAUSAL = "causal"
-    CAUSAL_FROM_MASK = "causal (positions-only mask -> is_causal)"
+    PROGRAM = "program: O(S) inputs, evaluated tile by tile"
     KEPT = "mask kept"
 
 
@@ -59,6 +59,7 @@ class ReportedAttention:
     local_shape: tuple[int, ...]
     mask: MaskKind
     mask_shape: tuple[int, ...] | None  # of a kept mask
+    mask_detail: str  # what the mask's program holds, or why it is kept whole
     layout: str
     dilation: Dilation | None
     bytes_per_step: int

@@ -34,6 +34,7 @@ from ringify.passes.indexing import (
     infer_indexing,
     rewrite_indexing,
 )
+from ringify.passes.mask_programs import rewrite_program_mask
 from ringify.passes.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.placement import (
     Fallback,
@@ -60,6 +61,7 @@ from ringify.passes.reductions import (
 )
 from ringify.passes.report import GatherReason
 from ringify.passes.shifts import infer_shift, rewrite_shift
+from ringify.runtime.mask_program import program_mask
 from ringify.runtime.ring_scan import ring_cumsum
 from ringify.runtime.ring_shift import shifted
 
@@ -79,6 +81,10 @@ SAME_SHAPE = frozenset({
     aten.dropout.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.to.device, aten.to.other, aten.type_as.default, aten.lift_fresh_copy.default,
+})  # fmt: skip
+# new tensors that take only their input's dtype and device: replicated
+NEW_TENSORS = frozenset({
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
 })  # fmt: skip
 VIEWS = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
@@ -294,6 +300,8 @@ RULES: dict[object, Rule] = {
     aten.gather.default: Rule(infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     shifted: Rule(infer_shift, rewrite_shift),
+    program_mask: Rule(lambda node, place: None, rewrite_program_mask),
+    **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, lambda node, out, state: None)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),

@@ -76,7 +76,7 @@ def dilated_attention_op(
             span = w // c
             out_o, lse_o = ring_attention_op(
                 qo, ko, vo, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                qo.shape[2] * span,
+                qo.shape[2] * span, "", [],
             )  # fmt: skip
             merge_block(_kept(out, rate, o, 0, c), _kept(lse, rate, o, 0, c), out_o, lse_o)
     return in_dim_order_of(q, out.to(q.dtype)), lse
@@ -117,7 +117,7 @@ def dilated_attention_backward_op(
             pieces = [_kept(x, rate, o, 0, c).contiguous() for x in (grad_out, q, k, v, out, lse)]
             block = ring_attention_backward_op(
                 *pieces, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                pieces[1].shape[2] * span,
+                pieces[1].shape[2] * span, "", [],
             )  # fmt: skip
             for total, g in zip(grads, block[:3], strict=True):
                 _kept(total, rate, o, 0, c).add_(g)

@@ -1,4 +1,4 @@
-"""P2P rotation: one ring step, every rank sends to the next and receives from the previous.
+"""P2P exchanges of a ring step: K/V tiles to the next rank, gradients home.
 
 The same code serves NCCL (CUDA tensors) and gloo (CPU tensors): the backend
 comes from the process group. A step is started before the block it overlaps
@@ -21,34 +21,46 @@ def sent_bytes() -> int:
 
 
 class PendingStep:
-    """A started rotation; ``wait()`` returns the tensors received from the previous rank."""
+    """Started sends and receives; ``wait()`` returns the tensors received, one list per
+    receive in the order they were asked for."""
 
-    def __init__(
-        self, works: list[dist.Work], received: list[torch.Tensor], sent: list[torch.Tensor]
-    ):
+    def __init__(self, works: list, received: list[list[torch.Tensor]], sent: list):
         self._works = works
         self._received = received
         self._sent = sent  # send buffers must stay alive until the sends complete
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[list[torch.Tensor]]:
         for work in self._works:
             work.wait()
         self._works, self._sent = [], []
         return self._received
 
 
-def start_rotation(ring: Ring, tensors: list[torch.Tensor], *, tag: int = 0) -> PendingStep:
-    """Send ``tensors`` to rank+1 and receive tensors of the same shapes from rank-1.
+def start_exchange(ring: Ring, sends: list, receives: list, *, tag: int = 0) -> PendingStep:
+    """Send each ``(peer, tensors)`` of ``sends``; receive into each ``(peer, buffers)`` of
+    ``receives`` from that peer (peers are ranks of the ring).
 
-    ``tag`` keeps concurrent rotations apart on backends that match by tag (gloo);
-    on NCCL, P2P between a pair is matched in issue order, which every rank shares.
+    ``tag`` keeps concurrent exchanges apart on backends that match by tag (gloo); on
+    NCCL, P2P between a pair is matched in issue order, so every rank issues a pair's
+    operations in the same order (the ring's steps, and within a step, this order).
     """
     global _sent_bytes
-    assert ring.group is not None and ring.size > 1
-    sent = [t.contiguous() for t in tensors]
-    _sent_bytes += sum(t.numel() * t.element_size() for t in sent)
-    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sent]
-    nxt, prev = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-    ops = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=nxt, tag=tag) for t in sent]
-    ops += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=prev, tag=tag) for t in received]
-    return PendingStep(dist.batch_isend_irecv(ops), received, sent)
+    ops, sent, received = [], [], []
+    for peer, tensors in sends:
+        batch = [t.contiguous() for t in tensors]
+        _sent_bytes += sum(t.numel() * t.element_size() for t in batch)
+        ops += [
+            dist.P2POp(dist.isend, t, group=ring.group, group_peer=peer, tag=tag) for t in batch
+        ]
+        sent.append(batch)
+    for peer, batch in receives:
+        ops += [
+            dist.P2POp(dist.irecv, t, group=ring.group, group_peer=peer, tag=tag) for t in batch
+        ]
+        received.append(batch)
+    return PendingStep(dist.batch_isend_irecv(ops) if ops else [], received, sent)
+
+
+def buffers_like(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list:
+    """Dense receive buffers shaped as ``tensors`` (in ``dtype``, else theirs)."""
+    return [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in tensors]

@@ -92,7 +92,7 @@ def ring_attention(
         out, _ = dilated_attention_op(q, k, v, is_causal, scale, ring.name, segments, rates)
         return out
     out, _ = ring_attention_op(
-        q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size
+        q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size, "", []
     )
     return out
 

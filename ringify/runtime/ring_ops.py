@@ -40,25 +40,28 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
-from ringify.runtime.p2p import start_rotation
+from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring, ring_by_name
-from ringify.runtime.schedule import (
-    needs_positions,
-    ring_visits,
-    shard_tiles,
-    tile_bias,
-    tile_of,
-    tile_pairs,
-)
+from ringify.runtime.schedule import needs_positions, ring_visits, shard_tiles, tile_views
+from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk, tile_of
+from ringify.runtime.tiles import Visibility
 
 _DKV_TAG = 1
 
 
-def _tiling(ring: Ring, q, attn_mask, is_causal: bool, layout: str, key_len: int, per_chunk: int):
-    """``rank -> that rank's tiles`` for this call (the same function on every rank)."""
+def _tile_masks(ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk):
+    """``(rank -> that rank's tiles, TileMasks)`` for this call (the same on every rank)."""
     rows = q.shape[2]
-    positional = needs_positions(attn_mask, is_causal, key_len, rows * ring.size)
-    return lambda rank: shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
+    masked = attn_mask is not None or bool(program)
+    positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
+    if program and not per_chunk:
+        per_chunk = program_tiles_per_chunk(program, inputs, rows, ring.size, layout)
+
+    def tiling(rank: int):
+        return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
+
+    masks = TileMasks(tiling, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
+    return tiling, masks
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -72,34 +75,44 @@ def ring_attention_op(
     group_name: str,
     layout: str,
     key_len: int,
+    mask_program: str,
+    mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
     rows = q.shape[2]
-    if ring.size == 1 and attn_mask is None and key_len >= rows:
+    if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
 
-    tiling = _tiling(ring, q, attn_mask, is_causal, layout, key_len, tiles_per_chunk)
+    tiling, masks = _tile_masks(
+        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk
+    )
     mine = tiling(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    # Each sub-ring's K/V tiles make their own trip round the ring; at each step this
-    # rank attends to the tiles it holds from each of its query tiles.
-    for own, _, held, kv in ring_visits(ring, k, v, tiling):
-        for i, r, causal, keys in tile_pairs(mine, held, is_causal, key_len):
-            k_blk, v_blk = kv[i][:, :, :keys], kv[len(own) + i][:, :, :keys]
-            bias = tile_bias(attn_mask, r, held[i], keys, acc)
+    # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
+    # seen); at each step this rank attends to the tiles it holds from its query tiles.
+    for own, _, _, held, kv in ring_visits(ring, k, v, tiling, masks.last_steps):
+        if held is None:  # no query here sees them: they were not sent
+            masks.skip(mine, len(own))
+            continue
+        for i, r, cols, seen, bias in masks.pairs(mine, held, acc, count=True):
+            k_blk, v_blk = kv[i][:, :, cols], kv[len(own) + i][:, :, cols]
             out_blk, lse_blk = block_forward(
-                q[:, :, r], k_blk, v_blk, is_causal=causal, scale=scale, bias=bias
-            )
+                q[:, :, r], k_blk, v_blk, is_causal=seen is Visibility.DIAGONAL, scale=scale,
+                bias=bias,
+            )  # fmt: skip
             merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
     return in_dim_order_of(q, out_acc.to(q.dtype)), lse_acc
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, tiles_per_chunk=0):
+def _(
+    q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, mask_program,
+    mask_inputs, tiles_per_chunk=0,
+):  # fmt: skip
     return empty_attention_outputs(q)
 
 
@@ -117,6 +130,8 @@ def ring_attention_backward_op(
     group_name: str,
     layout: str,
     key_len: int,
+    mask_program: str,
+    mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
     mask_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,99 +140,143 @@ def ring_attention_backward_op(
     grad_out = grad_out.contiguous()
     rows = q.shape[2]
     no_mask_grad = q.new_empty(0)
-    if ring.size == 1 and attn_mask is None and key_len >= rows:
+    if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
         grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
         return *grads, no_mask_grad
 
     acc = accumulation_dtype(q.dtype)
-    tiling = _tiling(ring, q, attn_mask, is_causal, layout, key_len, tiles_per_chunk)
+    tiling, masks = _tile_masks(
+        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk
+    )
     mine = tiling(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
+    dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
-    pending_dkv = None  # the accumulators of the held tiles, on their way to the next rank
-    for own, step, held, kv in ring_visits(ring, k, v, tiling):
-        dkv_here = [None] * len(kv)  # this rank's share of the held tiles' gradients
-        for i, r, causal, keys in tile_pairs(mine, held, is_causal, key_len):
-            block = (
-                grad_out[:, :, r],
-                q[:, :, r],
-                kv[i][:, :, :keys],
-                kv[len(own) + i][:, :, :keys],
-                out[:, :, r],
-                lse[:, :, r],
-            )
-            bias = tile_bias(attn_mask, r, held[i], keys, acc)
-            dq_blk, dk_blk, dv_blk = block_backward(
-                *block, is_causal=causal, scale=scale, bias=bias
-            )
-            if dmask is not None:
-                tile = tile_of(dmask, r, held[i], keys)
-                dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=bias)
-                broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
-                tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
-            dq_acc[:, :, r] += dq_blk
-            _accumulate(dkv_here, i, dk_blk, kv[i], acc)
-            _accumulate(dkv_here, len(own) + i, dv_blk, kv[len(own) + i], acc)
-        # The tiles' gradient accumulators: started here at step 0 (zero for a tile no
-        # query sees, e.g. all padding), else they travelled with the tiles.
+    arriving = {}  # what the exchange of the previous step brings: "travel", "home"
+    pending = None
+    for own, step, src, held, kv in ring_visits(ring, k, v, tiling, masks.last_steps):
+        last = masks.last_steps(own[0].sub_ring)
+        if pending is not None:
+            received, pending = pending.wait(), None
+            if "home" in arriving:
+                _store_home(own, received[arriving["home"]], dk, dv)
+            dkv = received[arriving["travel"]] if "travel" in arriving else None
         if step == 0:
-            dkv = [
-                torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g
-                for g, t in zip(dkv_here, kv, strict=True)
-            ]
-        else:
-            dkv = pending_dkv.wait()
-            for total, here in zip(dkv, dkv_here, strict=True):
-                if here is not None:
-                    total += here
-        if ring.size > 1:
-            pending_dkv = start_rotation(ring, dkv, tag=_DKV_TAG)
-        if step == ring.size - 1:  # after P rotations the accumulators are home
-            home = pending_dkv.wait() if ring.size > 1 else dkv
-            for t, dk_home, dv_home in zip(own, home[: len(own)], home[len(own) :], strict=True):
-                dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
+            dkv = None
+        if held is not None:
+            dkv = _tiles_backward(
+                dkv, held, kv, own, mine, masks, (grad_out, q, out, lse), dq_acc, dmask,
+                is_causal=is_causal, scale=scale, acc=acc,
+            )  # fmt: skip
+            if step == last[src] == 0:
+                _store_home(own, dkv, dk, dv)
+        # The gradients go on with the tiles while they travel, then straight home.
+        sends, receives, arriving = [], [], {}
+        if held is not None and step < last[src]:
+            sends.append(((ring.rank + 1) % ring.size, dkv))
+        elif held is not None and step == last[src] > 0:
+            sends.append((src, dkv))
+        if step + 1 <= last[(ring.rank - step - 1) % ring.size]:
+            arriving["travel"] = len(receives)
+            receives.append(((ring.rank - 1) % ring.size, buffers_like(tile_views(own, k, v), acc)))
+        if step == last[ring.rank] > 0:
+            arriving["home"] = len(receives)
+            receives.append(
+                ((ring.rank + step) % ring.size, buffers_like(tile_views(own, k, v), acc))
+            )
+        if sends or receives:
+            pending = start_exchange(ring, sends, receives, tag=_DKV_TAG)
+        if step == ring.size - 1 and pending is not None:  # the sub-ring's trip ends here
+            received, pending = pending.wait(), None
+            if "home" in arriving:
+                _store_home(own, received[arriving["home"]], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     return dq_acc.to(q.dtype), dk, dv, dmask
 
 
-def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, acc) -> None:
-    """Add one block's dK or dV (over the tile's first ``grad.shape[2]`` rows: the rest are
-    padding keys the kernel never saw) into ``grads[slot]``, kept contiguous so that it
-    can be sent as it is."""
-    keys = grad.shape[2]
-    if grads[slot] is None and keys == tile.shape[2]:
+def _store_home(own, totals, dk, dv) -> None:
+    """This rank's own tiles' dK and dV, complete: into ``dk`` and ``dv``."""
+    n = len(own)
+    for t, dk_home, dv_home in zip(own, totals[:n], totals[n:], strict=True):
+        dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
+
+
+def _tiles_backward(
+    dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, *, is_causal, scale, acc
+):
+    """Add this rank's share of the held tiles' gradients into ``dkv`` (started here if
+    None) and of its queries' into ``dq_acc`` (and ``dmask``)."""
+    grad_out, q, out, lse = saved
+    here = [None] * len(kv)
+    for i, r, cols, seen, bias in masks.pairs(mine, held, acc):
+        block = (
+            grad_out[:, :, r], q[:, :, r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols],
+            out[:, :, r], lse[:, :, r],
+        )  # fmt: skip
+        causal = seen is Visibility.DIAGONAL
+        dq_blk, dk_blk, dv_blk = block_backward(*block, is_causal=causal, scale=scale, bias=bias)
+        if dmask is not None:
+            tile = tile_of(dmask, r, held[i], cols.stop)
+            dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=bias)
+            broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
+            tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+        dq_acc[:, :, r] += dq_blk
+        _accumulate(here, i, dk_blk, kv[i], cols, acc)
+        _accumulate(here, len(own) + i, dv_blk, kv[len(own) + i], cols, acc)
+    if dkv is None:  # zero for a tile no query here sees (all padding, masked)
+        return [
+            torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g
+            for g, t in zip(here, kv, strict=True)
+        ]
+    for total, g in zip(dkv, here, strict=True):
+        if g is not None:
+            total += g
+    return dkv
+
+
+def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, cols, acc) -> None:
+    """Add one block's dK or dV (over the tile's key rows ``cols``: padding keys and keys
+    no query of the block sees are left out) into ``grads[slot]``, kept contiguous so
+    that it can be sent as it is."""
+    if grads[slot] is None and grad.shape[2] == tile.shape[2]:
         grads[slot] = grad.to(acc, memory_format=torch.contiguous_format)
         return
     if grads[slot] is None:
         grads[slot] = torch.zeros(tile.shape, dtype=acc, device=tile.device)
-    grads[slot][:, :, :keys] += grad
+    grads[slot][:, :, cols] += grad
 
 
 @ring_attention_backward_op.register_fake
 def _(
     grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
-    tiles=0, mask_grad=False,
+    mask_program, mask_inputs, tiles=0, mask_grad=False,
 ):  # fmt: skip
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     return *grads, torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, *ctx.flags = inputs  # is_causal, scale, group, layout, key_len, tiles
+    q, k, v, attn_mask = inputs[:4]
+    ctx.flags = inputs[4:9]  # is_causal, scale, group_name, layout, key_len
+    ctx.program, mask_inputs = inputs[9:11]
+    ctx.tiles = inputs[11] if len(inputs) > 11 else 0
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, *mask_inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, *mask_inputs = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask = ring_attention_backward_op(
-        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, mask_grad=mask_grad
-    )
-    return dq, dk, dv, dmask if mask_grad else None, *([None] * len(ctx.flags))
+        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
+        mask_grad=mask_grad,
+    )  # fmt: skip
+    # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
+    grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
+    grads[10] = [None] * len(mask_inputs)
+    return tuple(grads)
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

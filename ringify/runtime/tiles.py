@@ -32,6 +32,9 @@ from ringify.runtime.layout import chunks_per_rank, rank_chunks
 MIN_TILE_ROWS = 1024
 # Tiles per chunk above which the buffers no longer shrink meaningfully.
 MAX_TILES_PER_CHUNK = 8
+# ... unless each query sees a short span of keys (a sliding window, short documents):
+# then tiles about that span long let the ring skip the rest.
+MAX_BANDED_TILES_PER_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Visibility(enum.Enum):
     HIDDEN = "hidden"  # every key after every query: skipped
     DIAGONAL = "diagonal"  # the same global rows: the kernel's top-left causal mask
     FULL = "full"  # every key visible: no mask
+    MASKED = "masked"  # some keys visible: the pair's tile of the mask as a bias
 
 
 def visibility(q_tile: Tile, k_tile: Tile, is_causal: bool) -> Visibility:

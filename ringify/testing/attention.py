@@ -38,7 +38,7 @@ def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
         scale = kwargs.get("scale", q.shape[-1] ** -0.5)
         name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
         mask, is_causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
-        args = (mask, is_causal, scale, name, layout, full, tiles_per_chunk)
+        args = (mask, is_causal, scale, name, layout, full, "", [], tiles_per_chunk)
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]

@@ -45,6 +45,29 @@ def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
     return LlamaForCausalLM(config)
 
 
+def mistral(window: int, layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=1 << 20):
+    """HF Mistral: Llama's blocks with a sliding-window causal mask of ``window`` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dim // heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_len,
+        sliding_window=window,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return MistralForCausalLM(config)
+
+
 def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
     """HF T5: a learned relative-position bias added to every attention's scores."""
     from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration

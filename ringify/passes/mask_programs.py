@@ -1,0 +1,233 @@
+"""Attention masks read as programs over O(S) vectors (``ringify/runtime/mask_program.py``).
+
+``fold_mask_programs`` runs on the exported graph before the plan. For each
+attention with a mask it walks the mask's subgraph back from the mask to where the
+S x S part begins: nodes with both a query and a key dim are the program (they
+must be elementwise), the tensors feeding them are its inputs (a query or key dim of
+size 1: O(S)). The mask argument becomes one ``program_mask`` node of the program's
+text and inputs, and the S x S nodes die: nothing of S x S size is computed at
+trace or at run time, nor evaluated to decide what the mask is. The ring rewrite
+hands the text and the inputs to the ring op, which bounds and evaluates it tile by
+tile. A mask that is not such a program (a tensor the model was given, a learned
+bias, an op with no tile form) is kept as it is; the attention's node records why.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import call, is_tensor, shape, val
+from ringify.runtime.mask_program import ELEMENTWISE, MaskProgram, parse, program_mask
+
+aten = torch.ops.aten
+MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
+
+_IDENTITY = frozenset({
+    aten.expand.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+})  # fmt: skip
+_CASTS = frozenset({
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+    aten.type_as.default,
+})  # fmt: skip
+_FULL = {  # creation op -> position of its fill value (None: 0 or 1)
+    aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1,
+    aten.ones.default: None, aten.new_ones.default: None, aten.ones_like.default: None,
+    aten.zeros.default: None, aten.new_zeros.default: None, aten.zeros_like.default: None,
+}  # fmt: skip
+_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
+
+
+class NotAProgram(Exception):
+    """The mask has no program form; the message says why."""
+
+
+def fold_mask_programs(graph: fx.Graph, attentions) -> None:
+    """Replace the mask of every attention in ``attentions`` (read ``Attention`` rows) by a
+    ``program_mask`` node where it is a program; note on each attention node why not."""
+    for att in attentions:
+        if att.mask is None:
+            continue
+        try:
+            program, inputs = read_program(att.mask)
+        except NotAProgram as e:
+            att.node.meta[MASK_NOTE] = str(e)
+            continue
+        with graph.inserting_before(att.node):
+            folded = graph.call_function(
+                program_mask, (program.text(), inputs, list(shape(att.mask)), val(att.mask).device)
+            )
+        folded.meta["val"] = val(att.mask)
+        att.node.replace_input_with(att.mask, folded)
+        att.node.meta[MASK_NOTE] = _summary(program)
+    _erase_dead(graph)
+
+
+def read_program(mask: fx.Node) -> tuple[MaskProgram, list[fx.Node]]:
+    """The program computing ``mask`` and its input nodes, in order; else ``NotAProgram``."""
+    ndim = len(shape(mask))
+    if ndim < 2:
+        raise NotAProgram("a mask with no query dim")
+    reader = _Reader(ndim, *shape(mask)[-2:])
+    reader.visit(mask)
+    if not reader.code:  # the mask is itself O(S): the program is its input
+        reader.code.append(("cast", (reader.visit(mask),), _dtype(mask)))
+    return MaskProgram(tuple(reader.roles), tuple(reader.code)), reader.inputs
+
+
+class _Reader:
+    def __init__(self, ndim: int, queries: int, keys: int):
+        self.ndim, self.queries, self.keys = ndim, queries, keys
+        self.roles: list[str] = []
+        self.inputs: list[fx.Node] = []
+        self.code: list[tuple] = []
+        self._refs: dict[fx.Node, dict] = {}
+
+    def role(self, node: fx.Node) -> str:
+        s = shape(node)
+        if len(s) > self.ndim:
+            raise NotAProgram(f"{node.name} has more dims than the mask")
+        q, k = [1, 1, *s][-2:]
+        if q > 1 and k > 1:
+            if (q, k) != (self.queries, self.keys):
+                raise NotAProgram(f"{node.name} is {q} x {k}, not the mask's queries x keys")
+            return "pair"
+        if q > 1:
+            return (
+                "q" if q == self.queries else _raise(f"{node.name}: {q} rows, not {self.queries}")
+            )
+        if k > 1:
+            return "k" if k == self.keys else _raise(f"{node.name}: {k} columns, not {self.keys}")
+        return "c"
+
+    def visit(self, a):
+        """``a``'s reference in the program: an input, an instruction or a literal."""
+        if not isinstance(a, fx.Node):
+            if isinstance(a, (bool, int, float)) or a is None:
+                return a
+            raise NotAProgram(f"an argument {a!r} the program cannot hold")
+        if a in self._refs:
+            return self._refs[a]
+        if not is_tensor(a):
+            raise NotAProgram(f"{a.name} is not a tensor")
+        role = self.role(a)
+        if role != "pair":
+            ref = self._input(a, role)
+        elif a.op != "call_function":
+            raise NotAProgram(
+                f"a {self.queries} x {self.keys} tensor the model was given ({a.name})"
+            )
+        else:
+            ref = self._instruction(a)
+        self._refs[a] = ref
+        return ref
+
+    def _input(self, node: fx.Node, role: str) -> dict:
+        if val(node).is_floating_point() and _reads_inputs(node):  # e.g. T5's position bias
+            raise NotAProgram(
+                f"a float input ({node.name}) that may be learned: kept with its gradient"
+            )
+        self.roles.append(role)
+        self.inputs.append(node)
+        return {"in": len(self.inputs) - 1}
+
+    def _instruction(self, node: fx.Node) -> dict:
+        target, args = node.target, node.args
+        if target in _IDENTITY:
+            if shape(args[0])[-2:] != shape(node)[-2:]:
+                raise NotAProgram(f"{node.name} ({target}) reshapes the queries x keys dims")
+            return self.visit(args[0])
+        if target in _CASTS:
+            return self._emit("cast", [self.visit(args[0])], node)
+        if target in _FULL:
+            at = _FULL[target]
+            if at is None:
+                value = 0 if "zeros" in str(target) else 1
+            else:
+                value = args[at] if len(args) > at else node.kwargs.get("fill_value")
+            return self._emit("const", [self.visit(value)], node)
+        if target in (aten.tril.default, aten.triu.default):
+            diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
+            return self._emit(target.__name__.split(".")[0], [self.visit(args[0]), diagonal], node)
+        name = getattr(target, "__name__", str(target))
+        if getattr(target, "namespace", None) != "aten" or name not in ELEMENTWISE:
+            raise NotAProgram(f"{name} on the queries x keys part has no tile form")
+        if node.kwargs:
+            raise NotAProgram(f"{name} with keyword arguments {sorted(node.kwargs)}")
+        return self._emit(name, [self.visit(a) for a in args], node)
+
+    def _emit(self, op: str, args: list, node: fx.Node) -> dict:
+        self.code.append((op, tuple(args), _dtype(node)))
+        return {"op": len(self.code) - 1}
+
+
+def _raise(message: str):
+    raise NotAProgram(message)
+
+
+def _dtype(node: fx.Node) -> str:
+    return str(val(node).dtype).removeprefix("torch.")
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` reads the values of a float graph input, parameter or buffer (one
+    that may be learned); creation ops read only their input's dtype and device."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr") and val(n).is_floating_point():
+            return True
+        if n.target not in _FULL:
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def _summary(program: MaskProgram) -> str:
+    ops = sorted({op.split(".")[0] for op, _, _ in program.code})
+    roles = "".join(sorted(set(program.roles)))
+    return f"program of {len(program.code)} ops ({', '.join(ops)}) on {len(program.roles)} O(S) inputs ({roles})"
+
+
+def _erase_dead(graph: fx.Graph) -> None:
+    """Dead code elimination that also drops export's dtype asserts on dead tensors
+    (they would keep the S x S mask nodes alive)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            checked = node.args[0] if node.target in _ASSERTS else None
+            if isinstance(checked, fx.Node) and all(u.target in _ASSERTS for u in checked.users):
+                graph.erase_node(node)
+                changed = True
+        changed |= graph.eliminate_dead_code()
+
+
+def program_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:
+    """The ring op's ``(mask_program, mask_inputs)`` for a ``program_mask`` node: its text
+    and its inputs whole on every rank, padded with the sequence (O(S) each)."""
+    text, inputs = folded.args[:2]
+    pad = state.geo.padded - state.geo.length
+    whole = []
+    for x, role in zip(inputs, parse(text).roles, strict=True):
+        if state.sharded(x):
+            x = state.gather(x)
+        if pad and role != "c":
+            spec = [0, pad] if role == "k" else [0, 0, 0, pad]
+            with state.graph.inserting_before(folded):
+                x = call(state.graph, aten.constant_pad_nd.default, (x, spec, 0))
+            state.place[x] = None
+        whole.append(x)
+    return text, whole
+
+
+def rewrite_program_mask(node: fx.Node, out, state: PassState) -> None:
+    """A mask program computed whole (its attention is not a ring): its O(S) inputs are
+    gathered."""
+    for a in list(node.all_input_nodes):
+        if state.sharded(a):
+            node.replace_input_with(a, state.gather(a))

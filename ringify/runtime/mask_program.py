@@ -1,0 +1,172 @@
+"""An attention mask as a program over O(S) vectors, evaluated one tile pair at a time.
+
+Models build masks by broadcasting index vectors against each other: ``kv <= q``
+(causal), ``q - kv < w`` (a sliding window), ``pad[b, kv]`` (padding),
+``doc[b, q] == doc[b, kv]`` (packed documents). The pass
+(``ringify/passes/mask_programs.py``) cuts the mask's subgraph where the S x S part
+begins. Its *inputs* are tensors whose query or key dim has size 1 (O(S) elements):
+role ``q`` varies along the queries, ``k`` along the keys, ``c`` along neither. Its
+*code* is the elementwise ops that combine them into the mask.
+
+The ring op cannot take a Python callable, so the program travels as canonical JSON
+text: a string argument, identified by its content, which keeps the op opaque to
+torch.compile, its fake kernel exact and AOTAutograd's cache the same on every rank.
+
+Per tile pair the op first *bounds* the program (interval arithmetic over the
+inputs' per-tile minima and maxima, for all pairs at once): a pair surely all masked
+is skipped and one surely all visible runs with no mask, without evaluating
+anything of S x S size. Only the rest is evaluated, at the size of one tile pair.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops a program may hold: elementwise, so that a tile of the output is the op on tiles
+# of its inputs. ``cast``, ``const``, ``tril`` and ``triu`` are the program's own.
+ELEMENTWISE = frozenset({
+    "le.Tensor", "lt.Tensor", "ge.Tensor", "gt.Tensor", "eq.Tensor", "ne.Tensor",
+    "le.Scalar", "lt.Scalar", "ge.Scalar", "gt.Scalar", "eq.Scalar", "ne.Scalar",
+    "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor", "bitwise_and.Tensor",
+    "bitwise_or.Tensor", "bitwise_xor.Tensor", "logical_and.default", "logical_or.default",
+    "logical_xor.default", "logical_not.default", "bitwise_not.default",
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Scalar", "mul.Tensor",
+    "mul.Scalar", "div.Tensor", "div.Scalar", "neg.default", "abs.default",
+    "remainder.Scalar", "remainder.Tensor", "floor_divide.default",
+    "maximum.default", "minimum.default", "where.self", "where.ScalarSelf",
+    "where.ScalarOther", "where.Scalar", "masked_fill.Scalar", "masked_fill.Tensor",
+})  # fmt: skip
+OWN_OPS = frozenset({"cast", "const", "tril", "triu"})
+
+
+@dataclass(frozen=True)
+class MaskProgram:
+    """``roles[i]`` of input i (``q``, ``k`` or ``c``); ``code``: instructions
+    ``(op, args, dtype)`` whose args are literals or references: ``{"in": i}``,
+    ``{"op": j}`` (an earlier instruction's result), ``{"pos": "q"|"k"}`` (global
+    positions). The last instruction is the mask."""
+
+    roles: tuple[str, ...]
+    code: tuple[tuple[str, tuple, str], ...]
+
+    def text(self) -> str:
+        return json.dumps({"roles": self.roles, "code": self.code}, sort_keys=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.code[-1][2])
+
+    @functools.cached_property
+    def last_uses(self) -> dict[int, list[int]]:
+        """instruction j -> the earlier results it is the last to read."""
+        last = {}
+        for j, (_, args, _) in enumerate(self.code):
+            for a in args:
+                if isinstance(a, dict) and "op" in a:
+                    last[a["op"]] = j
+        uses: dict[int, list[int]] = {}
+        for result, j in last.items():
+            uses.setdefault(j, []).append(result)
+        return uses
+
+
+@functools.lru_cache(maxsize=64)
+def parse(text: str) -> MaskProgram:
+    """The program of ``text`` (cached by content); refuses any op outside the program's set."""
+    raw = json.loads(text)
+    code = tuple((op, _tuple(args), dtype) for op, args, dtype in raw["code"])
+    for op, _, _ in code:
+        if op not in ELEMENTWISE and op not in OWN_OPS:
+            raise ValueError(f"mask program: {op!r} is not an elementwise op")
+    return MaskProgram(tuple(raw["roles"]), code)
+
+
+def _tuple(x):
+    return tuple(_tuple(a) for a in x) if isinstance(x, list) else x
+
+
+def as_4d(x: torch.Tensor) -> torch.Tensor:
+    return x.view((1,) * (4 - x.dim()) + tuple(x.shape))
+
+
+def evaluate(program: MaskProgram, inputs, rows: slice, cols: slice, device) -> torch.Tensor:
+    """The mask at global query positions ``rows`` and key positions ``cols`` (4-D,
+    size-1 dims where it broadcasts), on ``device``."""
+    q_pos = torch.arange(rows.start, rows.stop, device=device).view(-1, 1)
+    k_pos = torch.arange(cols.start, cols.stop, device=device)
+    parts = {"q": (Ellipsis, rows, slice(None)), "k": (Ellipsis, cols), "c": (Ellipsis,)}
+    tiles = [as_4d(x)[parts[role]] for x, role in zip(inputs, program.roles, strict=True)]
+    results: list[torch.Tensor | None] = []
+    for j, (op, args, dtype) in enumerate(program.code):
+        vals = [resolve(a, tiles, results, q_pos, k_pos, lambda x: x) for a in args]
+        results.append(_run(op, vals, getattr(torch, dtype), q_pos, k_pos, device))
+        for done in program.last_uses.get(j, ()):  # a block-sized temporary, no longer read
+            results[done] = None
+    return as_4d(results[-1])
+
+
+def resolve(a, inputs: list, results: list, q_pos, k_pos, literal):
+    """An instruction's argument: an input, an earlier result, positions, or ``literal(a)``."""
+    if not isinstance(a, dict):
+        return literal(a)
+    if "in" in a:
+        return inputs[a["in"]]
+    if "op" in a:
+        return results[a["op"]]
+    return q_pos if a["pos"] == "q" else k_pos
+
+
+def _run(op: str, args: list, dtype: torch.dtype, q_pos, k_pos, device) -> torch.Tensor:
+    if op == "cast":
+        return torch.as_tensor(args[0], device=device).to(dtype)
+    if op == "const":
+        return torch.tensor(args[0], dtype=dtype, device=device)
+    if op in ("tril", "triu"):  # the kernel's top-left alignment: key - query vs diagonal
+        x, diagonal = args
+        offset = k_pos - q_pos
+        keep = offset <= diagonal if op == "tril" else offset >= diagonal
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    name, overload = op.rsplit(".", 1)
+    return getattr(getattr(aten, name), overload)(*args)
+
+
+def tile_bounds(x: torch.Tensor, role: str, starts, stops):
+    """Per-tile (min, max) of input ``x`` over its role's tiles (global position ranges
+    ``starts[i]:stops[i]``), as float64 column (``q``) or row (``k``) vectors."""
+    x4 = as_4d(x).double()
+    if role == "c":
+        return x4.min().view(1, 1), x4.max().view(1, 1)
+    lo, hi = [], []
+    for a, b in zip(starts, stops, strict=True):
+        part = x4[..., a:b, :] if role == "q" else x4[..., a:b]
+        lo.append(part.min())
+        hi.append(part.max())
+    lo, hi = torch.stack(lo), torch.stack(hi)
+    shape = (-1, 1) if role == "q" else (1, -1)
+    return lo.view(shape), hi.view(shape)
+
+
+@torch.library.custom_op("ringify::program_mask", mutates_args=())
+def program_mask_op(
+    text: str, inputs: list[torch.Tensor], shape: list[int], device: torch.device
+) -> torch.Tensor:
+    """The whole mask of ``shape`` (queries x keys last): what a graph computes for an
+    attention that does not run as a ring (one rank, local, or gathered). A custom op, so
+    that torch.compile sees one opaque node and never the program's interpreter."""
+    program = parse(text)
+    mask = evaluate(program, inputs, slice(0, shape[-2]), slice(0, shape[-1]), device)
+    return mask.reshape(mask.shape[4 - len(shape) :]).expand(shape).clone()
+
+
+@program_mask_op.register_fake
+def _(text, inputs, shape, device):
+    return torch.empty(shape, dtype=parse(text).dtype, device=device)
+
+
+program_mask = program_mask_op._opoverload

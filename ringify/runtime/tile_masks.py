@@ -1,0 +1,237 @@
+"""What each (query tile, key tile) pair of one ring call sees, whatever the mask's form.
+
+A call has one of: the kernel's ``is_causal``; a mask tensor (sliced per pair); a
+mask program (``mask_program.py``), bounded for all pairs at once
+(``mask_bounds.py``) and evaluated only for the pairs the bounds leave open, at
+one pair's size. Every pair ends up in one ``Visibility``: skipped, run with the
+kernel's causal mask, with no mask, or with its tile of the mask as a bias.
+
+From the same answers, without evaluating anything, ``last_steps`` says how far
+round the ring each rank's key tiles are needed: beyond that step they are not sent
+(a sliding window's keys go one rank on, not round the whole ring).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ringify.runtime.block_attention import additive_mask
+from ringify.runtime.layout import chunks_per_rank
+from ringify.runtime.mask_bounds import program_bounds, settled
+from ringify.runtime.mask_program import evaluate, parse, tile_bounds
+from ringify.runtime.tiles import (
+    MAX_BANDED_TILES_PER_CHUNK,
+    MIN_TILE_ROWS,
+    Tile,
+    Visibility,
+    sub_ring_tiles,
+    tiles_per_chunk,
+    visibility,
+)
+
+_counts: Counter = Counter()  # tile pairs of the forward passes, by what they saw
+
+
+def tile_counts() -> dict[Visibility, int]:
+    """How many tile pairs the forward passes of this process skipped, ran causal, ran
+    with no mask and ran with a bias, since the last ``reset_tile_counts``."""
+    return {v: _counts[v] for v in Visibility}
+
+
+def reset_tile_counts() -> None:
+    _counts.clear()
+
+
+class TileMasks:
+    """The visibility of every tile pair of one call (the same on every rank)."""
+
+    def __init__(self, tiling, ring_size, attn_mask, is_causal, key_len, program, inputs, device):
+        self.tiling, self.ring_size = tiling, ring_size
+        self.mask, self.is_causal, self.key_len = attn_mask, is_causal, key_len
+        self.program = parse(program) if program else None
+        self.inputs = [x.detach() for x in inputs]
+        self.device = device
+        tiles = sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
+        self._index = {t.key: i for i, t in enumerate(tiles)}
+        self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
+        if self.program is not None:
+            hidden, self._full = _settled(self.program, self.inputs, tiles, tiles, key_len)
+            self._maybe &= ~hidden
+            self._full = self._full.tolist()
+        self._maybe_list = self._maybe.tolist()
+        self._last: dict[int, list[int]] = {}
+
+    def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
+        n = len(tiles)
+        keys = torch.tensor([self.keys(t) > 0 for t in tiles]).view(1, n)
+        if not self.is_causal:
+            return keys.expand(n, n).clone()
+        order = torch.arange(n)  # tiles are sorted by global position: causal is by order
+        return (order.view(1, n) <= order.view(n, 1)) & keys
+
+    def keys(self, k_tile: Tile) -> int:
+        """How many leading rows of ``k_tile`` are real keys (the rest are padding)."""
+        return min(_rows(k_tile), self.key_len - k_tile.start)
+
+    def last_steps(self, sub_ring: int) -> list[int]:
+        """For each rank, the last ring step at which some rank sees its key tiles of
+        ``sub_ring`` (-1: no rank does)."""
+        if sub_ring not in self._last:
+            self._last[sub_ring] = self._last_steps(sub_ring)
+        return self._last[sub_ring]
+
+    def _last_steps(self, sub_ring: int) -> list[int]:
+        last = []
+        for src in range(self.ring_size):
+            cols = [self._index[t.key] for t in sub_ring_tiles(self.tiling(src), sub_ring)]
+            seen = [
+                s
+                for s in range(self.ring_size)
+                if any(
+                    self._maybe_list[self._index[q.key]][c]
+                    for q in self.tiling((src + s) % self.ring_size)
+                    for c in cols
+                )
+            ]
+            last.append(max(seen, default=-1))
+        return last
+
+    def skip(self, mine: list[Tile], held: int) -> None:
+        """Count the pairs of a step at which the held tiles did not come: all hidden."""
+        _counts[Visibility.HIDDEN] += len(mine) * held
+
+    def pairs(self, mine: list[Tile], held: list[Tile], acc: torch.dtype, count: bool = False):
+        """Every block with work: ``(index into held, query rows, key rows of the held tile,
+        visibility, bias)``. A pair is one block, except a pair of a program its bounds
+        leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
+        evaluated block by block, so that most run with no mask or are skipped and no
+        evaluation or bias is larger than a block."""
+        for i, k_tile in enumerate(held):
+            keys = self.keys(k_tile)
+            if keys <= 0:
+                continue
+            for q_tile in mine:
+                seen, bias = self._settled_pair(q_tile, k_tile, keys, acc)
+                if seen is None:  # open: block by block
+                    blocks = list(self._blocks(q_tile, k_tile, keys, acc))
+                    if count:
+                        _counts[blocks[0][2] if len(blocks) == 1 else Visibility.MASKED] += 1
+                    yield from (
+                        (i, rows, cols, seen, bias)
+                        for rows, cols, seen, bias in blocks
+                        if seen is not Visibility.HIDDEN
+                    )
+                    continue
+                if count:
+                    _counts[seen] += 1
+                if seen is not Visibility.HIDDEN:
+                    yield i, q_tile.rows, slice(0, keys), seen, bias
+
+    def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype):
+        """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
+        qi, ki = self._index[q_tile.key], self._index[k_tile.key]
+        if not self._maybe_list[qi][ki]:
+            return Visibility.HIDDEN, None
+        if self.program is None:
+            seen = visibility(q_tile, k_tile, self.is_causal)
+            if self.mask is None:
+                return seen, None
+            return seen, additive_mask(tile_of(self.mask, q_tile.rows, k_tile, keys), acc)
+        if self._full[qi][ki]:
+            return Visibility.FULL, None
+        return None, None
+
+    def _blocks(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype):
+        """``(query rows, key rows of the held tile, visibility, bias)`` of every block."""
+        step = MIN_TILE_ROWS
+        q_blocks = [
+            Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, _rows(q_tile))),
+                 (0, 0), q_tile.start + a)
+            for a in range(0, _rows(q_tile), step)
+        ]  # fmt: skip
+        k_blocks = [
+            Tile(slice(b, min(b + step, keys)), (0, 0), k_tile.start + b)
+            for b in range(0, keys, step)
+        ]
+        hidden, full = _settled(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
+        hidden, full = hidden.tolist(), full.tolist()
+        for a, qb in enumerate(q_blocks):
+            for b, kb in enumerate(k_blocks):
+                if hidden[a][b] or full[a][b]:
+                    yield (
+                        qb.rows,
+                        kb.rows,
+                        Visibility.HIDDEN if hidden[a][b] else Visibility.FULL,
+                        None,
+                    )
+                    continue
+                rows = slice(qb.start, qb.start + _rows(qb))
+                cols = slice(kb.start, kb.start + _rows(kb))
+                mask = evaluate(self.program, self.inputs, rows, cols, self.device)
+                yield qb.rows, kb.rows, *_classify(mask, acc)
+
+
+def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
+    """``mask`` (or its gradient) viewed as 4-D, at one tile pair's rows and key columns
+    (a size-1 query or key dim stays a broadcast); a view, to read or to add into."""
+    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    q_part = rows if mask.shape[2] > 1 else slice(None)
+    k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
+    return mask[:, :, q_part, k_part]
+
+
+def _classify(mask: torch.Tensor, acc: torch.dtype):
+    """An evaluated block of a program: hidden, full, the causal triangle, or a bias."""
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
+    if bool(visible.all()):
+        return Visibility.FULL, None
+    if bool(hidden.all()):
+        return Visibility.HIDDEN, None
+    rows, cols = mask.shape[-2:]
+    if rows == cols:
+        tril = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+        if bool((visible == tril).all() and (hidden == ~tril).all()):
+            return Visibility.DIAGONAL, None
+    return Visibility.MASKED, additive_mask(mask, acc)
+
+
+def _settled(program, inputs, q_tiles, k_tiles, key_len):
+    """(surely hidden, surely fully visible): (n, m) bool tensors over the tile pairs."""
+    q_starts = [t.start for t in q_tiles]
+    q_stops = [t.start + _rows(t) for t in q_tiles]
+    k_starts = [t.start for t in k_tiles]
+    # padding keys are cut off before the mask is read; a tile of padding keeps one row
+    k_stops = [max(t.start + 1, min(t.start + _rows(t), key_len)) for t in k_tiles]
+    bounds = []
+    for x, role in zip(inputs, program.roles, strict=True):
+        starts, stops = (q_starts, q_stops) if role == "q" else (k_starts, k_stops)
+        bounds.append(tile_bounds(x, role, starts, stops))
+    q_pos = tuple(torch.tensor(v, dtype=torch.float64).view(-1, 1) for v in (q_starts, q_stops))
+    q_pos = (q_pos[0], q_pos[1] - 1)
+    k_pos = tuple(torch.tensor(v, dtype=torch.float64).view(1, -1) for v in (k_starts, k_stops))
+    k_pos = (k_pos[0], k_pos[1] - 1)
+    lo, hi = program_bounds(program, bounds, q_pos, k_pos)
+    n, m = len(q_tiles), len(k_tiles)
+    return tuple(x.expand(n, m).clone() for x in settled(lo, hi, program.dtype))
+
+
+def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, layout: str) -> int:
+    """Tiles per chunk for a program's mask: finer when each query sees a short span of
+    keys (a sliding window, short documents), so that the work skipped grows with S."""
+    default = tiles_per_chunk(rows, layout)
+    chunk = rows // chunks_per_rank(layout)
+    block = min(MIN_TILE_ROWS, chunk)
+    total = rows * ring_size
+    grid = [Tile(slice(a, min(a + block, total)), (a, 0), a) for a in range(0, total, block)]
+    hidden, _ = _settled(parse(program), [x.detach() for x in inputs], grid, grid, total)
+    span = int((~hidden).sum(1).max()) * block
+    if span * default >= chunk:
+        return default
+    return min(MAX_BANDED_TILES_PER_CHUNK, max(default, chunk // max(span, MIN_TILE_ROWS)))
+
+
+def _rows(tile: Tile) -> int:
+    return tile.rows.stop - tile.rows.start

@@ -1,0 +1,216 @@
+"""Masks as programs on real HF models and on the ring op: exact, O(S), and skipping work.
+
+Every HF case runs the ringified model against the unmodified one in float64 (logits,
+loss, every parameter gradient) and checks the structure: each attention's mask is a
+program and no node of the rewritten graph has a value with two sequence-length dims.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringify.passes.report import MaskKind
+from ringify.runtime import shard
+from ringify.runtime.mask_program import MaskProgram
+from ringify.runtime.tiles import Visibility
+
+S = 24  # per rank; no other dim of the models has this size times the ring size
+
+
+def hf_case(model_name, case, world, compiled=False, window=0):
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.testing import hf_models
+    from ringify.testing.graphs import quadratic_nodes
+
+    torch.manual_seed(0)
+    seq = S * world
+    if model_name == "mistral":
+        model = hf_models.mistral(window).double()
+    else:
+        model = getattr(hf_models, model_name)(max_len=4 * seq).double()
+    ids = torch.randint(1, 64, (2, seq))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if case in ("right", "left"):
+        mask = torch.ones(2, seq, dtype=torch.long)
+        if case == "right":
+            mask[1, -7:] = 0
+        else:
+            mask[1, :7] = 0
+        kwargs["attention_mask"] = mask
+    if case == "packed":
+        kwargs["position_ids"] = torch.cat([torch.arange(n) for n in (5, seq - 17, 12)]).expand(
+            2, -1
+        )
+    want = model(**kwargs)
+    want.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
+    got = run(**kwargs)
+    got.loss.backward()
+    report = ringified.report()
+    grad = max((p.grad - want_grads[n]).abs().max().item() for n, p in model.named_parameters())
+    return {
+        "logits": (got.logits - want.logits).abs().max().item(),
+        "loss": (got.loss - want.loss).abs().item(),
+        "grads": grad,
+        "masks": [a.mask for a in report.rewritten],
+        "gathers": len(report.gathers),
+        "quadratic": quadratic_nodes(ringified, seq),
+    }
+
+
+def check(results, attentions=2):
+    for r in results:
+        assert r["gathers"] == 0 and r["masks"] == [MaskKind.PROGRAM] * attentions, r
+        assert r["quadratic"] == [], r["quadratic"]
+        # HF computes the loss in float32: 1e-6 there, float64 everywhere else
+        assert r["logits"] <= 1e-10 and r["grads"] <= 1e-10 and r["loss"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["plain", "right", "left", "packed"])
+def test_llama_masks_are_programs(ranks, world, case):
+    check(ranks(world).run(hf_case, "llama", case, world))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["left", "packed"])
+def test_llama_masks_are_programs_compiled(ranks, world, case):
+    check(ranks(world).run(hf_case, "llama", case, world, True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("window", ["smaller", "equal", "not a multiple"])
+def test_mistral_sliding_window(ranks, world, window):
+    """Windows smaller than, equal to and not a multiple of a rank's chunk (zigzag: S / 2)."""
+    chunk = S // 2
+    w = {"smaller": chunk // 2, "equal": chunk, "not a multiple": chunk + 5}[window]
+    check(ranks(world).run(hf_case, "mistral", "plain", world, False, w))
+
+
+@pytest.mark.parametrize("world", [2])
+def test_mistral_sliding_window_compiled(ranks, world):
+    check(ranks(world).run(hf_case, "mistral", "plain", world, True, 7))
+
+
+def test_gpt2_padding_is_a_program(ranks):
+    check(ranks(2).run(hf_case, "gpt2", "left", 2))
+
+
+def user_mask(world):
+    """A mask the model is given as an (S, S) tensor: kept whole (the exact path), reported."""
+    import torch.distributed as dist
+
+    from ringify import ringify
+
+    class Given(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x, mask):
+            q, k, v = (t.view(1, -1, 2, 4).transpose(1, 2) for t in self.qkv(x).split(8, -1))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+    torch.manual_seed(0)
+    model = Given().double()
+    seq = S * world
+    x = torch.randn(1, seq, 8, dtype=torch.float64)
+    mask = torch.rand(seq, seq, generator=torch.Generator().manual_seed(2)) > 0.3
+    mask |= torch.eye(seq, dtype=torch.bool)
+    want = model(x, mask)
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    got = ringified(x, mask)
+    (row,) = ringified.report().rewritten
+    return (got - want).abs().item(), row.mask, row.mask_detail
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_given_mask_tensor_is_kept_and_said_why(ranks, world):
+    for err, kind, detail in ranks(world).run(user_mask, world):
+        assert err <= 1e-10 and kind is MaskKind.KEPT
+        assert "given" in detail
+
+
+def window_program() -> MaskProgram:
+    """A causal sliding window of w keys over positions: q - w < k <= q."""
+    return MaskProgram(
+        roles=(),
+        code=(
+            ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+            ("ge.Scalar", ({"op": 0}, 0), "bool"),
+            ("lt.Scalar", ({"op": 0}, 8), "bool"),
+            ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
+        ),
+    )
+
+
+def windowed_ring(world, layout):
+    """The ring op with a window program vs SDPA on the whole sequence; the tile pairs it
+    skipped, ran causal, ran unmasked and ran with a bias; the bytes it sent."""
+    import torch.distributed as dist
+
+    from ringify.runtime.p2p import sent_bytes
+    from ringify.runtime.tile_masks import reset_tile_counts, tile_counts
+
+    seq, tiles = 16 * world, 2  # chunks of 16 (contiguous) or 8 (zigzag): tiles of 8 or 4
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 2, seq, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    pos = torch.arange(seq)
+    mask = ((pos[:, None] - pos[None, :]) >= 0) & ((pos[:, None] - pos[None, :]) < 8)
+    leaves = [t.clone().requires_grad_() for t in full]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want.backward(dout)
+    q, k, v = (shard(t, 2, layout=layout).requires_grad_() for t in full)
+    name = dist.group.WORLD.group_name
+    reset_tile_counts()
+    before = sent_bytes()
+    args = (None, False, 8**-0.5, name, layout, seq, window_program().text(), [], tiles)
+    out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+    sent = sent_bytes() - before
+    counts = tile_counts()
+    out.backward(shard(dout, 2, layout=layout))
+    grads = [x.grad for x in (q, k, v)]
+    expected = [shard(t.detach(), 2, layout=layout) for t in (want, *[x.grad for x in leaves])]
+    return out.detach(), grads, counts, sent, expected
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_sliding_window_skips_tiles_and_sends(ranks, world, layout):
+    per_rank = ranks(world).run(windowed_ring, world, layout)
+    for out, grads, _, _, want in per_rank:
+        for got, expected in zip([out, *grads], want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    counts = {v: sum(r[2][v] for r in per_rank) for v in Visibility}
+    tile = 16 * world // (world * (2 if layout == "zigzag" else 1) * 2)
+    grid = 16 * world // tile  # tiles along the sequence; every pair is counted once
+    assert sum(counts.values()) == grid * grid
+    # a window of 8 keys: each query tile sees its diagonal tile (causal) and, for tiles
+    # of 8 rows, the tile before (masked) or, for tiles of 4, the one before (full) and
+    # the one before that (masked: keys q - 7 .. q - 4 of it)
+    assert counts[Visibility.DIAGONAL] == grid
+    if tile == 8:
+        assert counts[Visibility.MASKED] == grid - 1 and counts[Visibility.FULL] == 0
+    else:
+        assert counts[Visibility.FULL] == grid - 1 and counts[Visibility.MASKED] == grid - 2
+    assert counts[Visibility.HIDDEN] == grid * grid - sum(
+        counts[v] for v in Visibility if v is not Visibility.HIDDEN
+    )
+    if layout == "contiguous":  # keys go one rank on, not round the ring
+        kv_tile = 2 * 2 * tile * 8 * 8  # K and V of one tile, 2 heads, float64
+        assert max(r[3] for r in per_rank) <= kv_tile, [r[3] for r in per_rank]
+
+
+def test_program_text_is_its_content():
+    """Two programs are the same op argument exactly when their content is the same."""
+    a, b = window_program(), window_program()
+    assert a.text() == b.text() and a is not b
+    assert window_program().text() != MaskProgram((), window_program().code[:3]).text()
