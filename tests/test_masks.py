@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ringify.passes.report import MaskKind
 from ringify.runtime import shard
-from ringify.runtime.mask_program import MaskProgram
+from ringify.runtime.mask_program import MaskProgram, parse
 from ringify.runtime.tiles import Visibility
 
 S = 24  # per rank; no other dim of the models has this size times the ring size
@@ -209,8 +209,13 @@ def test_sliding_window_skips_tiles_and_sends(ranks, world, layout):
         assert max(r[3] for r in per_rank) <= kv_tile, [r[3] for r in per_rank]
 
 
-def test_program_text_is_its_content():
-    """Two programs are the same op argument exactly when their content is the same."""
-    a, b = window_program(), window_program()
-    assert a.text() == b.text() and a is not b
-    assert window_program().text() != MaskProgram((), window_program().code[:3]).text()
+def test_program_text_round_trips_and_refuses_other_ops():
+    """The op's argument is the program's content: parsed back it is the same program
+    (so equal programs are equal arguments on every rank), and an op with no tile form
+    is refused when the text is read."""
+    program = window_program()
+    assert parse(program.text()) == program
+    assert parse(program.text()).text() == program.text()
+    bad = MaskProgram((), (("mm.default", ({"pos": "q"}, {"pos": "k"}), "int64"),))
+    with pytest.raises(ValueError, match="not an elementwise op"):
+        parse(bad.text())

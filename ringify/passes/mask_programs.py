@@ -32,11 +32,12 @@ _CASTS = frozenset({
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
     aten.type_as.default,
 })  # fmt: skip
-_FULL = {  # creation op -> position of its fill value (None: 0 or 1)
-    aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1,
-    aten.ones.default: None, aten.new_ones.default: None, aten.ones_like.default: None,
-    aten.zeros.default: None, aten.new_zeros.default: None, aten.zeros_like.default: None,
+_FILLED = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
+_CONSTANT = {  # creation ops of a fixed value
+    aten.ones.default: 1, aten.new_ones.default: 1, aten.ones_like.default: 1,
+    aten.zeros.default: 0, aten.new_zeros.default: 0, aten.zeros_like.default: 0,
 }  # fmt: skip
+_CREATION = _FILLED.keys() | _CONSTANT.keys()  # read only their input's dtype and device
 _ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 
 
@@ -141,12 +142,11 @@ class _Reader:
             return self.visit(args[0])
         if target in _CASTS:
             return self._emit("cast", [self.visit(args[0])], node)
-        if target in _FULL:
-            at = _FULL[target]
-            if at is None:
-                value = 0 if "zeros" in str(target) else 1
-            else:
-                value = args[at] if len(args) > at else node.kwargs.get("fill_value")
+        if target in _CONSTANT:
+            return self._emit("const", [_CONSTANT[target]], node)
+        if target in _FILLED:
+            at = _FILLED[target]
+            value = args[at] if len(args) > at else node.kwargs.get("fill_value")
             return self._emit("const", [self.visit(value)], node)
         if target in (aten.tril.default, aten.triu.default):
             diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
@@ -182,7 +182,7 @@ def _reads_inputs(node: fx.Node) -> bool:
         seen.add(n)
         if n.op in ("placeholder", "get_attr") and val(n).is_floating_point():
             return True
-        if n.target not in _FULL:
+        if n.target not in _CREATION:
             stack.extend(n.all_input_nodes)
     return False
 

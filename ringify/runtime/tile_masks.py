@@ -114,15 +114,15 @@ class TileMasks:
                 continue
             for q_tile in mine:
                 seen, bias = self._settled_pair(q_tile, k_tile, keys, acc)
-                if seen is None:  # open: block by block
-                    blocks = list(self._blocks(q_tile, k_tile, keys, acc))
-                    if count:
-                        _counts[blocks[0][2] if len(blocks) == 1 else Visibility.MASKED] += 1
-                    yield from (
-                        (i, rows, cols, seen, bias)
-                        for rows, cols, seen, bias in blocks
-                        if seen is not Visibility.HIDDEN
-                    )
+                if seen is None:  # open: block by block, each bias freed after its use
+                    seen_blocks = set()
+                    for rows, cols, seen, bias in self._blocks(q_tile, k_tile, keys, acc):
+                        seen_blocks.add(seen)
+                        if seen is not Visibility.HIDDEN:
+                            yield i, rows, cols, seen, bias
+                    if count:  # the pair's: its blocks' if they agree, else masked
+                        one = len(seen_blocks) == 1
+                        _counts[seen_blocks.pop() if one else Visibility.MASKED] += 1
                     continue
                 if count:
                     _counts[seen] += 1

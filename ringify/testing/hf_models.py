@@ -28,28 +28,20 @@ def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
     """HF Llama: RoPE tables from positions, grouped-query attention, RMSNorm, SwiGLU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=max_len,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return _decoder(LlamaConfig, LlamaForCausalLM, layers, dim, heads, kv_heads, vocab, max_len)
 
 
 def mistral(window: int, layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=1 << 20):
     """HF Mistral: Llama's blocks with a sliding-window causal mask of ``window`` tokens."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
+    shape = (layers, dim, heads, kv_heads, vocab, max_len)
+    return _decoder(MistralConfig, MistralForCausalLM, *shape, sliding_window=window)
+
+
+def _decoder(config_class, model_class, layers, dim, heads, kv_heads, vocab, max_len, **extra):
+    """A Llama-family causal LM (SDPA, no cache) of the given shape."""
+    config = config_class(
         hidden_size=dim,
         intermediate_size=2 * dim,
         num_hidden_layers=layers,
@@ -58,14 +50,14 @@ def mistral(window: int, layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_le
         head_dim=dim // heads,
         vocab_size=vocab,
         max_position_embeddings=max_len,
-        sliding_window=window,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
+        **extra,
     )
     config._attn_implementation = "sdpa"
-    return MistralForCausalLM(config)
+    return model_class(config)
 
 
 def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
