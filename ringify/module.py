@@ -72,16 +72,29 @@ def ringify(
 
 
 class RingifiedModule(nn.Module):
+    """The ringified model. Attributes it does not hold are the model's (an HF model's
+    ``config``, ``loss_type``, ``main_input_name``), so that code written for the model
+    (HF Trainer, accelerate) finds them; ringify's own configuration is
+    ``ringify_config``."""
+
     def __init__(self, model: nn.Module, config: Config):
         super().__init__()
         self.model = model
-        self.config = config
+        self.ringify_config = config
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            if name == "model":
+                raise
+            return getattr(self.model, name)
 
     def forward(self, *args, **kwargs):
         traced = self._active
@@ -127,7 +140,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> None:
     if traced is not None and not still_fits(traced, module.model, state):
         del module._traced[key]  # the model's parameters changed dtype, device, shape or ties
         traced = state = None
-    config, ring = module.config, module._ring
+    config, ring = module.ringify_config, module._ring
     if ring.size > 1 and (traced is None or config.check_inputs):
         shared = None
         if traced is not None:
@@ -162,7 +175,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
     """
     traced, error = None, None
     try:
-        traced = trace(module.model, module.config, args, kwargs)
+        traced = trace(module.model, module.ringify_config, args, kwargs)
     except Exception as e:
         error = e
     if module._ring.size == 1:
@@ -170,9 +183,9 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
             raise error
         return traced
     shared = state = None
-    if traced is not None and module.config.check_inputs:
+    if traced is not None and module.ringify_config.check_inputs:
         state = state_of(module.model, traced.state_names)
-        if module.config.inputs == "sharded":
+        if module.ringify_config.inputs == "sharded":
             flat = pytree.tree_leaves((args, kwargs))
             shared = [flat[i] for i in traced.shared_inputs]
     check_trace(

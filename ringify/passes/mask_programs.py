@@ -3,13 +3,16 @@
 ``fold_mask_programs`` runs on the exported graph before the plan. For each
 attention with a mask it walks the mask's subgraph back from the mask to where the
 S x S part begins: nodes with both a query and a key dim are the program (they
-must be elementwise), the tensors feeding them are its inputs (a query or key dim of
-size 1: O(S)). The mask argument becomes one ``program_mask`` node of the program's
-text and inputs, and the S x S nodes die: nothing of S x S size is computed at
-trace or at run time, nor evaluated to decide what the mask is. The ring rewrite
-hands the text and the inputs to the ring op, which bounds and evaluates it tile by
-tile. A mask that is not such a program (a tensor the model was given, a learned
-bias, an op with no tile form) is kept as it is; the attention's node records why.
+must be elementwise, or a small table looked up at a queries x keys index: T5's
+relative-position bias), the tensors feeding them are its inputs (a query or key dim
+of size 1: O(S); the table whole). The mask argument becomes one ``program_mask``
+node of the program's text and inputs, and the S x S nodes die: nothing of S x S
+size is computed at trace or at run time, nor evaluated to decide what the mask is.
+The ring rewrite hands the text and the inputs to the ring op, which bounds and
+evaluates it tile by tile and returns the gradient of its learned inputs. A mask
+that is not such a program (a tensor the model was given, an op with no tile form or,
+on a learned path, no gradient rule) is kept as it is; the attention's node records
+why.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import fx
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, is_tensor, shape, val
 from ringify.runtime.mask_program import ELEMENTWISE, MaskProgram, parse, program_mask
+from ringify.runtime.mask_program_grad import DIFFERENTIABLE
 
 aten = torch.ops.aten
 MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
@@ -85,6 +89,7 @@ class _Reader:
         self.inputs: list[fx.Node] = []
         self.code: list[tuple] = []
         self._refs: dict[fx.Node, dict] = {}
+        self._learned: set[tuple] = set()  # refs whose value depends on a learned input
 
     def role(self, node: fx.Node) -> str:
         s = shape(node)
@@ -126,18 +131,23 @@ class _Reader:
         return ref
 
     def _input(self, node: fx.Node, role: str) -> dict:
-        if val(node).is_floating_point() and _reads_inputs(node):  # e.g. T5's position bias
-            raise NotAProgram(
-                f"a float input ({node.name}) that may be learned: kept with its gradient"
-            )
+        if node in self._refs:
+            return self._refs[node]
         self.roles.append(role)
         self.inputs.append(node)
-        return {"in": len(self.inputs) - 1}
+        ref = self._refs[node] = {"in": len(self.inputs) - 1}
+        if val(node).is_floating_point() and _reads_inputs(node):  # may be learned
+            self._learned.add(_key(ref))
+        return ref
 
     def _instruction(self, node: fx.Node) -> dict:
         target, args = node.target, node.args
         if target in _IDENTITY:
-            if shape(args[0])[-2:] != shape(node)[-2:]:
+            before, after = [1, 1, *shape(args[0])][-2:], shape(node)[-2:]
+            broadcast = target is aten.expand.default and all(
+                b in (1, a) for b, a in zip(before, after, strict=True)
+            )
+            if before != list(after) and not broadcast:
                 raise NotAProgram(f"{node.name} ({target}) reshapes the queries x keys dims")
             return self.visit(args[0])
         if target in _CASTS:
@@ -148,19 +158,51 @@ class _Reader:
             at = _FILLED[target]
             value = args[at] if len(args) > at else node.kwargs.get("fill_value")
             return self._emit("const", [self.visit(value)], node)
+        if target is aten.permute.default and args[0].target is aten.embedding.default:
+            return self._embedding(node)
         if target in (aten.tril.default, aten.triu.default):
             diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
             return self._emit(target.__name__.split(".")[0], [self.visit(args[0]), diagonal], node)
-        name = getattr(target, "__name__", str(target))
+        name = _functional(node)
         if getattr(target, "namespace", None) != "aten" or name not in ELEMENTWISE:
             raise NotAProgram(f"{name} on the queries x keys part has no tile form")
         if node.kwargs:
             raise NotAProgram(f"{name} with keyword arguments {sorted(node.kwargs)}")
         return self._emit(name, [self.visit(a) for a in args], node)
 
+    def _embedding(self, node: fx.Node) -> dict:
+        """``embedding(table, index).permute(2, 0, 1)``: a (heads, queries, keys) bias."""
+        table, index = node.args[0].args[:2]
+        dims = [d % 3 for d in node.args[1]]
+        if dims != [2, 0, 1] or len(shape(index)) != 2 or len(shape(table)) != 2:
+            raise NotAProgram(f"{node.name}: an embedding not looked up at a queries x keys index")
+        return self._emit("embed", [self._input(table, "p"), self.visit(index)], node)
+
     def _emit(self, op: str, args: list, node: fx.Node) -> dict:
         self.code.append((op, tuple(args), _dtype(node)))
-        return {"op": len(self.code) - 1}
+        ref = {"op": len(self.code) - 1}
+        learned = any(isinstance(a, dict) and _key(a) in self._learned for a in args)
+        if learned and val(node).is_floating_point():
+            if op not in DIFFERENTIABLE:
+                raise NotAProgram(f"{op} on a learned mask has no gradient rule in a program")
+            self._learned.add(_key(ref))
+        return ref
+
+
+def _functional(node: fx.Node) -> str:
+    """The op's name; an in-place op's functional name where nothing else reads the tensor it
+    writes (T5's ``buckets += ...``)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    op, _, overload = name.partition(".")
+    if not op.endswith("_") or op.startswith("_"):
+        return name
+    if _writes_only_a_temporary(node):
+        return f"{op[:-1]}.{overload}"
+    raise NotAProgram(f"{name} writes {node.args[0]}, which other ops read")
+
+
+def _key(ref: dict) -> tuple:
+    return next(iter(ref.items()))
 
 
 def _raise(message: str):
@@ -201,10 +243,25 @@ def _erase_dead(graph: fx.Graph) -> None:
         changed = False
         for node in list(graph.nodes):
             checked = node.args[0] if node.target in _ASSERTS else None
-            if isinstance(checked, fx.Node) and all(u.target in _ASSERTS for u in checked.users):
+            dead_assert = isinstance(checked, fx.Node) and all(
+                u.target in _ASSERTS for u in checked.users
+            )
+            if dead_assert or (not node.users and _writes_only_a_temporary(node)):
                 graph.erase_node(node)
                 changed = True
         changed |= graph.eliminate_dead_code()
+
+
+def _writes_only_a_temporary(node: fx.Node) -> bool:
+    """An in-place op on a tensor the graph made (not a view) that nothing else reads: it
+    has no effect beyond its own result."""
+    schema = getattr(node.target, "_schema", None)
+    written = node.args[0] if node.args else None
+    if schema is None or not schema.is_mutable or not isinstance(written, fx.Node):
+        return False
+    made = getattr(written.target, "_schema", None)
+    fresh = made is not None and all(r.alias_info is None for r in made.returns)
+    return written.op == "call_function" and fresh and set(written.users) == {node}
 
 
 def program_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:
@@ -216,11 +273,13 @@ def program_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node
     for x, role in zip(inputs, parse(text).roles, strict=True):
         if state.sharded(x):
             x = state.gather(x)
-        if pad and role != "c":
+        if pad and role in ("q", "k"):
             spec = [0, pad] if role == "k" else [0, 0, 0, pad]
             with state.graph.inserting_before(folded):
                 x = call(state.graph, aten.constant_pad_nd.default, (x, spec, 0))
             state.place[x] = None
+        if val(x).is_floating_point():  # each rank's ring returns its part of the gradient
+            x = state.copy_to_ring(x)
         whole.append(x)
     return text, whole
 

@@ -120,10 +120,15 @@ def _bound(op: str, args: list, dtype: str, q_pos, k_pos):
         return -args[0][1], -args[0][0]
     if name == "mul":
         return _finite_or_unknown(_corners(torch.mul, *args[:2]))
-    if name == "maximum":
+    if name in ("maximum", "max"):
         return torch.maximum(args[0][0], args[1][0]), torch.maximum(args[0][1], args[1][1])
-    if name == "minimum":
+    if name in ("minimum", "min"):
         return torch.minimum(args[0][0], args[1][0]), torch.minimum(args[0][1], args[1][1])
+    if name in ("exp", "log", "sqrt"):  # monotone: NaN (log of a negative) is unknown
+        f = getattr(torch, name)
+        return _finite_or_unknown((f(args[0][0]), f(args[0][1])))
+    if op == "embed":  # any entry of the table
+        return _finite_or_unknown(args[0])
     if name == "where":
         return _where(*args)
     if name == "masked_fill":

@@ -5,8 +5,11 @@ Models build masks by broadcasting index vectors against each other: ``kv <= q``
 ``doc[b, q] == doc[b, kv]`` (packed documents). The pass
 (``ringify/passes/mask_programs.py``) cuts the mask's subgraph where the S x S part
 begins. Its *inputs* are tensors whose query or key dim has size 1 (O(S) elements):
-role ``q`` varies along the queries, ``k`` along the keys, ``c`` along neither. Its
-*code* is the elementwise ops that combine them into the mask.
+role ``q`` varies along the queries, ``k`` along the keys, ``c`` along neither;
+role ``p`` is a small table read whole (T5's relative-position bias embedding).
+Its *code* is the elementwise ops that combine them into the mask, plus ``embed``:
+a table looked up at a queries x keys index (the bias of a learned program, whose
+gradient ``mask_program_grad.py`` returns).
 
 The ring op cannot take a Python callable, so the program travels as canonical JSON
 text: a string argument, identified by its content, which keeps the op opaque to
@@ -41,13 +44,15 @@ ELEMENTWISE = frozenset({
     "remainder.Scalar", "remainder.Tensor", "floor_divide.default",
     "maximum.default", "minimum.default", "where.self", "where.ScalarSelf",
     "where.ScalarOther", "where.Scalar", "masked_fill.Scalar", "masked_fill.Tensor",
+    "log.default", "exp.default", "sqrt.default", "min.other", "max.other",
 })  # fmt: skip
-OWN_OPS = frozenset({"cast", "const", "tril", "triu"})
+OWN_OPS = frozenset({"cast", "const", "tril", "triu", "embed"})
+ROLES = frozenset({"q", "k", "c", "p"})
 
 
 @dataclass(frozen=True)
 class MaskProgram:
-    """``roles[i]`` of input i (``q``, ``k`` or ``c``); ``code``: instructions
+    """``roles[i]`` of input i (``q``, ``k``, ``c`` or ``p``); ``code``: instructions
     ``(op, args, dtype)`` whose args are literals or references: ``{"in": i}``,
     ``{"op": j}`` (an earlier instruction's result), ``{"pos": "q"|"k"}`` (global
     positions). The last instruction is the mask."""
@@ -84,6 +89,8 @@ def parse(text: str) -> MaskProgram:
     for op, _, _ in code:
         if op not in ELEMENTWISE and op not in OWN_OPS:
             raise ValueError(f"mask program: {op!r} is not an elementwise op")
+    if not set(raw["roles"]) <= ROLES:
+        raise ValueError(f"mask program: input roles {raw['roles']} outside {sorted(ROLES)}")
     return MaskProgram(tuple(raw["roles"]), code)
 
 
@@ -98,17 +105,32 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
 def evaluate(program: MaskProgram, inputs, rows: slice, cols: slice, device) -> torch.Tensor:
     """The mask at global query positions ``rows`` and key positions ``cols`` (4-D,
     size-1 dims where it broadcasts), on ``device``."""
+    results = list(steps(program, inputs, rows, cols, device, keep=False))
+    return as_4d(results[-1])
+
+
+def steps(program: MaskProgram, inputs, rows: slice, cols: slice, device, keep: bool):
+    """Yields each instruction's result at ``rows`` x ``cols``; unless ``keep``, a
+    block-sized temporary is dropped after its last reader."""
     q_pos = torch.arange(rows.start, rows.stop, device=device).view(-1, 1)
     k_pos = torch.arange(cols.start, cols.stop, device=device)
-    parts = {"q": (Ellipsis, rows, slice(None)), "k": (Ellipsis, cols), "c": (Ellipsis,)}
-    tiles = [as_4d(x)[parts[role]] for x, role in zip(inputs, program.roles, strict=True)]
+    tiles = input_tiles(program, inputs, rows, cols)
     results: list[torch.Tensor | None] = []
     for j, (op, args, dtype) in enumerate(program.code):
         vals = [resolve(a, tiles, results, q_pos, k_pos, lambda x: x) for a in args]
-        results.append(_run(op, vals, getattr(torch, dtype), q_pos, k_pos, device))
-        for done in program.last_uses.get(j, ()):  # a block-sized temporary, no longer read
+        results.append(run_op(op, vals, getattr(torch, dtype), q_pos, k_pos, device))
+        yield results[-1]
+        for done in () if keep else program.last_uses.get(j, ()):
             results[done] = None
-    return as_4d(results[-1])
+
+
+def input_tiles(program: MaskProgram, inputs, rows: slice, cols: slice) -> list[torch.Tensor]:
+    """The program's inputs at ``rows`` x ``cols`` (views; a ``p`` table whole)."""
+    parts = {"q": (Ellipsis, rows, slice(None)), "k": (Ellipsis, cols), "c": (Ellipsis,)}
+    return [
+        x if role == "p" else as_4d(x)[parts[role]]
+        for x, role in zip(inputs, program.roles, strict=True)
+    ]
 
 
 def resolve(a, inputs: list, results: list, q_pos, k_pos, literal):
@@ -122,11 +144,14 @@ def resolve(a, inputs: list, results: list, q_pos, k_pos, literal):
     return q_pos if a["pos"] == "q" else k_pos
 
 
-def _run(op: str, args: list, dtype: torch.dtype, q_pos, k_pos, device) -> torch.Tensor:
+def run_op(op: str, args: list, dtype: torch.dtype, q_pos, k_pos, device) -> torch.Tensor:
     if op == "cast":
         return torch.as_tensor(args[0], device=device).to(dtype)
     if op == "const":
         return torch.tensor(args[0], dtype=dtype, device=device)
+    if op == "embed":  # table[index] with the table's columns (heads) before queries x keys
+        table, index = args
+        return as_4d(table[index.reshape(index.shape[-2:])].permute(2, 0, 1))
     if op in ("tril", "triu"):  # the kernel's top-left alignment: key - query vs diagonal
         x, diagonal = args
         offset = k_pos - q_pos
@@ -140,7 +165,7 @@ def tile_bounds(x: torch.Tensor, role: str, starts, stops):
     """Per-tile (min, max) of input ``x`` over its role's tiles (global position ranges
     ``starts[i]:stops[i]``), as float64 column (``q``) or row (``k``) vectors."""
     x4 = as_4d(x).double()
-    if role == "c":
+    if role in ("c", "p"):
         return x4.min().view(1, 1), x4.max().view(1, 1)
     lo, hi = [], []
     for a, b in zip(starts, stops, strict=True):

@@ -40,6 +40,7 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
+from ringify.runtime.mask_program_grad import add_program_grads
 from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring, ring_by_name
 from ringify.runtime.schedule import needs_positions, ring_visits, shard_tiles, tile_views
@@ -98,13 +99,13 @@ def ring_attention_op(
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own))
             continue
-        for i, r, cols, seen, bias in masks.pairs(mine, held, acc, count=True):
-            k_blk, v_blk = kv[i][:, :, cols], kv[len(own) + i][:, :, cols]
+        for b in masks.pairs(mine, held, acc, count=True):
+            k_blk, v_blk = kv[b.held][:, :, b.cols], kv[len(own) + b.held][:, :, b.cols]
             out_blk, lse_blk = block_forward(
-                q[:, :, r], k_blk, v_blk, is_causal=seen is Visibility.DIAGONAL, scale=scale,
-                bias=bias,
+                q[:, :, b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
+                scale=scale, bias=b.bias,
             )  # fmt: skip
-            merge_block(out_acc[:, :, r], lse_acc[:, :, r], out_blk, lse_blk)
+            merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
     return in_dim_order_of(q, out_acc.to(q.dtype)), lse_acc
 
 
@@ -134,16 +135,19 @@ def ring_attention_backward_op(
     mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
     mask_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, d attn_mask): the last is empty unless ``mask_grad`` (a learned bias)."""
+    input_grads: list[bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, d attn_mask, d mask_inputs): d attn_mask is empty unless ``mask_grad``
+    (a learned bias); ``d mask_inputs[i]`` unless ``input_grads[i]`` (a learned program)."""
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
     rows = q.shape[2]
     no_mask_grad = q.new_empty(0)
+    wanted = input_grads or [False] * len(mask_inputs)
     if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
         grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
-        return *grads, no_mask_grad
+        return *grads, no_mask_grad, []
 
     acc = accumulation_dtype(q.dtype)
     tiling, masks = _tile_masks(
@@ -153,6 +157,11 @@ def ring_attention_backward_op(
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
+    dinputs = [
+        torch.zeros(x.shape, dtype=acc, device=x.device) if want else None
+        for x, want in zip(mask_inputs, wanted, strict=True)
+    ]
+    learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
     arriving = {}  # what the exchange of the previous step brings: "travel", "home"
     pending = None
     for own, step, src, held, kv in ring_visits(ring, k, v, tiling, masks.last_steps):
@@ -166,8 +175,8 @@ def ring_attention_backward_op(
             dkv = None
         if held is not None:
             dkv = _tiles_backward(
-                dkv, held, kv, own, mine, masks, (grad_out, q, out, lse), dq_acc, dmask,
-                is_causal=is_causal, scale=scale, acc=acc,
+                dkv, held, kv, own, mine, masks, (grad_out, q, out, lse), dq_acc, dmask, learned,
+                scale=scale, acc=acc,
             )  # fmt: skip
             if step == last[src] == 0:
                 _store_home(own, dkv, dk, dv)
@@ -192,7 +201,11 @@ def ring_attention_backward_op(
             if "home" in arriving:
                 _store_home(own, received[arriving["home"]], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
-    return dq_acc.to(q.dtype), dk, dv, dmask
+    dinputs = [
+        q.new_empty(0) if d is None else d.to(x.dtype)  # outputs never alias each other
+        for d, x in zip(dinputs, mask_inputs, strict=True)
+    ]
+    return dq_acc.to(q.dtype), dk, dv, dmask, dinputs
 
 
 def _store_home(own, totals, dk, dv) -> None:
@@ -202,25 +215,28 @@ def _store_home(own, totals, dk, dv) -> None:
         dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
 
 
-def _tiles_backward(
-    dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, *, is_causal, scale, acc
-):
+def _tiles_backward(dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *, scale, acc):
     """Add this rank's share of the held tiles' gradients into ``dkv`` (started here if
-    None) and of its queries' into ``dq_acc`` (and ``dmask``)."""
+    None) and of its queries' into ``dq_acc``, and of the mask's into ``dmask`` (a learned
+    bias) or, with ``learned`` = (program, inputs, their gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(kv)
-    for i, r, cols, seen, bias in masks.pairs(mine, held, acc):
+    for b in masks.pairs(mine, held, acc, biased=learned is not None):
+        i, r, cols = b.held, b.rows, b.cols
         block = (
             grad_out[:, :, r], q[:, :, r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols],
             out[:, :, r], lse[:, :, r],
         )  # fmt: skip
-        causal = seen is Visibility.DIAGONAL
-        dq_blk, dk_blk, dv_blk = block_backward(*block, is_causal=causal, scale=scale, bias=bias)
-        if dmask is not None:
-            tile = tile_of(dmask, r, held[i], cols.stop)
-            dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=bias)
-            broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
-            tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+        causal = b.seen is Visibility.DIAGONAL
+        dq_blk, dk_blk, dv_blk = block_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
+        if b.bias is not None and (dmask is not None or learned is not None):
+            dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
+            if dmask is not None:
+                tile = tile_of(dmask, r, held[i], cols.stop)
+                broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
+                tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+            if learned is not None:
+                add_program_grads(*learned, *b.at, dbias)
         dq_acc[:, :, r] += dq_blk
         _accumulate(here, i, dk_blk, kv[i], cols, acc)
         _accumulate(here, len(own) + i, dv_blk, kv[len(own) + i], cols, acc)
@@ -250,10 +266,16 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, 
 @ring_attention_backward_op.register_fake
 def _(
     grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
-    mask_program, mask_inputs, tiles=0, mask_grad=False,
+    mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None,
 ):  # fmt: skip
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    return *grads, torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    wanted = input_grads or [False] * len(mask_inputs)
+    dinputs = [
+        torch.empty_like(x) if w else q.new_empty(0)
+        for x, w in zip(mask_inputs, wanted, strict=True)
+    ]
+    return *grads, dmask, dinputs
 
 
 def _setup_context(ctx, inputs, output):
@@ -261,6 +283,7 @@ def _setup_context(ctx, inputs, output):
     ctx.flags = inputs[4:9]  # is_causal, scale, group_name, layout, key_len
     ctx.program, mask_inputs = inputs[9:11]
     ctx.tiles = inputs[11] if len(inputs) > 11 else 0
+    ctx.input_grads = [x.requires_grad for x in mask_inputs]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, *mask_inputs)
     ctx.mark_non_differentiable(lse)
@@ -269,13 +292,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask, *mask_inputs = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
-    dq, dk, dv, dmask = ring_attention_backward_op(
+    dq, dk, dv, dmask, dinputs = ring_attention_backward_op(
         grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
-        mask_grad=mask_grad,
+        mask_grad=mask_grad, input_grads=ctx.input_grads,
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
     grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
-    grads[10] = [None] * len(mask_inputs)
+    grads[10] = [d if want else None for d, want in zip(dinputs, ctx.input_grads, strict=True)]
     return tuple(grads)
 
 

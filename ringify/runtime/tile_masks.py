@@ -14,6 +14,7 @@ round the ring each rank's key tiles are needed: beyond that step they are not s
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,18 @@ def tile_counts() -> dict[Visibility, int]:
 
 def reset_tile_counts() -> None:
     _counts.clear()
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kernel call of a step: query rows of this rank's shard x key rows of a held tile."""
+
+    held: int  # index into the held tiles
+    rows: slice  # local query rows
+    cols: slice  # key rows of the held tile
+    seen: Visibility
+    bias: torch.Tensor | None
+    at: tuple[slice, slice]  # the block's global query and key positions
 
 
 class TileMasks:
@@ -102,24 +115,24 @@ class TileMasks:
         """Count the pairs of a step at which the held tiles did not come: all hidden."""
         _counts[Visibility.HIDDEN] += len(mine) * held
 
-    def pairs(self, mine: list[Tile], held: list[Tile], acc: torch.dtype, count: bool = False):
-        """Every block with work: ``(index into held, query rows, key rows of the held tile,
-        visibility, bias)``. A pair is one block, except a pair of a program its bounds
-        leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
+    def pairs(self, mine, held, acc: torch.dtype, count: bool = False, biased: bool = False):
+        """Every ``Block`` with work. A pair is one block, except a pair of a program its
+        bounds leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
         evaluated block by block, so that most run with no mask or are skipped and no
-        evaluation or bias is larger than a block."""
+        evaluation or bias is larger than a block. ``biased``: every block that is not
+        hidden carries its bias, even a zero one (a learned program's gradient needs it)."""
         for i, k_tile in enumerate(held):
             keys = self.keys(k_tile)
             if keys <= 0:
                 continue
             for q_tile in mine:
-                seen, bias = self._settled_pair(q_tile, k_tile, keys, acc)
+                seen, bias = self._settled_pair(q_tile, k_tile, keys, acc, biased)
                 if seen is None:  # open: block by block, each bias freed after its use
                     seen_blocks = set()
-                    for rows, cols, seen, bias in self._blocks(q_tile, k_tile, keys, acc):
-                        seen_blocks.add(seen)
-                        if seen is not Visibility.HIDDEN:
-                            yield i, rows, cols, seen, bias
+                    for block in self._blocks(i, q_tile, k_tile, keys, acc, biased):
+                        seen_blocks.add(block.seen)
+                        if block.seen is not Visibility.HIDDEN:
+                            yield block
                     if count:  # the pair's: its blocks' if they agree, else masked
                         one = len(seen_blocks) == 1
                         _counts[seen_blocks.pop() if one else Visibility.MASKED] += 1
@@ -127,9 +140,10 @@ class TileMasks:
                 if count:
                     _counts[seen] += 1
                 if seen is not Visibility.HIDDEN:
-                    yield i, q_tile.rows, slice(0, keys), seen, bias
+                    at = (_positions(q_tile, _rows(q_tile)), _positions(k_tile, keys))
+                    yield Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
 
-    def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype):
+    def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype, biased):
         """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
         qi, ki = self._index[q_tile.key], self._index[k_tile.key]
         if not self._maybe_list[qi][ki]:
@@ -139,12 +153,12 @@ class TileMasks:
             if self.mask is None:
                 return seen, None
             return seen, additive_mask(tile_of(self.mask, q_tile.rows, k_tile, keys), acc)
-        if self._full[qi][ki]:
+        if self._full[qi][ki] and not biased:
             return Visibility.FULL, None
         return None, None
 
-    def _blocks(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype):
-        """``(query rows, key rows of the held tile, visibility, bias)`` of every block."""
+    def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
+        """Every ``Block`` of an open pair."""
         step = MIN_TILE_ROWS
         q_blocks = [
             Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, _rows(q_tile))),
@@ -156,21 +170,18 @@ class TileMasks:
             for b in range(0, keys, step)
         ]
         hidden, full = _settled(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
+        if biased:
+            full.zero_()
         hidden, full = hidden.tolist(), full.tolist()
         for a, qb in enumerate(q_blocks):
             for b, kb in enumerate(k_blocks):
+                at = (_positions(qb, _rows(qb)), _positions(kb, _rows(kb)))
                 if hidden[a][b] or full[a][b]:
-                    yield (
-                        qb.rows,
-                        kb.rows,
-                        Visibility.HIDDEN if hidden[a][b] else Visibility.FULL,
-                        None,
-                    )
+                    seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
+                    yield Block(held, qb.rows, kb.rows, seen, None, at)
                     continue
-                rows = slice(qb.start, qb.start + _rows(qb))
-                cols = slice(kb.start, kb.start + _rows(kb))
-                mask = evaluate(self.program, self.inputs, rows, cols, self.device)
-                yield qb.rows, kb.rows, *_classify(mask, acc)
+                mask = evaluate(self.program, self.inputs, *at, self.device)
+                yield Block(held, qb.rows, kb.rows, *_classify(mask, acc, biased), at)
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
@@ -182,14 +193,16 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     return mask[:, :, q_part, k_part]
 
 
-def _classify(mask: torch.Tensor, acc: torch.dtype):
+def _classify(mask: torch.Tensor, acc: torch.dtype, biased: bool):
     """An evaluated block of a program: hidden, full, the causal triangle, or a bias."""
     visible = mask if mask.dtype == torch.bool else mask == 0
     hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
-    if bool(visible.all()):
-        return Visibility.FULL, None
     if bool(hidden.all()):
         return Visibility.HIDDEN, None
+    if biased:
+        return Visibility.MASKED, additive_mask(mask, acc)
+    if bool(visible.all()):
+        return Visibility.FULL, None
     rows, cols = mask.shape[-2:]
     if rows == cols:
         tril = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
@@ -231,6 +244,10 @@ def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, lay
     if span * default >= chunk:
         return default
     return min(MAX_BANDED_TILES_PER_CHUNK, max(default, chunk // max(span, MIN_TILE_ROWS)))
+
+
+def _positions(tile: Tile, rows: int) -> slice:
+    return slice(tile.start, tile.start + rows)
 
 
 def _rows(tile: Tile) -> int:
