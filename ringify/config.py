@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ringify.runtime.dilation import Dilation
 from ringify.runtime.layout import check_layout
@@ -22,8 +23,11 @@ class Config:
     outputs: str = "full"
     dilation: Dilation | None = None
     check_inputs: bool = True  # compare a fingerprint of the shared inputs at every call
+    mesh: DeviceMesh | None = None  # one dim of a mesh: its group becomes ``group``
 
     def __post_init__(self) -> None:
+        if self.mesh is not None:
+            object.__setattr__(self, "group", _mesh_group(self.mesh, self.group))
         if not isinstance(self.ring_size, int) or self.ring_size < 1:
             raise ValueError(f"ring_size must be a positive int, got {self.ring_size!r}")
         if self.dilation is not None and not isinstance(self.dilation, Dilation):
@@ -57,3 +61,19 @@ class Config:
 
     def ring(self) -> Ring:
         return resolve_ring(self.group)
+
+
+def _mesh_group(mesh, group) -> dist.ProcessGroup:
+    """The process group of a 1-D ``DeviceMesh`` (one dim of a larger mesh: ``mesh["cp"]``)."""
+    if group is not None:
+        raise ValueError("pass the ring as group= or as mesh=, not both")
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        example = f'mesh["{names[-1]}"]' if names else "mesh[dim_name]"
+        raise ValueError(
+            f"mesh has {mesh.ndim} dims {names}: pass the ring's own dim, e.g. mesh={example} "
+            "(the context-parallel dim of a (dp, cp) mesh)"
+        )
+    return mesh.get_group()

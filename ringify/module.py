@@ -22,6 +22,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
@@ -46,11 +47,13 @@ def ringify(
     outputs: str = "full",
     dilation: Dilation | None = None,
     check_inputs: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> RingifiedModule:
     """``model``, sequence-parallel over a ring of ``ring_size`` ranks; same outputs and gradients.
 
     - ``group``: the ring's process group (``None``: the default group, whose size
-      must be ``ring_size``).
+      must be ``ring_size``); or ``mesh``: a 1-D DeviceMesh, e.g. the ``"cp"`` dim of
+      a ``(dp, cp)`` mesh (``mesh["cp"]``).
     - ``inputs="full"``: every rank passes the same full inputs. ``"sharded"``: the
       inputs whose sequence reaches attention are passed as this rank's part
       (``ringify.runtime.shard(x, dim, layout=layout)``); all others (labels,
@@ -67,7 +70,7 @@ def ringify(
     The model itself is left untouched and its parameters are shared.
     """
     return RingifiedModule(
-        model, Config(ring_size, group, layout, inputs, outputs, dilation, check_inputs)
+        model, Config(ring_size, group, layout, inputs, outputs, dilation, check_inputs, mesh)
     )
 
 

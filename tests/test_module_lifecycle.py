@@ -137,3 +137,20 @@ def test_trace_cache_is_bounded():
     assert len(ringified._traced) == TRACE_CACHE_SIZE
     lengths = [key[1][0][0][1] for key in ringified._traced]
     assert lengths == list(range(8, 8 + TRACE_CACHE_SIZE))  # the least recently used went first
+
+
+def test_the_models_attributes_are_read_through_the_wrapper():
+    """Code written for the model (HF Trainer sets ``model.config.use_cache``, reads
+    ``loss_type`` and ``main_input_name``) finds the model's attributes; ringify's own
+    configuration is ``ringify_config``; the wrapper's own attributes are its own."""
+    from ringify.testing.hf_models import llama
+
+    model = llama()
+    ringified = ringify(model, ring_size=1)
+    assert ringified.config is model.config
+    assert ringified.loss_type == model.loss_type
+    assert ringified.main_input_name == "input_ids"
+    assert ringified.ringify_config.ring_size == 1 and ringified.model is model
+    assert dict(ringified.named_parameters()) == dict(model.named_parameters())
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        _ = ringified.no_such_attribute

@@ -36,7 +36,7 @@ def resolve_ring(group: dist.ProcessGroup | None) -> Ring:
     """The ring for ``group`` (``None``: the default group), or a local one-rank ring."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         hint = (
-            " (for a DeviceMesh, pass mesh.get_group(dim_name))"
+            " (for a DeviceMesh, pass ringify(..., mesh=mesh[dim_name]) or mesh.get_group(dim_name))"
             if hasattr(group, "get_group")
             else ""
         )
