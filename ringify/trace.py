@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ringify.config import Config
 from ringify.passes.attention import find_attention
+from ringify.passes.checkpoints import check_no_checkpointed_regions, check_not_checkpointed
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
@@ -92,6 +93,7 @@ def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 
 def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
+    check_not_checkpointed(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -278,6 +280,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
+    check_no_checkpointed_regions(gm)
     fold_shifts(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm
