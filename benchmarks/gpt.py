@@ -19,14 +19,12 @@ before (model and inputs already built): activations, gradients and buffers
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
-import time
 
 from tabulate import tabulate
 
-from ringify.testing import RankPool, reset_peak_memory, resident_bytes
+from ringify.testing import RankPool, measured_step
 
 
 def step(impl: str, seq: int, dim: int, layers: int) -> dict:
@@ -45,15 +43,13 @@ def step(impl: str, seq: int, dim: int, layers: int) -> dict:
 
     def once() -> tuple[float, int, float]:
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        base = resident_bytes("VmRSS:")
-        reset_peak_memory()
-        dist.barrier()
-        t0 = time.perf_counter()
-        _, loss = run(idx, targets)
-        loss.backward()
-        seconds = time.perf_counter() - t0
-        return seconds, resident_bytes("VmHWM:") - base, loss.item()
+
+        def step() -> float:
+            _, loss = run(idx, targets)
+            loss.backward()
+            return loss.item()
+
+        return measured_step(step)
 
     once()  # warm-up: trace, kernels, allocator, communicators
     seconds, peak, loss = once()

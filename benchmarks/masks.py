@@ -20,15 +20,13 @@ the two smallest S and extrapolated linearly; "step / (ref / P)" is the target r
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import time
 
 from tabulate import tabulate
 
-from ringify.testing import RankPool, reset_peak_memory, resident_bytes
+from ringify.testing import RankPool, measured_step
 
 
 def _inputs(case: str, seq: int):
@@ -71,15 +69,9 @@ def step(case: str, seq: int, window: int, ringified: bool) -> dict:
 
     def once() -> tuple[float, int, int]:
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        base, sent = resident_bytes("VmRSS:"), sent_bytes()
-        reset_peak_memory()
-        if ringified:
-            dist.barrier()
-        t0 = time.perf_counter()
-        run(**kwargs).loss.backward()
-        seconds = time.perf_counter() - t0
-        return seconds, resident_bytes("VmHWM:") - base, sent_bytes() - sent
+        sent = sent_bytes()
+        seconds, peak, _ = measured_step(lambda: run(**kwargs).loss.backward(), ringified)
+        return seconds, peak, sent_bytes() - sent
 
     _, trace_peak, _ = once()
     seconds, peak, sent = once()

@@ -28,31 +28,31 @@ class _Block(torch.nn.Module):
 
 
 class _Model(torch.nn.Module):
-    """A block run through ``checkpoint`` (either form), or positions under ``no_grad``."""
+    """A block run through a reentrant ``checkpoint``, or positions under ``no_grad``."""
 
-    def __init__(self, form: str):
+    def __init__(self, checkpointed: bool):
         super().__init__()
-        self.block, self.form = _Block(), form
+        self.block, self.checkpointed = _Block(), checkpointed
 
     def forward(self, x):
-        if self.form == "no_grad positions":
+        if not self.checkpointed:
             with torch.no_grad():
                 scale = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1) * 0 + 1
             return self.block(x * scale)
-        return checkpoint(self.block, x, use_reentrant=self.form == "reentrant")
+        return checkpoint(self.block, x, use_reentrant=True)
 
 
 def test_a_reentrant_checkpointed_attention_is_refused():
     torch.manual_seed(0)
     x = torch.randn(2, 16, 8, requires_grad=True)
     with pytest.raises(ValueError, match="use_reentrant=True") as e:
-        ringify(_Model("reentrant"), ring_size=1)(x)
+        ringify(_Model(checkpointed=True), ring_size=1)(x)
     assert "cannot keep activation checkpointing" in str(e.value)
 
 
 def test_a_no_grad_region_without_attention_is_not_checkpointing():
     torch.manual_seed(0)
-    model = _Model("no_grad positions")
+    model = _Model(checkpointed=False)
     x = torch.randn(2, 16, 8)
     assert torch.equal(ringify(model, ring_size=1)(x), model(x))
 

@@ -23,6 +23,7 @@ anything of S x S size. Only the rest is evaluated, at the size of one tile pair
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 from dataclasses import dataclass
@@ -105,8 +106,9 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
 def evaluate(program: MaskProgram, inputs, rows: slice, cols: slice, device) -> torch.Tensor:
     """The mask at global query positions ``rows`` and key positions ``cols`` (4-D,
     size-1 dims where it broadcasts), on ``device``."""
-    results = list(steps(program, inputs, rows, cols, device, keep=False))
-    return as_4d(results[-1])
+    # only the last result is held: each temporary is freed after its last reader
+    (mask,) = collections.deque(steps(program, inputs, rows, cols, device, keep=False), 1)
+    return as_4d(mask)
 
 
 def steps(program: MaskProgram, inputs, rows: slice, cols: slice, device, keep: bool):

@@ -16,3 +16,23 @@ def reset_peak_memory() -> None:
     """Reset the kernel's record of this process's peak resident set (``VmHWM``)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def measured_step(step, barrier: bool = True) -> tuple[float, int, object]:
+    """``(seconds, peak resident bytes above the start, result)`` of ``step()``, after a
+    garbage collection and, with ``barrier``, a barrier of the default process group (so
+    that the ranks of a ring start together)."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    base = resident_bytes("VmRSS:")
+    reset_peak_memory()
+    if barrier:
+        dist.barrier()
+    t0 = time.perf_counter()
+    result = step()
+    seconds = time.perf_counter() - t0
+    return seconds, resident_bytes("VmHWM:") - base, result
