@@ -11,6 +11,7 @@ statistics) are updated in place in the model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
 from ringify.passes.attention import find_attention
-from ringify.passes.checkpoints import check_no_checkpointed_regions, check_not_checkpointed
+from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
@@ -93,7 +95,6 @@ def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 
 def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
-    check_not_checkpointed(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -101,9 +102,9 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
     if config.inputs == "sharded":
         dims, gathered = _sharded_inputs(model, spec, flat, config)
         scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
-        exported = _export(model, spec, _fakes(flat, scaled))
+        exported, checkpoints = _export(model, spec, _fakes(flat, scaled))
     else:
-        exported = _export(model, spec, _fakes(flat, {}))
+        exported, checkpoints = _export(model, spec, _fakes(flat, {}))
     gm = _exported_module(exported)
     _warn_about_hooks(model)
     plan = plan_sequence(gm, config, dims or None, gathered)
@@ -117,6 +118,7 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
         dilation=config.dilation,
     )
     state_names = _lift_state(gm.graph, model)
+    report = dataclasses.replace(report, checkpointed=keep_checkpoints(gm, checkpoints))
     module = fx.GraphModule(gm, gm.graph)
     for gather in report.gathers:
         log.warning(
@@ -148,14 +150,14 @@ def _sharded_inputs(model: nn.Module, spec, flat: list, config: Config):
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = _exported_module(_export(model, spec, _fakes(flat, {})))
+        structure = _exported_module(_export(model, spec, _fakes(flat, {}))[0])
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = _exported_module(_export(model, spec, _fakes(flat, full)))
+            structure = _exported_module(_export(model, spec, _fakes(flat, full))[0])
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)
@@ -244,11 +246,15 @@ def _fakes(flat: list, shapes: dict[int, list[int]]) -> list:
     return fakes
 
 
-def _export(model: nn.Module, spec, flat: list) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, spec, flat: list):
+    """The exported program, and the checkpointed modules seen while it ran."""
     args, kwargs = pytree.tree_unflatten(flat, spec)
+    recorder = CheckpointRecorder(model)
     try:
-        exported = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with recorder:
+            exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
+        recorder.check()
         raise RuntimeError(
             f"ringify could not trace {type(model).__name__} with torch.export ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
@@ -257,7 +263,8 @@ def _export(model: nn.Module, spec, flat: list) -> torch.export.ExportedProgram:
             f"models, build them with use_cache=False).{_known_cause(e)} The full error is "
             "chained above."
         ) from e
-    return exported
+    recorder.check()
+    return exported, recorder.regions
 
 
 # functions whose data-dependent checks export cannot trace -> what the caller can pass instead
@@ -280,10 +287,25 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
-    check_no_checkpointed_regions(gm)
+    _check_no_attention_without_grad(gm)
     fold_shifts(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm
+
+
+def _check_no_attention_without_grad(gm: fx.GraphModule) -> None:
+    """Raise if an attention runs inside a region export made of ``torch.no_grad()`` (a
+    ``wrap_with_set_grad_enabled`` submodule, which the pass does not enter)."""
+    for node in gm.graph.nodes:
+        if node.target is wrap_with_set_grad_enabled and find_attention(
+            getattr(gm, node.args[1].target).graph
+        ):
+            raise ValueError(
+                f"an attention runs inside {node.name}, a region where the model switches "
+                "gradients off (torch.no_grad() or torch.set_grad_enabled): ringify does not "
+                "rewrite attention there. Run that attention with gradients enabled, or "
+                "outside the ringified model."
+            )
 
 
 def dump(traced: Traced, key: tuple) -> None:

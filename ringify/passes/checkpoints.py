@@ -1,52 +1,188 @@
-"""Activation checkpointing in a traced graph: found, and refused with an error that says so.
+"""Activation checkpointing: found while the model is traced, kept in the rewritten graph.
 
-``torch.export`` inlines a non-reentrant checkpoint (HF's default
-``gradient_checkpointing_enable()``) and nothing in the graph marks its regions, so the
-rewritten graph would save every activation, silently: an HF model in training with
-checkpointing enabled (its ``gradient_checkpointing`` flags) is refused before the
-trace. A reentrant checkpoint's regions become ``wrap_with_set_grad_enabled``
-submodules, which the pass does not enter: an attention inside one is refused. Until
-the pass keeps checkpointed regions, a checkpointed model is refused, naming the fix.
+``torch.export`` inlines a non-reentrant ``torch.utils.checkpoint`` (HF's
+``gradient_checkpointing_enable()``) and leaves no mark of it in the graph. So the
+checkpoints are found while export runs the model: a global module pre-hook notes each
+module called under a ``checkpoint`` frame while no other module of that frame is
+running (the frame's *root*: HF's decoder layer, or ``self.block`` in
+``checkpoint(self.block, x, use_reentrant=False)``). After the pass, each root's span of
+the rewritten graph is outlined and run under a non-reentrant checkpoint with the
+user's ``preserve_rng_state`` and ``context_fn`` (``keep_checkpoints``): the ring op's
+communication is recomputed in the backward, as the unmodified model's attention is.
+
+Refused with an error that names the fix, because the region cannot be kept exactly:
+a reentrant checkpoint (export runs it under ``no_grad``, so the traced graph loses the
+region's gradients) and a checkpointed function that runs operations outside any module.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
 from torch import fx, nn
-from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
-from ringify.passes.attention import find_attention
+from ringify.passes.regions import module_span, outline
+from ringify.runtime.checkpointed import Checkpointed
 
-_FIX = (
-    "ringify cannot keep activation checkpointing yet, and would drop it silently (every "
-    "activation saved). Turn it off for the ringified model (HF: "
-    "model.gradient_checkpointing_disable(); your code: call the module without "
-    "torch.utils.checkpoint.checkpoint)."
-)
+_CHECKPOINT = inspect.unwrap(checkpoint).__code__
 
 
-def check_not_checkpointed(model: nn.Module) -> None:
-    """Raise if ``model`` is an HF model in training with gradient checkpointing enabled."""
-    flagged = [
-        name or type(model).__name__
-        for name, m in model.named_modules()
-        if getattr(m, "gradient_checkpointing", False) is True and m.training
-    ]
-    if flagged:
-        raise ValueError(
-            f"the model checkpoints activations (gradient checkpointing is enabled on "
-            f"{flagged[0]}). {_FIX}"
+@dataclass(frozen=True)
+class CheckpointRegion:
+    """A module whose call ran under ``torch.utils.checkpoint``, and how it was checkpointed."""
+
+    path: str
+    preserve_rng_state: bool
+    context_fn: Any
+
+
+@dataclass
+class CheckpointRecorder:
+    """Notes the checkpointed modules of one export (``with recorder: export(...)``)."""
+
+    model: nn.Module
+    regions: dict[str, CheckpointRegion] = field(default_factory=dict)
+    error: str | None = None
+    _names: dict[int, str] = field(default_factory=dict)
+    _running: list[tuple[nn.Module, Any]] = field(default_factory=list)
+    _handles: list = field(default_factory=list)
+    _mode: TorchFunctionMode | None = None
+
+    def __enter__(self) -> CheckpointRecorder:
+        self._names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._entered),
+            nn.modules.module.register_module_forward_hook(self._left, always_call=True),
+        ]
+        self._mode = _OutsideModules(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._running.clear()
+
+    def check(self) -> None:
+        """Raise if a checkpoint seen while tracing cannot be kept."""
+        if self.error:
+            raise ValueError(self.error)
+
+    def _entered(self, module: nn.Module, args) -> None:
+        frame = checkpoint_frame()
+        self._running.append((module, frame))
+        if frame is None or not self._refused(frame) or self._owner(frame) is not None:
+            return
+        if id(module) in self._names and not any(f is frame for _, f in self._running[:-1]):
+            self._record(frame, self._names[id(module)])  # the frame's outermost module
+
+    def _left(self, module: nn.Module, args, output) -> None:
+        if self._running and self._running[-1][0] is module:
+            self._running.pop()
+
+    def operation(self, func) -> None:
+        """A torch function ran: refuse it if a checkpointed function runs it outside modules."""
+        frame = checkpoint_frame()
+        if frame is None or not self._refused(frame) or self._owner(frame) is not None:
+            return
+        if not any(f is frame for _, f in self._running):
+            self.error = (
+                f"a function checkpointed with torch.utils.checkpoint runs {_name(func)} outside "
+                "any module: ringify keeps a checkpoint by the module it covers, so this part "
+                "would silently lose its checkpoint. Checkpoint a module "
+                "(checkpoint(self.block, x, use_reentrant=False)), or, inside a module's own "
+                "forward, a method of that module (checkpoint(self._forward, x, ...))."
+            )
+
+    def _refused(self, frame) -> bool:
+        """Whether ``frame`` can be kept; if not, note why. (False once an error is noted.)"""
+        if self.error is None and frame.f_locals.get("use_reentrant"):
+            self.error = (
+                "the model runs a reentrant torch.utils.checkpoint (use_reentrant=True), which "
+                "torch.export traces under no_grad, so ringify cannot keep it. Use the "
+                "non-reentrant form, which ringify keeps: checkpoint(..., use_reentrant=False); "
+                "HF: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})."
+            )
+        return self.error is None
+
+    def _owner(self, frame) -> str | None:
+        """The running module whose method the frame checkpoints, from inside its own call
+        (HF checkpoints a layer's ``forward``: ``partial(forward, layer)``), recorded as the
+        region; else ``None``."""
+        function = frame.f_locals.get("function")
+        while isinstance(function, functools.partial):
+            owner = function.args[0] if function.args else None
+            if isinstance(owner, nn.Module) and not isinstance(function.func, nn.Module):
+                function = types.MethodType(function.func, owner)
+                break
+            function = function.func
+        owner = getattr(function, "__self__", None)
+        if id(owner) not in self._names or not any(m is owner for m, _ in self._running):
+            return None  # not a module's, or not called from its own call: not on the nodes
+        self._record(frame, self._names[id(owner)])
+        return self._names[id(owner)]
+
+    def _record(self, frame, path: str) -> None:
+        self.regions.setdefault(
+            path,
+            CheckpointRegion(
+                path, frame.f_locals.get("preserve", True), frame.f_locals.get("context_fn")
+            ),
         )
 
 
-def check_no_checkpointed_regions(gm: fx.GraphModule) -> None:
-    """Raise if an attention of the traced graph is inside a reentrant checkpoint's region."""
-    for node in gm.graph.nodes:
-        if node.target is not wrap_with_set_grad_enabled:
+class _OutsideModules(TorchFunctionMode):
+    """Hands every torch function run while tracing to the recorder."""
+
+    def __init__(self, recorder: CheckpointRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.recorder.operation(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+def checkpoint_frame():
+    """The innermost running ``torch.utils.checkpoint.checkpoint`` frame, or ``None``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CHECKPOINT:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def keep_checkpoints(gm: fx.GraphModule, regions: dict[str, CheckpointRegion]) -> tuple[str, ...]:
+    """Outline each checkpointed module's span of the rewritten graph and run it under a
+    non-reentrant checkpoint; the modules kept. A region inside another is kept by the
+    outer one (its nodes are recomputed there)."""
+    kept = []
+    for path, region in regions.items():
+        if any(path.startswith(other + ".") for other in regions if other != path):
             continue
-        region = getattr(gm, node.args[1].target)
-        if find_attention(region.graph):
-            raise ValueError(
-                f"an attention runs inside {node.name}: a region with gradients switched off "
-                "or on again, which torch.export makes of a reentrant "
-                f"torch.utils.checkpoint (use_reentrant=True) or of torch.no_grad(). {_FIX}"
-            )
+        span = module_span(gm.graph, path)
+        if not span:
+            continue
+        outline(
+            gm,
+            span,
+            f"checkpointed_{len(kept)}",
+            lambda g, r=region: Checkpointed(g, r.preserve_rng_state, r.context_fn),
+        )
+        kept.append(path)
+    gm.graph.lint()
+    return tuple(kept)

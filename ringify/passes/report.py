@@ -82,6 +82,7 @@ class Report:
     births: tuple[str, ...]  # nodes where the sequence is born inside the graph, sliced there
     attentions: tuple[ReportedAttention, ...]  # every attention of the graph, in order
     gathers: tuple[InsertedGather, ...]
+    checkpointed: tuple[str, ...] = ()  # modules whose span runs under a checkpoint
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
@@ -93,6 +94,7 @@ class Report:
             f"ringify: ring of {self.ring_size}, layout {self.layout}, sequence {self.length}"
             + (f" (padded to {self.padded})" if self.padded != self.length else "")
             + (f", born inside the model at {', '.join(self.births)}" if self.births else "")
+            + (f", checkpointed: {', '.join(self.checkpointed)}" if self.checkpointed else "")
         )
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"

@@ -26,6 +26,7 @@ from torch import fx
 
 from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
 from ringify.passes.crossings import PassState
+from ringify.passes.dropout import rewrite_dropout
 from ringify.passes.indexing import (
     INDEXING,
     infer_gather,
@@ -266,6 +267,7 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, rewrite_attention)),
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
+    aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
     aten.cat.default: Rule(_infer_cat, _fit_broadcast),
     **dict.fromkeys(
         (aten.linear.default, aten.layer_norm.default, aten.rms_norm.default),

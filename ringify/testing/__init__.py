@@ -3,12 +3,25 @@
 - ``RankPool``: reusable gloo (or NCCL) rank processes with timeouts, and ``outcome``,
   what a rank's call did (``ranks.py``);
 - ``resident_bytes`` / ``reset_peak_memory``: a CPU process's (peak) memory, and
-  ``measured_step``: the time and peak memory of one step (``memory.py``);
+  ``measured_step``: the time and peak memory of one step; ``saved_for_backward_bytes``:
+  what autograd keeps for the backward (``memory.py``);
 - ``ringify.testing.attention``: ring attention against SDPA on the full sequence;
 - ``ringify.testing.models``: small models written as users write them.
 """
 
-from ringify.testing.memory import measured_step, reset_peak_memory, resident_bytes
+from ringify.testing.memory import (
+    measured_step,
+    reset_peak_memory,
+    resident_bytes,
+    saved_for_backward_bytes,
+)
 from ringify.testing.ranks import RankPool, outcome
 
-__all__ = ["RankPool", "measured_step", "outcome", "reset_peak_memory", "resident_bytes"]
+__all__ = [
+    "RankPool",
+    "measured_step",
+    "outcome",
+    "reset_peak_memory",
+    "resident_bytes",
+    "saved_for_backward_bytes",
+]

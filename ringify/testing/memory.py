@@ -1,4 +1,5 @@
-"""Peak memory of a CPU process (Linux), for benchmarks and examples."""
+"""Memory of a CPU process (Linux) and of what autograd saves, for tests, benchmarks and
+examples."""
 
 from __future__ import annotations
 
@@ -36,3 +37,27 @@ def measured_step(step, barrier: bool = True) -> tuple[float, int, object]:
     result = step()
     seconds = time.perf_counter() - t0
     return seconds, resident_bytes("VmHWM:") - base, result
+
+
+def saved_for_backward_bytes(step, leave_out=()) -> tuple[int, object]:
+    """``(bytes, result)``: the storage autograd saves for the backward while ``step()``
+    runs (each storage once), leaving out the storages of ``leave_out`` (the parameters).
+    A checkpointed region's inner tensors are saved by the checkpoint, not here: only
+    what the checkpoint keeps (its inputs) is counted, as torch's own hooks see it."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    skip = {t.untyped_storage().data_ptr() for t in leave_out}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if is_fake(t):  # a trace inside the step
+            return t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and storage.device.type != "meta":
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = step()
+    return sum(seen.values()), result
