@@ -13,5 +13,14 @@ from ringify.module import RingifiedModule, ringify
 from ringify.passes.report import Report
 from ringify.runtime.agreement import RankFailed
 from ringify.runtime.dilation import Dilation
+from ringify.samplers import RingSampler
 
-__all__ = ["Dilation", "RankFailed", "Report", "RingifiedModule", "ringify", "runtime"]
+__all__ = [
+    "Dilation",
+    "RankFailed",
+    "Report",
+    "RingSampler",
+    "RingifiedModule",
+    "ringify",
+    "runtime",
+]

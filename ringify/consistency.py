@@ -40,7 +40,9 @@ _FIXES = {
         "skipped a step is on another batch). Usually the "
         "DataLoader's sampler splits the data over all ranks: give DistributedSampler "
         "num_replicas=<number of rings> and rank=<index of this rank's ring> (the data-parallel "
-        "size and rank), so that the ranks of one ring share a batch; or shard the sequence "
+        "size and rank), so that the ranks of one ring share a batch (HF Trainer or "
+        "accelerate, which deal batches to the ranks in turn: wrap the sampler in "
+        "ringify.RingSampler); or shard the sequence "
         "yourself and pass inputs='sharded'. ringify(..., check_inputs=False) skips this check "
         "once a setup is trusted."
     ),

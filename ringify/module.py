@@ -17,6 +17,8 @@ names are the model's own, and it loads the model's checkpoints.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 from collections import OrderedDict
 
 import torch
@@ -88,6 +90,10 @@ class RingifiedModule(nn.Module):
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
+        # Code that picks inputs by the forward's parameters (HF Trainer keeps the dataset
+        # columns named there) sees the model's.
+        self.forward = functools.partial(RingifiedModule.forward, self)
+        self.forward.__signature__ = _signature_of(model.forward)
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
 
@@ -215,6 +221,13 @@ def _signature(model: nn.Module, flat: list, spec) -> tuple:
         (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks)) for m in model.modules()
     )
     return (str(spec), described, modes)
+
+
+def _signature_of(forward) -> inspect.Signature | None:
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):  # a forward with no readable signature: ours
+        return None
 
 
 def _described(key: tuple) -> dict[str, str]:
