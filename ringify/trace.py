@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
+from ringify.parallelized import check_not_parallelized, state_kind
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.mask_programs import fold_mask_programs
@@ -68,7 +69,7 @@ def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
 
 def meta_of(tensors: list[torch.Tensor]) -> tuple:
     """What a traced graph assumed about the model's state: a change means a new trace."""
-    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+    return tuple((t.shape, t.dtype, t.device, state_kind(t)) for t in tensors)
 
 
 def still_fits(traced: Traced, model: nn.Module, state: list[torch.Tensor]) -> bool:
@@ -95,6 +96,7 @@ def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 
 def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
+    check_not_parallelized(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]

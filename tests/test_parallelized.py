@@ -1,0 +1,86 @@
+"""FSDP2 and tensor parallelism with ringify on a (dp, cp) gloo mesh: one FSDP2 unit around
+the ringified model is exact; FSDP2 units or DTensor parameters inside the model are
+refused on every rank, naming what composes, also when they appear after a first call
+(which would otherwise run the cached graph on the old parameters)."""
+
+from __future__ import annotations
+
+import torch
+
+from ringify import ringify
+from ringify.testing import outcome
+from ringify.testing.models import NanoGPT
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+
+
+def one_fsdp_unit_around_the_ring():
+    """Largest difference of logits and gradients from the unmodified model (every rank
+    on the same batch, so the dp average is that batch's gradient)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    idx, targets = _batch()
+    torch.manual_seed(0)
+    reference = NanoGPT().double()
+    logits, loss = reference(idx, targets)
+    loss.backward()
+    want = [logits.detach(), *(p.grad for p in reference.parameters())]
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    sharded = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
+    logits, loss = sharded(idx, targets)
+    loss.backward()
+    got = [logits.detach(), *(p.grad.full_tensor() for p in model.parameters())]
+    return max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+
+
+def test_one_fsdp2_unit_around_the_ringified_model_is_exact(ranks):
+    for err in ranks(4).run(one_fsdp_unit_around_the_ring):
+        assert err <= 1e-10, err
+
+
+def fsdp_units_inside():
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    idx, targets = _batch()
+    return outcome(lambda: ringify(model, ring_size=2, mesh=mesh["cp"])(idx, targets))
+
+
+def test_per_layer_fsdp2_inside_the_model_is_refused_on_every_rank(ranks):
+    for kind, message, _ in ranks(4).run(fsdp_units_inside):
+        assert kind == "ValueError" and "FSDP2 units" in message, message
+        assert "fully_shard(ringify(model" in message
+
+
+def tensor_parallel_after_a_call():
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
+    idx, targets = _batch()
+    ringified(idx, targets)
+    parallelize_module(model.blocks[0], mesh["dp"], {"fc": ColwiseParallel()})
+    return outcome(lambda: ringified(idx, targets))
+
+
+def test_tensor_parallel_applied_after_a_call_is_refused_not_run_on_old_weights(ranks):
+    for kind, message, _ in ranks(4).run(tensor_parallel_after_a_call):
+        assert kind == "ValueError" and "DTensor" in message, message
