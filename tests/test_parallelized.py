@@ -84,3 +84,24 @@ def tensor_parallel_after_a_call():
 def test_tensor_parallel_applied_after_a_call_is_refused_not_run_on_old_weights(ranks):
     for kind, message, _ in ranks(4).run(tensor_parallel_after_a_call):
         assert kind == "ValueError" and "DTensor" in message, message
+
+
+def a_dtensor_swapped_in_after_a_call():
+    """A parameter replaced by a DTensor by hand (no hooks, same shape): the cached graph
+    must not be reused."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
+    idx, targets = _batch()
+    ringified(idx, targets)
+    fc = model.blocks[0].fc
+    fc.weight = torch.nn.Parameter(distribute_tensor(fc.weight.detach(), mesh["dp"], [Replicate()]))
+    return outcome(lambda: ringified(idx, targets))
+
+
+def test_a_dtensor_swapped_in_after_a_call_is_refused(ranks):
+    for kind, message, _ in ranks(4).run(a_dtensor_swapped_in_after_a_call):
+        assert kind == "ValueError" and "DTensor" in message, message

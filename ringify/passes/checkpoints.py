@@ -79,7 +79,7 @@ class CheckpointRecorder:
     def _entered(self, module: nn.Module, args) -> None:
         frame = checkpoint_frame()
         self._running.append((module, frame))
-        if frame is None or not self._refused(frame) or self._owner(frame) is not None:
+        if frame is None or not self._keepable(frame) or self._owner(frame) is not None:
             return
         if id(module) in self._names and not any(f is frame for _, f in self._running[:-1]):
             self._record(frame, self._names[id(module)])  # the frame's outermost module
@@ -91,7 +91,7 @@ class CheckpointRecorder:
     def operation(self, func) -> None:
         """A torch function ran: refuse it if a checkpointed function runs it outside modules."""
         frame = checkpoint_frame()
-        if frame is None or not self._refused(frame) or self._owner(frame) is not None:
+        if frame is None or not self._keepable(frame) or self._owner(frame) is not None:
             return
         if not any(f is frame for _, f in self._running):
             self.error = (
@@ -102,7 +102,7 @@ class CheckpointRecorder:
                 "forward, a method of that module (checkpoint(self._forward, x, ...))."
             )
 
-    def _refused(self, frame) -> bool:
+    def _keepable(self, frame) -> bool:
         """Whether ``frame`` can be kept; if not, note why. (False once an error is noted.)"""
         if self.error is None and frame.f_locals.get("use_reentrant"):
             self.error = (
