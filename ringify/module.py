@@ -184,7 +184,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
     """
     traced, error = None, None
     try:
-        traced = trace(module.model, module.ringify_config, args, kwargs)
+        traced = trace(module.model, module.ringify_config, args, kwargs, outer=module)
     except Exception as e:
         error = e
     if module._ring.size == 1:

@@ -1,15 +1,23 @@
-"""Models parallelized inside before ringify sees them: what the trace cannot run.
+"""Models parallelized inside before ringify sees them: FSDP2 units kept, the rest refused.
 
-``torch.export`` cannot trace DTensor parameters (tensor parallelism, or FSDP2 units
-inside the model, whose parameters are sharded DTensors outside their forward), and an
-FSDP2 unit's hooks would run on the trace's fake tensors. Such a model is refused
-before the trace, naming the composition that works: FSDP2 around the ringified model
-as one unit. A parameter swapped for a DTensor after a trace makes the state's
-description change (``state_kind``), so the cached graph is traced again and refused,
-instead of running on the old parameters.
+Per-layer FSDP2 (``fully_shard`` on each block, then on the model or on the ringified
+module as the root) is kept. Its units' parameters are sharded DTensors between forwards, which
+``torch.export`` cannot trace, and its hooks would run on the trace's fake tensors. So
+while ringify traces (``unsharded_for_trace``), each unit's sharded parameters are seen
+as fake tensors of their full shape and FSDP's own forward hooks are set aside (the
+model's other hooks run); both are restored after. After the pass, each unit's span of
+the rewritten graph runs inside that unit's FSDP forward hooks (``passes/fsdp_units.py``).
+
+Refused, naming what composes: tensor parallelism (DTensor parameters outside FSDP),
+a unit grouping several modules, and FSDP mixed precision (its hooks cast inputs the trace never saw).
+A parameter swapped for a DTensor after a trace changes the state's description
+(``state_kind``), so the cached graph is traced again rather than run on old weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -17,9 +25,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 _WORKS = (
-    "What composes today: ringify first, then one FSDP2 unit around the ringified model "
-    '(fully_shard(ringify(model, ring_size=P, mesh=mesh["cp"]), mesh=mesh["dp"])), or '
-    'DDP over mesh["dp"]; tensor parallelism and per-layer fully_shard are not supported yet.'
+    "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "
+    'mesh=mesh["dp"]) for each block, then fully_shard(model) before ringify or '
+    "fully_shard(ringify(model, ...)) after), or DDP around the ringified module. Tensor "
+    "parallelism is not supported yet."
 )
 
 
@@ -28,26 +37,99 @@ def state_kind(t: torch.Tensor) -> str:
     return "DTensor" if isinstance(t, DTensor) else "Tensor"
 
 
-def check_not_parallelized(model: nn.Module) -> None:
-    """Raise if ``model`` holds FSDP2 units or DTensor parameters or buffers."""
-    units = [
-        name or type(model).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, FSDPModule)
-    ]
-    if units:
-        raise ValueError(
-            f"the model holds FSDP2 units ({', '.join(units[:3])}"
-            f"{', ...' if len(units) > 3 else ''}): fully_shard applied inside the model "
-            f"runs its hooks on ringify's trace and flattens away per-layer resharding. {_WORKS}"
-        )
+def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's FSDP2 units by path (``""``: the model itself), after refusing what
+    cannot be kept."""
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for name, unit in units.items():
+        state = unit._get_fsdp_state()
+        if len(state._modules) > 1:
+            raise ValueError(
+                f"{name} is part of an FSDP2 unit of {len(state._modules)} modules "
+                f"(fully_shard([...])): ringify keeps units of one module. {_WORKS}"
+            )
+        if state._mp_policy.param_dtype is not None:
+            raise ValueError(
+                f"the FSDP2 unit {name} has a MixedPrecisionPolicy with param_dtype="
+                f"{state._mp_policy.param_dtype}: its hooks cast the block's inputs, which "
+                "ringify's graph cannot follow. Cast the model (model.to(dtype)) or use "
+                "torch.autocast instead."
+            )
     dtensors = [
         name
         for name, t in [*model.named_parameters(), *model.named_buffers()]
-        if isinstance(t, DTensor)
+        if isinstance(t, DTensor) and not any(_under(name, unit) for unit in units)
     ]
     if dtensors:
         raise ValueError(
-            f"the model's {dtensors[0]} (and {len(dtensors) - 1} more) are DTensors "
-            f"(tensor parallelism, e.g. parallelize_module): ringify cannot trace them. {_WORKS}"
+            f"the model's {dtensors[0]} (and {len(dtensors) - 1} more) are DTensors outside "
+            f"FSDP2 (tensor parallelism, e.g. parallelize_module): ringify cannot trace them. "
+            f"{_WORKS}"
         )
+    return units
+
+
+def unit_parameters(model: nn.Module, units: dict, names: tuple[str, ...]) -> dict[str, list[str]]:
+    """Unit path -> the parameter names (of ``names``) its FSDP group owns: those under it
+    and under no deeper unit (path ``""``: the root, which holds every name). Buffers are
+    FSDP's to leave alone."""
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    owned: dict[str, list[str]] = {path: [] for path in units}
+    for name in (n for n in names if n in parameters):
+        holders = [path for path in units if _under(name, path)]
+        if holders:
+            owned[max(holders, key=len)].append(name)
+    return owned
+
+
+def averages_over_ring(unit: nn.Module, ring_ranks: list[int]) -> bool:
+    """Whether FSDP averages ``unit``'s gradients over groups that hold every rank of the
+    ring (FSDP over dp x cp), with its default divide factor. Then the average itself sums
+    the ring ranks' partial gradients (each scaled by the ring size), and the ring needs
+    no reduction of its own: gradients are reduced once, as torchtitan does."""
+    if not isinstance(unit, FSDPModule):
+        return False
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return bool(groups) and all(
+        group.gradient_divide_factor is None
+        and set(ring_ranks) <= set(group.mesh_info.mesh.mesh.flatten().tolist())
+        for group in groups
+    )
+
+
+def is_fsdp_hook(hook) -> bool:
+    """Whether a module hook is FSDP's own (it runs around the unit's region, not traced)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return isinstance(getattr(hook, "__self__", None), FSDPState)
+
+
+@contextmanager
+def unsharded_for_trace(units: dict[str, nn.Module], fake_mode) -> Iterator[None]:
+    """While tracing: each unit's DTensor parameters are fake tensors of their full shape,
+    and FSDP's forward hooks on the unit are set aside; all restored, in order, on exit."""
+    parameters, hooks = [], []
+    try:
+        for unit in units.values():
+            for module in unit.modules():
+                for name, p in list(module._parameters.items()):
+                    if isinstance(p, DTensor):
+                        parameters.append((module, name, p))
+                        with fake_mode:
+                            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        module._parameters[name] = nn.Parameter(full, p.requires_grad)
+            for table in (unit._forward_pre_hooks, unit._forward_hooks):
+                hooks.append((table, dict(table)))
+                for key in [k for k, hook in table.items() if is_fsdp_hook(hook)]:
+                    del table[key]
+        yield
+    finally:
+        for module, name, p in parameters:
+            module._parameters[name] = p
+        for table, kept in hooks:
+            table.clear()
+            table.update(kept)
+
+
+def _under(name: str, path: str) -> bool:
+    return path == "" or name.startswith(path + ".")

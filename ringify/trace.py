@@ -27,9 +27,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
-from ringify.parallelized import check_not_parallelized, state_kind
+from ringify.parallelized import (
+    averages_over_ring,
+    fsdp_units,
+    is_fsdp_hook,
+    state_kind,
+    unsharded_for_trace,
+)
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
+from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
@@ -95,18 +102,20 @@ def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
-def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
-    check_not_parallelized(model)
+def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | None = None) -> Traced:
+    """``model``'s graph for this call's signature, rewritten; ``outer`` is the module that
+    runs it (an FSDP2 root unit around it reduces the gradients of what it holds)."""
+    units = fsdp_units(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     dims, gathered = {}, {}
     if config.inputs == "sharded":
-        dims, gathered = _sharded_inputs(model, spec, flat, config)
+        dims, gathered = _sharded_inputs(model, units, spec, flat, config)
         scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
-        exported, checkpoints = _export(model, spec, _fakes(flat, scaled))
+        exported, checkpoints = _export(model, units, spec, flat, scaled)
     else:
-        exported, checkpoints = _export(model, spec, _fakes(flat, {}))
+        exported, checkpoints = _export(model, units, spec, flat, {})
     gm = _exported_module(exported)
     _warn_about_hooks(model)
     plan = plan_sequence(gm, config, dims or None, gathered)
@@ -120,7 +129,14 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
         dilation=config.dilation,
     )
     state_names = _lift_state(gm.graph, model)
-    report = dataclasses.replace(report, checkpointed=keep_checkpoints(gm, checkpoints))
+    checkpointed = keep_checkpoints(gm, checkpoints)
+    averaged = frozenset(
+        path
+        for path, unit in {"": outer, **units}.items()
+        if ring.size > 1 and averages_over_ring(unit, dist.get_process_group_ranks(ring.group))
+    )
+    state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, averaged, ring.size)
+    report = dataclasses.replace(report, checkpointed=checkpointed, fsdp_units=kept_units)
     module = fx.GraphModule(gm, gm.graph)
     for gather in report.gathers:
         log.warning(
@@ -144,7 +160,7 @@ def trace(model: nn.Module, config: Config, args, kwargs) -> Traced:
     )
 
 
-def _sharded_inputs(model: nn.Module, spec, flat: list, config: Config):
+def _sharded_inputs(model: nn.Module, units: dict, spec, flat: list, config: Config):
     """The inputs of ``inputs="sharded"`` mode that are this rank's part (see
     ``sharded_input_dims``). The global shapes are not known before they are: they are found
     on a trace at the local shapes. Where that trace fails because an input was passed
@@ -152,14 +168,14 @@ def _sharded_inputs(model: nn.Module, spec, flat: list, config: Config):
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = _exported_module(_export(model, spec, _fakes(flat, {}))[0])
+        structure = _exported_module(_export(model, units, spec, flat, {})[0])
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = _exported_module(_export(model, spec, _fakes(flat, full))[0])
+            structure = _exported_module(_export(model, units, spec, flat, full)[0])
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)
@@ -220,7 +236,10 @@ def _warn_about_hooks(model: nn.Module) -> None:
     hooked = [
         name or type(model).__name__
         for name, m in model.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks
+        if any(
+            not is_fsdp_hook(h)
+            for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+        )
     ]
     if hooked:
         log.warning(
@@ -233,9 +252,8 @@ def _warn_about_hooks(model: nn.Module) -> None:
         )
 
 
-def _fakes(flat: list, shapes: dict[int, list[int]]) -> list:
+def _fakes(flat: list, shapes: dict[int, list[int]], mode: FakeTensorMode) -> list:
     """Fake tensors like ``flat``'s; input ``i`` of shape ``shapes[i]`` where given."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
     for i, x in enumerate(flat):
         if not isinstance(x, torch.Tensor):
@@ -248,12 +266,14 @@ def _fakes(flat: list, shapes: dict[int, list[int]]) -> list:
     return fakes
 
 
-def _export(model: nn.Module, spec, flat: list):
-    """The exported program, and the checkpointed modules seen while it ran."""
-    args, kwargs = pytree.tree_unflatten(flat, spec)
+def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, list[int]]):
+    """The exported program on fake inputs like ``flat`` (input ``i`` of shape ``shapes[i]``
+    where given), and the checkpointed modules seen while it ran."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
     try:
-        with recorder:
+        with unsharded_for_trace(units, mode), recorder:
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         recorder.check()

@@ -1,7 +1,8 @@
 """FSDP2 and tensor parallelism with ringify on a (dp, cp) gloo mesh: one FSDP2 unit around
-the ringified model is exact; FSDP2 units or DTensor parameters inside the model are
-refused on every rank, naming what composes, also when they appear after a first call
-(which would otherwise run the cached graph on the old parameters)."""
+the ringified model is exact (per-layer units: test_fsdp.py); FSDP2 mixed precision and
+DTensor parameters outside FSDP (tensor parallelism) are refused on every rank, naming
+what composes, also when they appear after a first call (which would otherwise run the
+cached graph on the old parameters)."""
 
 from __future__ import annotations
 
@@ -49,23 +50,24 @@ def test_one_fsdp2_unit_around_the_ringified_model_is_exact(ranks):
         assert err <= 1e-10, err
 
 
-def fsdp_units_inside():
-    from torch.distributed.fsdp import fully_shard
+def fsdp_with_mixed_precision():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = _mesh()
     torch.manual_seed(0)
     model = NanoGPT().double()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    ringified = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
     idx, targets = _batch()
-    return outcome(lambda: ringify(model, ring_size=2, mesh=mesh["cp"])(idx, targets))
+    return outcome(lambda: ringified(idx, targets))
 
 
-def test_per_layer_fsdp2_inside_the_model_is_refused_on_every_rank(ranks):
-    for kind, message, _ in ranks(4).run(fsdp_units_inside):
-        assert kind == "ValueError" and "FSDP2 units" in message, message
-        assert "fully_shard(ringify(model" in message
+def test_fsdp2_mixed_precision_is_refused_on_every_rank(ranks):
+    for kind, message, _ in ranks(4).run(fsdp_with_mixed_precision):
+        assert kind == "ValueError" and "MixedPrecisionPolicy" in message, message
+        assert "blocks.0" in message
 
 
 def tensor_parallel_after_a_call():

@@ -181,7 +181,7 @@ def keep_checkpoints(gm: fx.GraphModule, regions: dict[str, CheckpointRegion]) -
             gm,
             span,
             f"checkpointed_{len(kept)}",
-            lambda g, r=region: Checkpointed(g, r.preserve_rng_state, r.context_fn),
+            lambda g, _, r=region: Checkpointed(g, r.preserve_rng_state, r.context_fn),
         )
         kept.append(path)
     gm.graph.lint()

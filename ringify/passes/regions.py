@@ -30,11 +30,16 @@ def module_span(graph: fx.Graph, path: str) -> list[fx.Node]:
 
 
 def outline(
-    gm: fx.GraphModule, span: list[fx.Node], name: str, wrap: Callable[[fx.GraphModule], nn.Module]
+    gm: fx.GraphModule,
+    span: list[fx.Node],
+    name: str,
+    wrap: Callable[[fx.GraphModule, list[fx.Node]], nn.Module],
 ) -> fx.Node:
-    """Move ``span`` into submodule ``name`` (``wrap`` of its graph module) and call it in
-    its place; the call node. The submodule takes the values the span reads from before it
-    and returns, as a tuple, those read after it."""
+    """Move ``span`` into submodule ``name`` (``wrap`` of its graph module and the nodes it
+    takes) and call it in its place; the call node. The submodule takes the values the span
+    reads from before it and returns, as a tuple, those read after it. The call counts as
+    made inside every module all of the span's nodes were made in, so that an enclosing
+    module's span still covers it."""
     inside = set(span)
     inputs: dict[fx.Node, None] = {}
     for node in span:
@@ -49,10 +54,11 @@ def outline(
     for node in span:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in outputs))
-    gm.add_submodule(name, wrap(fx.GraphModule(gm, graph, class_name=name)))
+    gm.add_submodule(name, wrap(fx.GraphModule(gm, graph, class_name=name), list(inputs)))
     with gm.graph.inserting_before(span[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         call.meta["val"] = tuple(n.meta.get("val") for n in outputs)
+        call.meta["nn_module_stack"] = _common_stack(span)
         for i, node in enumerate(outputs):
             got = gm.graph.call_function(operator.getitem, (call, i))
             got.meta = dict(node.meta)
@@ -60,3 +66,11 @@ def outline(
     for node in reversed(span):
         gm.graph.erase_node(node)
     return call
+
+
+def _common_stack(span: list[fx.Node]) -> dict:
+    """The ``nn_module_stack`` entries every node of ``span`` that has one shares."""
+    stacks = [n.meta["nn_module_stack"] for n in span if n.meta.get("nn_module_stack")]
+    if not stacks:
+        return {}
+    return {k: v for k, v in stacks[0].items() if all(s.get(k) == v for s in stacks[1:])}

@@ -83,6 +83,7 @@ class Report:
     attentions: tuple[ReportedAttention, ...]  # every attention of the graph, in order
     gathers: tuple[InsertedGather, ...]
     checkpointed: tuple[str, ...] = ()  # modules whose span runs under a checkpoint
+    fsdp_units: tuple[str, ...] = ()  # FSDP2 units whose span runs inside their hooks
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
@@ -95,6 +96,7 @@ class Report:
             + (f" (padded to {self.padded})" if self.padded != self.length else "")
             + (f", born inside the model at {', '.join(self.births)}" if self.births else "")
             + (f", checkpointed: {', '.join(self.checkpointed)}" if self.checkpointed else "")
+            + (f", FSDP2 units: {', '.join(self.fsdp_units)}" if self.fsdp_units else "")
         )
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"

@@ -8,6 +8,8 @@ pair Megatron calls f and g):
 - ``copy_to_ring``: a replicated tensor used by a sharded computation (a weight,
   a bias, a broadcast operand). Identity forward; the backward sums the partial
   gradients of all ranks.
+- ``copy_averaged_outside``: ``copy_to_ring`` for a weight whose gradient an outer
+  data-parallel average over a group that holds the whole ring reduces anyway.
 - ``reduce_from_ring``: a reduction over the sequence (a loss, a sum). Each rank
   reduces its positions, the forward sums over the ring; the backward hands every
   rank the (identical) incoming gradient.
@@ -48,6 +50,17 @@ class _CopyToRing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad, ctx.group_name), None
+
+
+class _CopyAveragedOutside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ring_size: int) -> torch.Tensor:
+        ctx.ring_size = ring_size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.ring_size, None
 
 
 class _ReduceFromRing(torch.autograd.Function):
@@ -155,6 +168,14 @@ def ring_take(
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """``x`` itself; its gradient is summed over the ring (each rank's is partial)."""
     return x if group_name == LOCAL else _CopyToRing.apply(x, group_name)
+
+
+def copy_averaged_outside(x: torch.Tensor, ring_size: int) -> torch.Tensor:
+    """``x`` itself; its gradient is this rank's partial gradient times ``ring_size``. For a
+    weight whose gradients an outer data-parallel average spans every rank of the ring
+    (FSDP over dp x cp): that average then sums the ring's partials, in the one reduction
+    the gradient needs."""
+    return _CopyAveragedOutside.apply(x, ring_size)
 
 
 def reduce_from_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -41,19 +41,26 @@ def measured_step(step, barrier: bool = True) -> tuple[float, int, object]:
 
 def saved_for_backward_bytes(step, leave_out=()) -> tuple[int, object]:
     """``(bytes, result)``: the storage autograd saves for the backward while ``step()``
-    runs (each storage once), leaving out the storages of ``leave_out`` (the parameters).
-    A checkpointed region's inner tensors are saved by the checkpoint, not here: only
-    what the checkpoint keeps (its inputs) is counted, as torch's own hooks see it."""
+    runs (each storage once), leaving out the storages of ``leave_out`` (the parameters;
+    a callable returning them is asked at each save, for FSDP, whose all-gathered
+    parameters exist only during their block). A checkpointed region's inner tensors are
+    saved by the checkpoint, not here: only what the checkpoint keeps (its inputs) is
+    counted, as torch's own hooks see it."""
     import torch
     from torch._subclasses.fake_tensor import is_fake
 
-    skip = {t.untyped_storage().data_ptr() for t in leave_out}
+    def storages(tensors) -> set[int]:
+        local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+        return {t.untyped_storage().data_ptr() for t in local}
+
+    fixed = None if callable(leave_out) else storages(leave_out)
     seen: dict[int, int] = {}
 
     def pack(t):
         if is_fake(t):  # a trace inside the step
             return t
         storage = t.untyped_storage()
+        skip = fixed if fixed is not None else storages(leave_out())
         if storage.data_ptr() not in skip and storage.device.type != "meta":
             seen[storage.data_ptr()] = storage.nbytes()
         return t

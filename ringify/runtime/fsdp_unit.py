@@ -1,0 +1,32 @@
+"""A region of the rewritten graph run inside an FSDP2 unit's forward, as the block it came
+from was in the unmodified model.
+
+The unit's own FSDP pre-forward all-gathers its parameters (and arms the
+post-backward reduce-scatter on the region's inputs); the region then reads them
+from the unit, and the post-forward reshards them (arming the pre-backward
+all-gather on the outputs). This is how torch's ``register_fsdp_forward_method``
+runs a method other than ``forward`` under FSDP.
+"""
+
+from __future__ import annotations
+
+from torch import fx, nn
+
+
+class FsdpUnitRegion(nn.Module):
+    """Runs ``region`` between ``unit``'s FSDP pre- and post-forward; ``parameters`` maps a
+    position of the region's inputs to the name of the unit parameter read there."""
+
+    def __init__(self, region: fx.GraphModule, unit: nn.Module, parameters: dict[int, str]):
+        super().__init__()
+        self.region = region
+        self.parameters_at = parameters
+        self.__dict__["unit"] = unit  # the user's module: used, not owned (not a submodule)
+
+    def forward(self, *args):
+        state = self.unit._get_fsdp_state()
+        args, _ = state._pre_forward(self.unit, args, {})
+        inputs = list(args)
+        for position, name in sorted(self.parameters_at.items()):
+            inputs.insert(position, self.unit.get_parameter(name))
+        return state._post_forward(self.unit, args, self.region(*inputs))

@@ -1,0 +1,114 @@
+"""Per-layer FSDP2 with ringify on a (dp, cp) = (2, 2) gloo mesh, HF Llama in float64: 3 AdamW
+steps against one process training on the global batch (every gradient and every weight).
+FSDP over dp, or over the flattened dp x cp (then gradients are reduced once, by FSDP);
+its root on the model before ringify or on the ringified module; with and without
+activation checkpointing. The rewritten graph runs each block inside its unit's FSDP
+hooks, so the blocks' parameters are sharded again after their forward."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from ringify import ringify
+from ringify.testing.hf_models import llama
+
+STEPS, BATCH, LENGTH, LAYERS = 3, 2, 16, 3
+
+
+def _batches():
+    """One batch per dp replica, and the global batch they make together."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (2 * BATCH, LENGTH), generator=g)
+    return ids.split(BATCH), ids
+
+
+def _model(checkpointing: bool):
+    torch.manual_seed(0)
+    model = llama(layers=LAYERS).double()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def _train(model, run, ids, full=lambda t: t):
+    """(each step's gradients, the weights after the last step) by parameter name."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = []
+    for _ in range(STEPS):
+        run(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: full(p.grad).clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _weight_copies(gm: torch.fx.GraphModule) -> Counter:
+    """How many times each kind of weight crossing runs, in the graph and its regions."""
+    from ringify.runtime.ring_reduce import copy_averaged_outside, copy_to_ring
+
+    kinds = {copy_to_ring: "reduced by the ring", copy_averaged_outside: "averaged outside"}
+    return Counter(
+        kinds[n.target]
+        for m in gm.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+        if n.target in kinds
+    )
+
+
+def per_layer_fsdp(over: str, root: str, checkpointing: bool):
+    """What one rank trains; how its graph runs the units and reduces the weights' gradients;
+    whether the blocks' parameters are sharded again between forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    shard_over = mesh["dp"] if over == "dp" else mesh["dp", "cp"]._flatten()
+    model = _model(checkpointing)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=shard_over)
+    if root == "model":
+        ringified = ringify(fully_shard(model, mesh=shard_over), ring_size=2, mesh=mesh["cp"])
+    else:
+        ringified = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=shard_over)
+    ids = _batches()[0][mesh["dp"].get_local_rank()]
+    out = ringified(input_ids=ids, labels=ids)
+    resharded = all(isinstance(p, DTensor) for p in model.model.layers.parameters())
+    out.loss.backward()
+    model.zero_grad()
+    grads, weights = _train(model, ringified, ids, full=lambda t: t.full_tensor())
+    report = ringified.report()
+    copies = _weight_copies(ringified._active.module)
+    return grads, weights, resharded, report.fsdp_units, report.checkpointed, copies
+
+
+@pytest.mark.parametrize("over", ["dp", "dp x cp"])
+@pytest.mark.parametrize("root", ["ringified", "model"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed"])
+def test_per_layer_fsdp2_trains_as_one_process_on_the_global_batch(
+    ranks, over, root, checkpointing
+):
+    model = _model(checkpointing)
+    want_grads, want_weights = _train(model, model, _batches()[1])
+    layers = tuple(f"model.layers.{i}" for i in range(LAYERS))
+    units = ("",) * (root == "model") + layers
+    weights_used = sum(1 for _ in model.parameters())
+    initial = dict(_model(False).named_parameters())
+    results = ranks(4).run(per_layer_fsdp, over, root, checkpointing)
+    for grads, weights, resharded, kept_units, kept_checkpoints, copies in results:
+        assert resharded
+        assert kept_units == units
+        assert kept_checkpoints == (layers if checkpointing else ())
+        # FSDP over dp x cp averages over the whole ring: the ring's own reduction is skipped
+        kind = "averaged outside" if over == "dp x cp" else "reduced by the ring"
+        assert copies == {kind: weights_used}, copies
+        for step, want in enumerate(want_grads):
+            for name in want:
+                torch.testing.assert_close(grads[step][name], want[name], rtol=1e-9, atol=1e-10)
+        for name, want in want_weights.items():
+            assert not torch.equal(want, initial[name]), name  # it trained
+            torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
