@@ -8,14 +8,17 @@ as fake tensors of their full shape and FSDP's own forward hooks are set aside (
 model's other hooks run); both are restored after. After the pass, each unit's span of
 the rewritten graph runs inside that unit's FSDP forward hooks (``passes/fsdp_units.py``).
 
-Refused, naming what composes: tensor parallelism (DTensor parameters outside FSDP),
-a unit grouping several modules, and FSDP mixed precision (its hooks cast inputs the trace never saw).
+FSDP mixed precision is kept (parameters all-gathered in ``param_dtype``, the blocks'
+inputs cast as FSDP casts them, gradients reduced in ``reduce_dtype``). Refused, naming
+what composes: tensor parallelism (DTensor parameters outside FSDP), a unit grouping
+several modules, and a policy's ``output_dtype``.
 A parameter swapped for a DTensor after a trace changes the state's description
 (``state_kind``), so the cached graph is traced again rather than run on old weights.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "
@@ -48,12 +52,12 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
                 f"{name} is part of an FSDP2 unit of {len(state._modules)} modules "
                 f"(fully_shard([...])): ringify keeps units of one module. {_WORKS}"
             )
-        if state._mp_policy.param_dtype is not None:
+        if state._mp_policy.output_dtype is not None:
             raise ValueError(
-                f"the FSDP2 unit {name} has a MixedPrecisionPolicy with param_dtype="
-                f"{state._mp_policy.param_dtype}: its hooks cast the block's inputs, which "
-                "ringify's graph cannot follow. Cast the model (model.to(dtype)) or use "
-                "torch.autocast instead."
+                f"the FSDP2 unit {name} has a MixedPrecisionPolicy with output_dtype="
+                f"{state._mp_policy.output_dtype}: ringify keeps param_dtype, reduce_dtype and "
+                "cast_forward_inputs, not a cast of the block's outputs. Leave output_dtype "
+                "unset (cast the model's output yourself)."
             )
     dtensors = [
         name
@@ -106,29 +110,48 @@ def is_fsdp_hook(hook) -> bool:
 
 @contextmanager
 def unsharded_for_trace(units: dict[str, nn.Module], fake_mode) -> Iterator[None]:
-    """While tracing: each unit's DTensor parameters are fake tensors of their full shape,
-    and FSDP's forward hooks on the unit are set aside; all restored, in order, on exit."""
-    parameters, hooks = [], []
+    """While tracing: each unit's DTensor parameters are fake tensors of their full shape (in
+    the dtype FSDP all-gathers them to), and FSDP's forward hooks on the unit are replaced
+    by what they do to values (mixed precision's cast of the block's inputs); all restored,
+    in order, on exit."""
+    parameters, hooks, added = [], [], []
     try:
         for unit in units.values():
+            policy = unit._get_fsdp_state()._mp_policy
             for module in unit.modules():
                 for name, p in list(module._parameters.items()):
                     if isinstance(p, DTensor):
                         parameters.append((module, name, p))
                         with fake_mode:
-                            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                            full = torch.empty(
+                                p.shape, dtype=policy.param_dtype or p.dtype, device=p.device
+                            )
                         module._parameters[name] = nn.Parameter(full, p.requires_grad)
             for table in (unit._forward_pre_hooks, unit._forward_hooks):
                 hooks.append((table, dict(table)))
                 for key in [k for k, hook in table.items() if is_fsdp_hook(hook)]:
                     del table[key]
+            if policy.param_dtype is not None and policy.cast_forward_inputs:
+                cast = functools.partial(_cast_inputs, policy.param_dtype)
+                added.append(unit.register_forward_pre_hook(cast, prepend=True, with_kwargs=True))
         yield
     finally:
+        for handle in added:
+            handle.remove()
         for module, name, p in parameters:
             module._parameters[name] = p
         for table, kept in hooks:
             table.clear()
             table.update(kept)
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):
+    """FSDP mixed precision's cast of a block's floating-point inputs, as the trace sees it."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def _under(name: str, path: str) -> bool:

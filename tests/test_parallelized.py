@@ -1,11 +1,12 @@
 """FSDP2 and tensor parallelism with ringify on a (dp, cp) gloo mesh: one FSDP2 unit around
-the ringified model is exact (per-layer units: test_fsdp.py); FSDP2 mixed precision and
+the ringified model is exact (per-layer units: test_fsdp.py); an FSDP2 output cast and
 DTensor parameters outside FSDP (tensor parallelism) are refused on every rank, naming
 what composes, also when they appear after a first call (which would otherwise run the
 cached graph on the old parameters)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringify import ringify
@@ -24,9 +25,10 @@ def _batch():
     return [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
 
 
-def one_fsdp_unit_around_the_ring():
+def one_fsdp_unit_around_the_ring(order: str):
     """Largest difference of logits and gradients from the unmodified model (every rank
-    on the same batch, so the dp average is that batch's gradient)."""
+    on the same batch, so the dp average is that batch's gradient); FSDP applied to the
+    ringified module, or to the model before ringify."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = _mesh()
@@ -38,15 +40,19 @@ def one_fsdp_unit_around_the_ring():
     want = [logits.detach(), *(p.grad for p in reference.parameters())]
     torch.manual_seed(0)
     model = NanoGPT().double()
-    sharded = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
+    if order == "ringify first":
+        sharded = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
+    else:
+        sharded = ringify(fully_shard(model, mesh=mesh["dp"]), ring_size=2, mesh=mesh["cp"])
     logits, loss = sharded(idx, targets)
     loss.backward()
     got = [logits.detach(), *(p.grad.full_tensor() for p in model.parameters())]
     return max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
 
 
-def test_one_fsdp2_unit_around_the_ringified_model_is_exact(ranks):
-    for err in ranks(4).run(one_fsdp_unit_around_the_ring):
+@pytest.mark.parametrize("order", ["ringify first", "fully_shard first"])
+def test_one_fsdp2_unit_around_the_ringified_model_is_exact(ranks, order):
+    for err in ranks(4).run(one_fsdp_unit_around_the_ring, order):
         assert err <= 1e-10, err
 
 
@@ -56,7 +62,7 @@ def fsdp_with_mixed_precision():
     mesh = _mesh()
     torch.manual_seed(0)
     model = NanoGPT().double()
-    policy = MixedPrecisionPolicy(param_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(output_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
     ringified = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
@@ -64,9 +70,9 @@ def fsdp_with_mixed_precision():
     return outcome(lambda: ringified(idx, targets))
 
 
-def test_fsdp2_mixed_precision_is_refused_on_every_rank(ranks):
+def test_fsdp2_output_dtype_is_refused_on_every_rank(ranks):
     for kind, message, _ in ranks(4).run(fsdp_with_mixed_precision):
-        assert kind == "ValueError" and "MixedPrecisionPolicy" in message, message
+        assert kind == "ValueError" and "output_dtype" in message, message
         assert "blocks.0" in message
 
 

@@ -10,6 +10,7 @@ runs a method other than ``forward`` under FSDP.
 
 from __future__ import annotations
 
+import torch
 from torch import fx, nn
 
 
@@ -25,7 +26,13 @@ class FsdpUnitRegion(nn.Module):
 
     def forward(self, *args):
         state = self.unit._get_fsdp_state()
-        args, _ = state._pre_forward(self.unit, args, {})
+        armed, _ = state._pre_forward(self.unit, args, {})
+        # Mixed precision casts every floating input; the graph already casts the block's
+        # own inputs (the trace saw the cast), and any other value keeps its traced dtype.
+        args = tuple(
+            a if isinstance(a, torch.Tensor) and a.dtype != b.dtype else b
+            for a, b in zip(args, armed, strict=True)
+        )
         inputs = list(args)
         for position, name in sorted(self.parameters_at.items()):
             inputs.insert(position, self.unit.get_parameter(name))

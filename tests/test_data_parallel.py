@@ -1,5 +1,6 @@
-"""Per-layer FSDP2 with ringify on a (dp, cp) = (2, 2) gloo mesh, HF Llama in float64: 3 AdamW
+"""Data parallelism with ringify on a (dp, cp) = (2, 2) gloo mesh, HF Llama in float64: 3 AdamW
 steps against one process training on the global batch (every gradient and every weight).
+DDP around the ringified model, over dp or over all ranks; and per-layer FSDP2:
 FSDP over dp, or over the flattened dp x cp (then gradients are reduced once, by FSDP);
 its root on the model before ringify or on the ringified module; with and without
 activation checkpointing. The rewritten graph runs each block inside its unit's FSDP
@@ -43,6 +44,29 @@ def _train(model, run, ids, full=lambda t: t):
         optimizer.step()
         optimizer.zero_grad()
     return grads, {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def ddp(over: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    group = mesh["dp"].get_group() if over == "dp" else None
+    model = _model(checkpointing=False)
+    run = DistributedDataParallel(ringify(model, ring_size=2, mesh=mesh["cp"]), process_group=group)
+    return _train(model, run, _batches()[0][mesh["dp"].get_local_rank()])
+
+
+@pytest.mark.parametrize("over", ["dp", "dp x cp"])
+def test_ddp_trains_as_one_process_on_the_global_batch(ranks, over):
+    model = _model(checkpointing=False)
+    want_grads, want_weights = _train(model, model, _batches()[1])
+    for grads, weights in ranks(4).run(ddp, over):
+        for step, want in enumerate(want_grads):
+            for name in want:
+                torch.testing.assert_close(grads[step][name], want[name], rtol=1e-9, atol=1e-10)
+        for name, want in want_weights.items():
+            torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
 
 
 def _weight_copies(gm: torch.fx.GraphModule) -> Counter:
@@ -112,3 +136,47 @@ def test_per_layer_fsdp2_trains_as_one_process_on_the_global_batch(
         for name, want in want_weights.items():
             assert not torch.equal(want, initial[name]), name  # it trained
             torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
+
+
+def mixed_precision():
+    """(largest relative difference from the unmodified model under the same FSDP2 recipe of
+    each step's gradients and of the weights after the steps, the dtypes the blocks'
+    matmuls run in)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    ids = _batches()[0][mesh["dp"].get_local_rank()]
+    runs = []
+    for ring in (False, True):
+        model = _model(checkpointing=True)
+        shard_over = mesh["dp", "cp"]._flatten() if ring else mesh["dp"]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=shard_over, mp_policy=policy)
+        run = ringify(model, ring_size=2, mesh=mesh["cp"]) if ring else model
+        run = fully_shard(run, mesh=shard_over, mp_policy=policy)
+        runs.append(_train(model, run, ids, full=lambda t: t.full_tensor()))
+    (want_grads, want_weights), (grads, weights) = runs
+    err = [
+        max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
+        for got, want in [*zip(grads, want_grads, strict=True), (weights, want_weights)]
+    ]
+    matmuls = {
+        str(n.meta["val"].dtype)
+        for m in run._active.module.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+        if n.target is torch.ops.aten.linear.default
+    }
+    return err, matmuls
+
+
+def test_per_layer_fsdp2_mixed_precision_runs_the_blocks_in_param_dtype(ranks):
+    """A float64 model, all-gathered to float32: the ringified model trains as the unmodified
+    model does under the same FSDP2 recipe, to float32 precision (first gradients; the
+    weights after 3 AdamW steps, which amplify it), with every matmul in float32."""
+    for err, matmuls in ranks(4).run(mixed_precision):
+        assert matmuls == {"torch.float32"}, matmuls
+        first_grads, *later = err  # Adam's steps scale float32's rounding up: later is looser
+        assert first_grads <= 1e-6 and max(later) <= 1e-4, err
