@@ -23,10 +23,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
+
+from ringify.runtime.ring import Ring
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "
@@ -73,32 +76,40 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
     return units
 
 
-def unit_parameters(model: nn.Module, units: dict, names: tuple[str, ...]) -> dict[str, list[str]]:
+def unit_parameters(
+    model: nn.Module, units: dict[str, nn.Module], names: tuple[str, ...]
+) -> dict[str, list[str]]:
     """Unit path -> the parameter names (of ``names``) its FSDP group owns: those under it
-    and under no deeper unit (path ``""``: the root, which holds every name). Buffers are
-    FSDP's to leave alone."""
+    and under no deeper unit; ``""`` (the model, or the root unit around the ringified
+    module) owns the rest. Buffers are FSDP's to leave alone."""
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    owned: dict[str, list[str]] = {path: [] for path in units}
+    owned: dict[str, list[str]] = {"": [], **{path: [] for path in units}}
     for name in (n for n in names if n in parameters):
-        holders = [path for path in units if _under(name, path)]
-        if holders:
-            owned[max(holders, key=len)].append(name)
+        owned[max((path for path in owned if _under(name, path)), key=len)].append(name)
     return owned
 
 
-def averages_over_ring(unit: nn.Module, ring_ranks: list[int]) -> bool:
-    """Whether FSDP averages ``unit``'s gradients over groups that hold every rank of the
-    ring (FSDP over dp x cp), with its default divide factor. Then the average itself sums
-    the ring ranks' partial gradients (each scaled by the ring size), and the ring needs
-    no reduction of its own: gradients are reduced once, as torchtitan does."""
-    if not isinstance(unit, FSDPModule):
-        return False
-    groups = unit._get_fsdp_state()._fsdp_param_groups
-    return bool(groups) and all(
-        group.gradient_divide_factor is None
-        and set(ring_ranks) <= set(group.mesh_info.mesh.mesh.flatten().tolist())
-        for group in groups
-    )
+def units_averaging_over_ring(
+    units: dict[str, nn.Module], outer: nn.Module | None, ring: Ring
+) -> frozenset[str]:
+    """The units (``""``: the model's, or else ``outer``'s, the root unit around the
+    ringified module) whose FSDP averages gradients over groups that hold every rank of
+    the ring (FSDP over dp x cp), with its default divide factor. That average itself sums
+    the ring ranks' partial gradients (each scaled by the ring size), so the ring needs no
+    reduction of its own: gradients are reduced once, as torchtitan does."""
+    if ring.size == 1:
+        return frozenset()
+    ring_ranks = set(dist.get_process_group_ranks(ring.group))
+
+    def averages(unit) -> bool:
+        groups = unit._get_fsdp_state()._fsdp_param_groups if isinstance(unit, FSDPModule) else ()
+        return bool(groups) and all(
+            group.gradient_divide_factor is None
+            and ring_ranks <= set(group.mesh_info.mesh.mesh.flatten().tolist())
+            for group in groups
+        )
+
+    return frozenset(path for path, unit in {"": outer, **units}.items() if averages(unit))
 
 
 def is_fsdp_hook(hook) -> bool:

@@ -28,10 +28,10 @@ from torch.utils import _pytree as pytree
 
 from ringify.config import Config
 from ringify.parallelized import (
-    averages_over_ring,
     fsdp_units,
     is_fsdp_hook,
     state_kind,
+    units_averaging_over_ring,
     unsharded_for_trace,
 )
 from ringify.passes.attention import find_attention
@@ -130,11 +130,7 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
     )
     state_names = _lift_state(gm.graph, model)
     checkpointed = keep_checkpoints(gm, checkpoints)
-    averaged = frozenset(
-        path
-        for path, unit in {"": outer, **units}.items()
-        if ring.size > 1 and averages_over_ring(unit, dist.get_process_group_ranks(ring.group))
-    )
+    averaged = units_averaging_over_ring(units, outer, ring)
     state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, averaged, ring.size)
     report = dataclasses.replace(report, checkpointed=checkpointed, fsdp_units=kept_units)
     module = fx.GraphModule(gm, gm.graph)

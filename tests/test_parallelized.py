@@ -76,17 +76,23 @@ def test_fsdp2_output_dtype_is_refused_on_every_rank(ranks):
         assert "blocks.0" in message
 
 
-def tensor_parallel_after_a_call():
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
+def _called_once():
+    """(mesh, model, its ringified module, a call's inputs), after a first call."""
     mesh = _mesh()
     torch.manual_seed(0)
     model = NanoGPT().double()
     ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
-    idx, targets = _batch()
-    ringified(idx, targets)
+    inputs = _batch()
+    ringified(*inputs)
+    return mesh, model, ringified, inputs
+
+
+def tensor_parallel_after_a_call():
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh, model, ringified, inputs = _called_once()
     parallelize_module(model.blocks[0], mesh["dp"], {"fc": ColwiseParallel()})
-    return outcome(lambda: ringified(idx, targets))
+    return outcome(lambda: ringified(*inputs))
 
 
 def test_tensor_parallel_applied_after_a_call_is_refused_not_run_on_old_weights(ranks):
@@ -99,15 +105,10 @@ def a_dtensor_swapped_in_after_a_call():
     must not be reused."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    mesh = _mesh()
-    torch.manual_seed(0)
-    model = NanoGPT().double()
-    ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
-    idx, targets = _batch()
-    ringified(idx, targets)
+    mesh, model, ringified, inputs = _called_once()
     fc = model.blocks[0].fc
     fc.weight = torch.nn.Parameter(distribute_tensor(fc.weight.detach(), mesh["dp"], [Replicate()]))
-    return outcome(lambda: ringified(idx, targets))
+    return outcome(lambda: ringified(*inputs))
 
 
 def test_a_dtensor_swapped_in_after_a_call_is_refused(ranks):

@@ -33,9 +33,9 @@ def keep_fsdp_units(
     around the ringified model) skip the ring's own gradient reduction."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     read = dict(zip(state_names, placeholders, strict=False))
-    owned = unit_parameters(model, {"": None, **units}, state_names)
+    owned = unit_parameters(model, units, state_names)
     for path in averaged:
-        for name in owned.get(path, ()):
+        for name in owned[path]:
             for user in [u for u in read[name].users if u.target is copy_to_ring]:
                 user.target, user.args = copy_averaged_outside, (read[name], ring_size)
     if not units:

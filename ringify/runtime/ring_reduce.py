@@ -42,25 +42,19 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 class _CopyToRing(torch.autograd.Function):
+    """Identity; the backward sums the ring's partial gradients (``group_name``), or scales
+    them by ``averaged_outside`` (the ring size) for an outer average to sum."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
+    def forward(ctx, x: torch.Tensor, group_name: str, averaged_outside: int | None):
+        ctx.group_name, ctx.averaged_outside = group_name, averaged_outside
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad, ctx.group_name), None
-
-
-class _CopyAveragedOutside(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ring_size: int) -> torch.Tensor:
-        ctx.ring_size = ring_size
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.ring_size, None
+        if ctx.averaged_outside is not None:
+            return grad * ctx.averaged_outside, None, None
+        return all_reduce(grad, ctx.group_name), None, None
 
 
 class _ReduceFromRing(torch.autograd.Function):
@@ -167,7 +161,7 @@ def ring_take(
 
 def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """``x`` itself; its gradient is summed over the ring (each rank's is partial)."""
-    return x if group_name == LOCAL else _CopyToRing.apply(x, group_name)
+    return x if group_name == LOCAL else _CopyToRing.apply(x, group_name, None)
 
 
 def copy_averaged_outside(x: torch.Tensor, ring_size: int) -> torch.Tensor:
@@ -175,7 +169,7 @@ def copy_averaged_outside(x: torch.Tensor, ring_size: int) -> torch.Tensor:
     weight whose gradients an outer data-parallel average spans every rank of the ring
     (FSDP over dp x cp): that average then sums the ring's partials, in the one reduction
     the gradient needs."""
-    return _CopyAveragedOutside.apply(x, ring_size)
+    return _CopyToRing.apply(x, LOCAL, ring_size)
 
 
 def reduce_from_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
