@@ -1,17 +1,26 @@
-"""How evenly packed documents of uneven length spread attention work over a ring.
+"""How evenly packed documents of uneven length spread attention work over a ring, with and
+without the ring op's load balancing (``ringify/runtime/balance.py``).
 
     python benchmarks/packed_balance.py --seq 131072 --rings 2 4 8
+    python benchmarks/packed_balance.py --seq 32768 --rings 2 --time
 
 Under a causal mask that restarts at every document, a rank's work is what its query
 rows see. Zigzag balances one document exactly; packed documents of uneven length
 need not be. For each document mix and ring size this prints, as max / mean over the
 ranks (1.0 = balanced):
-- ``ideal``: visible (query, key) pairs per rank, the work of an exact kernel;
-- ``op``: the area of the kernel calls the ring op makes (its blocks that are not
-  skipped, a causal block counting half), read from the op's own tile masks;
+- ``ideal``: visible (query, key) pairs per rank under zigzag, the work of an exact kernel;
+- ``op``: the area of the kernel calls the ring op makes under zigzag (its blocks that
+  are not skipped, a causal block counting half), read from the op's own tile masks;
+- ``op balanced``: the same on the plan the op runs on (``balanced_tiling``);
 - ``per-doc``: visible pairs if every document were cut into 2P pieces, rank r taking
-  pieces r and 2P-1-r (torch's ``_PerDocumentHeadTailLoadBalancer``).
+  pieces r and 2P-1-r (torch's ``_PerDocumentHeadTailLoadBalancer``);
+- ``modelled``: the op's time model (``ring_time``: a rank starts a step once its
+  neighbours have started the one before) over the ideal (all work / P), zigzag ->
+  balanced.
 No communication: the tile masks are the same on every rank, so one process plays all.
+With ``--time`` it also runs the ring op (forward + backward, float32, 4 heads, 2 k/v
+heads, head dim 64) on gloo ranks, balanced and not, interleaved, and reports the
+slowest rank's best time of each and the bytes each rank sent (rows moved included).
 """
 
 from __future__ import annotations
@@ -22,21 +31,16 @@ import sys
 import torch
 from tabulate import tabulate
 
+from ringify.runtime.balance import all_tiles, balanced_tiling, ring_time, tile_costs
 from ringify.runtime.layout import padded_length, rank_chunks
-from ringify.runtime.mask_program import MaskProgram
 from ringify.runtime.schedule import shard_tiles
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
 from ringify.runtime.tiles import Visibility, sub_ring_tiles
+from ringify.testing import RankPool
+from ringify.testing.attention import document_causal_program, document_ids
 
 # document ids equal, key at or before query: HF's packed-sequence mask
-_DOCUMENT_CAUSAL = MaskProgram(
-    ("q", "k"),
-    (
-        ("eq.Tensor", ({"in": 0}, {"in": 1}), "bool"),
-        ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
-        ("__and__.Tensor", ({"op": 0}, {"op": 1}), "bool"),
-    ),
-).text()
+_DOCUMENT_CAUSAL = document_causal_program()
 
 
 def document_mixes(seq: int) -> dict[str, list[int]]:
@@ -78,17 +82,25 @@ def per_document(lengths: list[int], ring: int) -> list[float]:
     return work
 
 
-def op_area(lengths: list[int], ring: int) -> list[float]:
-    """The area of the ring op's kernel calls per rank, from its tile masks."""
+def _tilings(lengths: list[int], ring: int):
+    """(program inputs, zigzag tiling, the op's balanced tiling or zigzag's if kept)."""
     seq = sum(lengths)
-    docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    docs = document_ids(lengths)
     inputs = [docs.view(-1, 1), docs.view(1, -1)]
     rows = padded_length(seq, ring, "zigzag") // ring
     per_chunk = program_tiles_per_chunk(_DOCUMENT_CAUSAL, inputs, rows, ring, "zigzag")
 
-    def tiling(rank: int):
+    def home(rank: int):
         return shard_tiles(rank, ring, rows, "zigzag", True, per_chunk)
 
+    return inputs, home, balanced_tiling(home, ring, _DOCUMENT_CAUSAL, inputs, seq) or home
+
+
+def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
+    """The area of the ring op's kernel calls per rank, from its tile masks."""
+    seq = sum(lengths)
+    inputs, home, work = _tilings(lengths, ring)
+    tiling = work if balanced else home
     masks = TileMasks(tiling, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
     work = []
     for rank in range(ring):
@@ -103,22 +115,93 @@ def op_area(lengths: list[int], ring: int) -> list[float]:
     return work
 
 
+def modelled(lengths: list[int], ring: int) -> str:
+    """The op's modelled ring time over the ideal, zigzag -> balanced."""
+    inputs, home, work = _tilings(lengths, ring)
+    tiles = all_tiles(home, ring)
+    costs = tile_costs(tiles, _DOCUMENT_CAUSAL, inputs, sum(lengths))
+    index = {t.key: i for i, t in enumerate(tiles)}
+    sub_rings = torch.tensor([t.sub_ring for t in tiles])
+    ideal = float(costs.sum()) / ring
+    times = []
+    for tiling in (home, work):
+        owners = torch.zeros(len(tiles), dtype=torch.long)
+        for r in range(ring):
+            for t in tiling(r):
+                owners[index[t.key]] = r
+        times.append(ring_time(costs, owners, sub_rings, ring) / ideal)
+    return f"{times[0]:.3f} -> {times[1]:.3f}"
+
+
+def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
+    """On every rank: one forward + backward of the ring op; (seconds, bytes sent)."""
+    import time
+
+    import torch.distributed as dist
+
+    from ringify.runtime import shard
+    from ringify.runtime.p2p import sent_bytes
+
+    seq = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, seq, 64, generator=g) for h in (4, 2, 2, 4))
+    q, k, v, dout = (
+        shard(t, 2, layout="zigzag").contiguous().requires_grad_(t is not dout)
+        for t in (q, k, v, dout)
+    )
+    docs = document_ids(lengths)
+    inputs = [docs.view(-1, 1), docs.view(1, -1)]
+    name = dist.group.WORLD.group_name
+    args = (None, False, 0.125, name, "zigzag", seq, _DOCUMENT_CAUSAL, inputs, 0, balance)
+    dist.barrier()
+    before, start = sent_bytes(), time.perf_counter()
+    out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+    out.backward(dout)
+    dist.barrier()
+    return time.perf_counter() - start, sent_bytes() - before
+
+
+def time_row(pool: RankPool, lengths: list[int], repeats: int) -> dict:
+    best = {True: float("inf"), False: float("inf")}
+    sent = {}
+    for _ in range(repeats):  # interleaved, so that both see the same machine
+        for balance in (False, True):
+            results = pool.run(timed, lengths, balance, timeout=1800)
+            best[balance] = min(best[balance], max(t for t, _ in results))
+            sent[balance] = max(b for _, b in results)
+    return {
+        "zigzag s": round(best[False], 2),
+        "balanced s": round(best[True], 2),
+        "balanced / zigzag": round(best[True] / best[False], 3),
+        "sent MiB zigzag / balanced": f"{sent[False] / 2**20:.0f} / {sent[True] / 2**20:.0f}",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--time", action="store_true", help="also time the op on gloo ranks")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rows = []
-    for name, lengths in document_mixes(args.seq).items():
-        for ring in args.rings:
+    for ring in args.rings:
+        pool = RankPool(ring) if args.time else None
+        for name, lengths in document_mixes(args.seq).items():
             rows.append({
                 "documents": name,
                 "P": ring,
-                "ideal (max / mean)": _imbalance(ideal(lengths, ring)),
-                "op (max / mean)": _imbalance(op_area(lengths, ring)),
-                "per-doc (max / mean)": _imbalance(per_document(lengths, ring)),
+                "ideal": _imbalance(ideal(lengths, ring)),
+                "op": _imbalance(op_area(lengths, ring, balanced=False)),
+                "op balanced": _imbalance(op_area(lengths, ring, balanced=True)),
+                "per-doc": _imbalance(per_document(lengths, ring)),
+                "modelled / ideal": modelled(lengths, ring),
             })  # fmt: skip
+            if pool is not None:
+                rows[-1].update(time_row(pool, lengths, args.repeats))
             print(rows[-1], flush=True)
+        if pool is not None:
+            pool.close()
     print(f"Command: python {' '.join(sys.argv)}")
     print(tabulate(rows, headers="keys", tablefmt="github"))
 

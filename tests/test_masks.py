@@ -23,6 +23,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     import torch.distributed as dist
 
     from ringify import ringify
+    from ringify.runtime.balance import plan_counts, reset_plan_counts
     from ringify.testing import hf_models
     from ringify.testing.graphs import quadratic_nodes
 
@@ -51,6 +52,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     model.zero_grad(set_to_none=True)
     ringified = ringify(model, ring_size=dist.get_world_size())
     run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
+    reset_plan_counts()
     got = run(**kwargs)
     got.loss.backward()
     report = ringified.report()
@@ -62,6 +64,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
         "masks": [a.mask for a in report.rewritten],
         "gathers": len(report.gathers),
         "quadratic": quadratic_nodes(ringified, seq),
+        "plans": plan_counts(),
     }
 
 
@@ -76,13 +79,19 @@ def check(results, attentions=2):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", ["plain", "right", "left", "packed"])
 def test_llama_masks_are_programs(ranks, world, case):
-    check(ranks(world).run(hf_case, "llama", case, world))
+    results = ranks(world).run(hf_case, "llama", case, world)
+    check(results)
+    if case == "packed":  # uneven documents: every ring call (2 layers, fwd + bwd) balanced
+        assert all(r["plans"] == {"balanced": 4, "kept": 0} for r in results), results
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", ["left", "packed"])
 def test_llama_masks_are_programs_compiled(ranks, world, case):
-    check(ranks(world).run(hf_case, "llama", case, world, True))
+    results = ranks(world).run(hf_case, "llama", case, world, True)
+    check(results)
+    if case == "packed":
+        assert all(r["plans"]["balanced"] == 4 for r in results), results
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,12 +24,17 @@ kernel while the next tiles are already in flight, and merges the results into
 float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home.
+Under a mask program whose work zigzag leaves unequal (packed documents of uneven
+length), both run on a balanced plan (``balance.py``): tiles change rank, q/k/v
+rows move there first and the results move back; ``balance=False`` keeps the shard's
+own tiling.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ringify.runtime.balance import balanced_tiling, move_tiles
 from ringify.runtime.block_attention import (
     accumulation_dtype,
     bias_backward,
@@ -50,19 +55,27 @@ from ringify.runtime.tiles import Visibility
 _DKV_TAG = 1
 
 
-def _tile_masks(ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk):
-    """``(rank -> that rank's tiles, TileMasks)`` for this call (the same on every rank)."""
+def _tile_masks(
+    ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance
+):
+    """``(home, work, TileMasks)`` for this call (the same on every rank): ``home(rank)``
+    is how that rank's shard is tiled; ``work`` the balanced tiling the ring runs on
+    (``balance.py``), or None to run on ``home``."""
     rows = q.shape[2]
     masked = attn_mask is not None or bool(program)
     positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
     if program and not per_chunk:
         per_chunk = program_tiles_per_chunk(program, inputs, rows, ring.size, layout)
 
-    def tiling(rank: int):
+    def home(rank: int):
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
 
+    work = None
+    if balance and program and attn_mask is None and ring.size > 1:
+        work = balanced_tiling(home, ring.size, program, inputs, key_len)
+    tiling = work or home
     masks = TileMasks(tiling, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
-    return tiling, masks
+    return home, work, masks
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -79,6 +92,7 @@ def ring_attention_op(
     mask_program: str,
     mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
+    balance: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
@@ -87,9 +101,14 @@ def ring_attention_op(
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
 
-    tiling, masks = _tile_masks(
-        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk
-    )
+    home, work, masks = _tile_masks(
+        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
+        tiles_per_chunk, balance,
+    )  # fmt: skip
+    q_home = q
+    if work is not None:
+        q, k, v = move_tiles(ring, [q, k, v], home, work)
+    tiling = work or home
     mine = tiling(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -106,13 +125,16 @@ def ring_attention_op(
                 scale=scale, bias=b.bias,
             )  # fmt: skip
             merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
-    return in_dim_order_of(q, out_acc.to(q.dtype)), lse_acc
+    out = out_acc.to(q.dtype)
+    if work is not None:
+        out, lse_acc = move_tiles(ring, [out, lse_acc], work, home)
+    return in_dim_order_of(q_home, out), lse_acc
 
 
 @ring_attention_op.register_fake
 def _(
     q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, mask_program,
-    mask_inputs, tiles_per_chunk=0,
+    mask_inputs, tiles_per_chunk=0, balance=True,
 ):  # fmt: skip
     return empty_attention_outputs(q)
 
@@ -136,6 +158,7 @@ def ring_attention_backward_op(
     tiles_per_chunk: int = 0,
     mask_grad: bool = False,
     input_grads: list[bool] | None = None,
+    balance: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, d attn_mask, d mask_inputs): d attn_mask is empty unless ``mask_grad``
     (a learned bias); ``d mask_inputs[i]`` unless ``input_grads[i]`` (a learned program)."""
@@ -150,9 +173,13 @@ def ring_attention_backward_op(
         return *grads, no_mask_grad, []
 
     acc = accumulation_dtype(q.dtype)
-    tiling, masks = _tile_masks(
-        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk
-    )
+    home, work, masks = _tile_masks(
+        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
+        tiles_per_chunk, balance,
+    )  # fmt: skip
+    if work is not None:
+        grad_out, q, k, v, out, lse = move_tiles(ring, [grad_out, q, k, v, out, lse], home, work)
+    tiling = work or home
     mine = tiling(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
@@ -205,7 +232,10 @@ def ring_attention_backward_op(
         q.new_empty(0) if d is None else d.to(x.dtype)  # outputs never alias each other
         for d, x in zip(dinputs, mask_inputs, strict=True)
     ]
-    return dq_acc.to(q.dtype), dk, dv, dmask, dinputs
+    dq = dq_acc.to(q.dtype)
+    if work is not None:
+        dq, dk, dv = move_tiles(ring, [dq, dk, dv], work, home)
+    return dq, dk, dv, dmask, dinputs
 
 
 def _store_home(own, totals, dk, dv) -> None:
@@ -266,7 +296,7 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, 
 @ring_attention_backward_op.register_fake
 def _(
     grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
-    mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None,
+    mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None, balance=True,
 ):  # fmt: skip
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
@@ -283,6 +313,7 @@ def _setup_context(ctx, inputs, output):
     ctx.flags = inputs[4:9]  # is_causal, scale, group_name, layout, key_len
     ctx.program, mask_inputs = inputs[9:11]
     ctx.tiles = inputs[11] if len(inputs) > 11 else 0
+    ctx.balance = inputs[12] if len(inputs) > 12 else True
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, *mask_inputs)
@@ -294,7 +325,7 @@ def _backward(ctx, grad_out, _grad_lse):
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs = ring_attention_backward_op(
         grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
-        mask_grad=mask_grad, input_grads=ctx.input_grads,
+        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance,
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
     grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)

@@ -70,7 +70,7 @@ class TileMasks:
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
         if self.program is not None:
-            hidden, self._full = _settled(self.program, self.inputs, tiles, tiles, key_len)
+            hidden, self._full = settled_pairs(self.program, self.inputs, tiles, tiles, key_len)
             self._maybe &= ~hidden
             self._full = self._full.tolist()
         self._maybe_list = self._maybe.tolist()
@@ -86,7 +86,7 @@ class TileMasks:
 
     def keys(self, k_tile: Tile) -> int:
         """How many leading rows of ``k_tile`` are real keys (the rest are padding)."""
-        return min(_rows(k_tile), self.key_len - k_tile.start)
+        return min(k_tile.length, self.key_len - k_tile.start)
 
     def last_steps(self, sub_ring: int) -> list[int]:
         """For each rank, the last ring step at which some rank sees its key tiles of
@@ -140,7 +140,7 @@ class TileMasks:
                 if count:
                     _counts[seen] += 1
                 if seen is not Visibility.HIDDEN:
-                    at = (_positions(q_tile, _rows(q_tile)), _positions(k_tile, keys))
+                    at = (_positions(q_tile, q_tile.length), _positions(k_tile, keys))
                     yield Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype, biased):
@@ -161,21 +161,21 @@ class TileMasks:
         """Every ``Block`` of an open pair."""
         step = MIN_TILE_ROWS
         q_blocks = [
-            Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, _rows(q_tile))),
+            Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, q_tile.length)),
                  (0, 0), q_tile.start + a)
-            for a in range(0, _rows(q_tile), step)
+            for a in range(0, q_tile.length, step)
         ]  # fmt: skip
         k_blocks = [
             Tile(slice(b, min(b + step, keys)), (0, 0), k_tile.start + b)
             for b in range(0, keys, step)
         ]
-        hidden, full = _settled(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
+        hidden, full = settled_pairs(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
         if biased:
             full.zero_()
         hidden, full = hidden.tolist(), full.tolist()
         for a, qb in enumerate(q_blocks):
             for b, kb in enumerate(k_blocks):
-                at = (_positions(qb, _rows(qb)), _positions(kb, _rows(kb)))
+                at = (_positions(qb, qb.length), _positions(kb, kb.length))
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
                     yield Block(held, qb.rows, kb.rows, seen, None, at)
@@ -211,13 +211,13 @@ def _classify(mask: torch.Tensor, acc: torch.dtype, biased: bool):
     return Visibility.MASKED, additive_mask(mask, acc)
 
 
-def _settled(program, inputs, q_tiles, k_tiles, key_len):
+def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):
     """(surely hidden, surely fully visible): (n, m) bool tensors over the tile pairs."""
     q_starts = [t.start for t in q_tiles]
-    q_stops = [t.start + _rows(t) for t in q_tiles]
+    q_stops = [t.start + t.length for t in q_tiles]
     k_starts = [t.start for t in k_tiles]
     # padding keys are cut off before the mask is read; a tile of padding keeps one row
-    k_stops = [max(t.start + 1, min(t.start + _rows(t), key_len)) for t in k_tiles]
+    k_stops = [max(t.start + 1, min(t.start + t.length, key_len)) for t in k_tiles]
     bounds = []
     for x, role in zip(inputs, program.roles, strict=True):
         starts, stops = (q_starts, q_stops) if role == "q" else (k_starts, k_stops)
@@ -239,7 +239,7 @@ def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, lay
     block = min(MIN_TILE_ROWS, chunk)
     total = rows * ring_size
     grid = [Tile(slice(a, min(a + block, total)), (a, 0), a) for a in range(0, total, block)]
-    hidden, _ = _settled(parse(program), [x.detach() for x in inputs], grid, grid, total)
+    hidden, _ = settled_pairs(parse(program), [x.detach() for x in inputs], grid, grid, total)
     span = int((~hidden).sum(1).max()) * block
     if span * default >= chunk:
         return default
@@ -248,7 +248,3 @@ def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, lay
 
 def _positions(tile: Tile, rows: int) -> slice:
     return slice(tile.start, tile.start + rows)
-
-
-def _rows(tile: Tile) -> int:
-    return tile.rows.stop - tile.rows.start

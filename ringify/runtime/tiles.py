@@ -47,6 +47,10 @@ class Tile:
     def sub_ring(self) -> int:
         return self.key[1]
 
+    @property
+    def length(self) -> int:
+        return self.rows.stop - self.rows.start
+
 
 def tiles_per_chunk(rows: int, layout: str) -> int:
     """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into."""

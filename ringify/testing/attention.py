@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
+from ringify.runtime.mask_program import MaskProgram
 
 
 def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
@@ -53,3 +54,24 @@ def reference(q, k, v, dout, kwargs):
 
 def relative_error(x, truth):
     return ((x.double() - truth).norm() / truth.norm()).item()
+
+
+def document_causal_program(learned: bool = False) -> str:
+    """HF's packed-sequence mask as a program: document ids equal (inputs 0 and 1: the
+    ids along queries and along keys), key at or before query. ``learned``: an additive
+    float mask instead, the visible keys biased by a per-key float input 2."""
+    code = [
+        ("eq.Tensor", ({"in": 0}, {"in": 1}), "bool"),
+        ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
+        ("__and__.Tensor", ({"op": 0}, {"op": 1}), "bool"),
+    ]
+    roles = ("q", "k")
+    if learned:
+        code.append(("where.ScalarOther", ({"op": 2}, {"in": 2}, float("-inf")), "float64"))
+        roles += ("k",)
+    return MaskProgram(roles, tuple(code)).text()
+
+
+def document_ids(lengths: list[int]) -> torch.Tensor:
+    """(S,) the document of each position, documents of ``lengths`` packed in order."""
+    return torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])

@@ -1,0 +1,218 @@
+"""Load balancing of one ring call: which of the sequence's tiles each rank works on.
+
+Zigzag gives every rank the same causal work for one document. Under a mask program
+that is not (packed documents of uneven length, padding, a window), the ranks' work
+can differ by 1.2-1.9x (``benchmarks/packed_balance.py``). torch's per-document
+head-tail balancer permutes the whole sequence so that each document is cut into 2P
+pieces; every position-dependent op of the graph must then follow that permutation.
+Here the ring op balances its own work instead, inside the call, so nothing outside
+it changes:
+
+- ``tile_costs``: the kernel area of every (query tile, key tile) pair, bounded from
+  the program on a grid of blocks (a surely hidden block costs nothing);
+- ``balanced_tiling``: tiles of one sub-ring swapped between the busiest and the least
+  busy rank while that helps (each rank keeps its number of tiles per sub-ring, so
+  every buffer keeps its shape; few swaps, few rows moved), or, if clearly better, all
+  tiles dealt anew longest processing time first; kept only if the modelled ring
+  time (``ring_time``) drops by ``MIN_GAIN``;
+- ``move_tiles``: the rows of q, k, v (and back: out, lse, gradients) between the
+  ranks' own layout and the balanced one, only for tiles that change rank.
+
+Every rank computes the same plan from the same replicated program inputs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ringify.runtime.mask_program import parse
+from ringify.runtime.p2p import buffers_like, start_exchange
+from ringify.runtime.ring import Ring
+from ringify.runtime.tile_masks import settled_pairs
+from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+
+# A balanced plan moves rows between ranks (bytes, and a copy of each buffer): keep it
+# only when it shortens the modelled ring time by at least this fraction.
+MIN_GAIN = 0.05
+# Blocks the cost grid is cut into at most (its bounds are blocks x blocks).
+MAX_COST_BLOCKS = 512
+_MOVE_TAG = 2
+
+Tiling = Callable[[int], list[Tile]]
+
+_plans: Counter = Counter()  # calls of this process that were balanced, and that were not
+
+
+def plan_counts() -> dict[str, int]:
+    """How many ring calls (forward and backward) of this process ran on a balanced plan
+    and how many kept their own tiling, since the last ``reset_plan_counts``."""
+    return {"balanced": _plans["balanced"], "kept": _plans["kept"]}
+
+
+def reset_plan_counts() -> None:
+    _plans.clear()
+
+
+def all_tiles(tiling: Tiling, ring_size: int) -> list[Tile]:
+    """Every rank's tiles, in global order."""
+    return sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
+
+
+def tile_costs(tiles: list[Tile], program: str, inputs, key_len: int) -> torch.Tensor:
+    """(n, n) float64: the kernel area the ring op spends on each (query, key) tile pair
+    of ``tiles`` (global order), from the program's bounds on a grid of blocks."""
+    total = max(t.start + t.length for t in tiles)
+    block = max(MIN_TILE_ROWS, -(-total // MAX_COST_BLOCKS))
+    blocks, owner = [], []
+    for i, t in enumerate(tiles):
+        for a in range(0, t.length, block):
+            rows = min(block, t.length - a)
+            blocks.append(Tile(slice(a, a + rows), (i, a), t.start + a))
+            owner.append(i)
+    hidden, _ = settled_pairs(parse(program), [x.detach() for x in inputs], blocks, blocks, key_len)
+    q_rows = torch.tensor([b.length for b in blocks], dtype=torch.float64)
+    keys = torch.tensor(
+        [max(0, min(b.length, key_len - b.start)) for b in blocks], dtype=torch.float64
+    )
+    area = q_rows.view(-1, 1) * keys.view(1, -1) * (~hidden)
+    one_hot = torch.nn.functional.one_hot(torch.tensor(owner), len(tiles)).double()
+    return one_hot.T @ area @ one_hot
+
+
+def ring_time(costs: torch.Tensor, owners: torch.Tensor, sub_rings: torch.Tensor, ring_size):
+    """The modelled time of a plan: at each step of each sub-ring every rank attends from
+    all its query tiles to the key tiles it holds (those of rank - step); it starts the
+    next step once it is done and both neighbours have started this one (its tiles were
+    sent and its sends received), so a rank runs at most a step ahead of its neighbours."""
+    per_rank = torch.zeros(ring_size, costs.shape[0], dtype=costs.dtype)
+    per_rank.index_add_(0, owners, costs)  # rank r's queries x each key tile
+    n_sub = int(sub_rings.max()) + 1
+    held = torch.zeros(n_sub, ring_size, ring_size, dtype=costs.dtype)  # [sub, r, src]
+    held.index_put_(
+        (sub_rings.repeat(ring_size), torch.arange(ring_size).repeat_interleave(len(owners)),
+         owners.repeat(ring_size)),
+        per_rank.flatten(), accumulate=True,
+    )  # fmt: skip
+    ranks = torch.arange(ring_size)
+    src = (ranks.view(-1, 1) - ranks.view(1, -1)) % ring_size  # [r, step]
+    work = held.gather(2, src.expand(n_sub, -1, -1)).permute(0, 2, 1).reshape(-1, ring_size)
+    clock = [0.0] * ring_size
+    for step in work.tolist():  # [r] of each (sub-ring, step) in order
+        start = clock
+        clock = [
+            max(start[r] + w, start[r - 1], start[(r + 1) % ring_size]) for r, w in enumerate(step)
+        ]
+    return max(clock)
+
+
+def balanced_tiling(
+    tiling: Tiling, ring_size: int, program: str, inputs, key_len: int
+) -> Tiling | None:
+    """A tiling whose ring time is at least ``MIN_GAIN`` shorter than ``tiling``'s under
+    ``program``, with the same local rows on every rank (tiles change rank, never
+    shape), or None when ``tiling`` is as good."""
+    tiles = all_tiles(tiling, ring_size)
+    index = {t.key: i for i, t in enumerate(tiles)}
+    home = torch.zeros(len(tiles), dtype=torch.long)
+    for r in range(ring_size):
+        for t in tiling(r):
+            home[index[t.key]] = r
+    costs = tile_costs(tiles, program, inputs, key_len)
+    sub_rings = torch.tensor([t.sub_ring for t in tiles])
+    work = costs.sum(1)
+    swapped = _fewest_swaps(work, home, sub_rings, ring_size)
+    dealt = _longest_first(work, home, sub_rings, ring_size)
+    before, after = (ring_time(costs, o, sub_rings, ring_size) for o in (home, swapped))
+    owners = swapped  # few rows move; dealing anew moves most, so it must clearly win
+    if ring_time(costs, dealt, sub_rings, ring_size) < (1 - MIN_GAIN) * after:
+        owners, after = dealt, ring_time(costs, dealt, sub_rings, ring_size)
+    if after > (1 - MIN_GAIN) * before:
+        _plans["kept"] += 1
+        return None
+    _plans["balanced"] += 1
+    plan = {r: [] for r in range(ring_size)}
+    for i in owners.argsort(stable=True).tolist():  # by rank, then global order
+        plan[int(owners[i])].append(tiles[i])
+    placed = {r: _in_home_slots(tiling(r), plan[r]) for r in range(ring_size)}
+    return placed.__getitem__
+
+
+def _fewest_swaps(work, home, sub_rings, ring_size) -> torch.Tensor:
+    """Owners balanced by few moves: while it lowers the busiest rank's work, swap one of
+    its tiles with a lighter tile of the same sub-ring on the least busy rank (every
+    rank keeps its tiles per sub-ring; a swap moves two tiles, both ways)."""
+    owners = home.clone()
+    same_sub = sub_rings.view(-1, 1) == sub_rings.view(1, -1)
+    for _ in range(len(work)):
+        load = torch.zeros(ring_size, dtype=work.dtype).index_add_(0, owners, work)
+        hi, lo = int(load.argmax()), int(load.argmin())
+        gain = work.view(-1, 1) - work.view(1, -1)  # [a, b]: hi gives a, takes b
+        ok = (owners == hi).view(-1, 1) & (owners == lo).view(1, -1) & same_sub & (gain > 0)
+        # the pair's larger load after the swap, lowest first
+        after = torch.maximum(load[hi] - gain, load[lo] + gain).masked_fill(~ok, float("inf"))
+        best = int(after.argmin())
+        if not after.flatten()[best] < load[hi]:
+            break
+        a, b = divmod(best, len(work))
+        owners[a], owners[b] = lo, hi
+    return owners
+
+
+def _longest_first(work, home, sub_rings, ring_size) -> torch.Tensor:
+    """Owners dealt anew by longest processing time first: each tile, heaviest first,
+    goes to the least busy rank with a free slot in the tile's sub-ring."""
+    free = {}
+    for t, r in zip(sub_rings.tolist(), home.tolist(), strict=True):
+        free[t, r] = free.get((t, r), 0) + 1
+    load = [0.0] * ring_size
+    owners = home.clone()
+    for i in sorted(range(len(work)), key=lambda i: (-float(work[i]), i)):
+        t = int(sub_rings[i])
+        r = min((r for r in range(ring_size) if free[t, r]), key=lambda r: (load[r], r))
+        free[t, r] -= 1
+        load[r] += float(work[i])
+        owners[i] = r
+    return owners
+
+
+def _in_home_slots(home: list[Tile], mine: list[Tile]) -> list[Tile]:
+    """``mine`` placed in the local rows of ``home``: the k-th home tile of a sub-ring
+    gives its rows to the k-th of ``mine`` in that sub-ring."""
+    by_sub: dict[int, list[Tile]] = {}
+    for t in mine:
+        by_sub.setdefault(t.sub_ring, []).append(t)
+    placed = []
+    for slot in home:
+        t = by_sub[slot.sub_ring].pop(0)
+        placed.append(Tile(slot.rows, t.key, t.start))
+    return placed
+
+
+def move_tiles(
+    ring: Ring, tensors: list[torch.Tensor], src: Tiling, dst: Tiling
+) -> list[torch.Tensor]:
+    """``tensors`` (rows on dim 2, laid out by ``src``) laid out by ``dst``: the rows of
+    each tile that changes rank are sent to it, the rest copied locally."""
+    at_src = {t.key: (r, t.rows) for r in range(ring.size) for t in src(r)}
+    moved = [torch.empty_like(x) for x in tensors]
+    sends, receives, slots = [], [], []
+    for t in sorted(dst(ring.rank), key=lambda t: t.key):
+        peer, rows = at_src[t.key]
+        if peer == ring.rank:
+            for x, y in zip(tensors, moved, strict=True):
+                y[:, :, t.rows] = x[:, :, rows]
+        else:
+            receives.append((peer, buffers_like([x[:, :, rows] for x in tensors])))
+            slots.append(t.rows)
+    at_dst = {t.key: r for r in range(ring.size) for t in dst(r)}
+    for t in sorted(src(ring.rank), key=lambda t: t.key):
+        if at_dst[t.key] != ring.rank:
+            sends.append((at_dst[t.key], [x[:, :, t.rows] for x in tensors]))
+    received = start_exchange(ring, sends, receives, tag=_MOVE_TAG).wait()
+    for rows, parts in zip(slots, received, strict=True):
+        for y, part in zip(moved, parts, strict=True):
+            y[:, :, rows] = part
+    return moved
