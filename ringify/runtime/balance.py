@@ -39,6 +39,8 @@ from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
 MIN_GAIN = 0.05
 # Blocks the cost grid is cut into at most (its bounds are blocks x blocks).
 MAX_COST_BLOCKS = 512
+# Swaps tried per plan at most, per rank of the ring (each costs O(tiles^2) to choose).
+MAX_SWAPS_PER_RANK = 8
 _MOVE_TAG = 2
 
 Tiling = Callable[[int], list[Tile]]
@@ -125,10 +127,12 @@ def balanced_tiling(
     work = costs.sum(1)
     swapped = _fewest_swaps(work, home, sub_rings, ring_size)
     dealt = _longest_first(work, home, sub_rings, ring_size)
-    before, after = (ring_time(costs, o, sub_rings, ring_size) for o in (home, swapped))
+    before, after, anew = (
+        ring_time(costs, o, sub_rings, ring_size) for o in (home, swapped, dealt)
+    )
     owners = swapped  # few rows move; dealing anew moves most, so it must clearly win
-    if ring_time(costs, dealt, sub_rings, ring_size) < (1 - MIN_GAIN) * after:
-        owners, after = dealt, ring_time(costs, dealt, sub_rings, ring_size)
+    if anew < (1 - MIN_GAIN) * after:
+        owners, after = dealt, anew
     if after > (1 - MIN_GAIN) * before:
         _plans["kept"] += 1
         return None
@@ -146,7 +150,7 @@ def _fewest_swaps(work, home, sub_rings, ring_size) -> torch.Tensor:
     rank keeps its tiles per sub-ring; a swap moves two tiles, both ways)."""
     owners = home.clone()
     same_sub = sub_rings.view(-1, 1) == sub_rings.view(1, -1)
-    for _ in range(len(work)):
+    for _ in range(MAX_SWAPS_PER_RANK * ring_size):
         load = torch.zeros(ring_size, dtype=work.dtype).index_add_(0, owners, work)
         hi, lo = int(load.argmax()), int(load.argmin())
         gain = work.view(-1, 1) - work.view(1, -1)  # [a, b]: hi gives a, takes b
