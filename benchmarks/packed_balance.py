@@ -31,7 +31,13 @@ import sys
 import torch
 from tabulate import tabulate
 
-from ringify.runtime.balance import all_tiles, balanced_tiling, ring_time, tile_costs
+from ringify.runtime.balance import (
+    all_tiles,
+    balanced_tiling,
+    ring_time,
+    tile_costs,
+    tile_owners,
+)
 from ringify.runtime.layout import padded_length, rank_chunks
 from ringify.runtime.schedule import shard_tiles
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
@@ -99,8 +105,8 @@ def _tilings(lengths: list[int], ring: int):
 def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
     """The area of the ring op's kernel calls per rank, from its tile masks."""
     seq = sum(lengths)
-    inputs, home, work = _tilings(lengths, ring)
-    tiling = work if balanced else home
+    inputs, home, balanced_plan = _tilings(lengths, ring)
+    tiling = balanced_plan if balanced else home
     masks = TileMasks(tiling, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
     work = []
     for rank in range(ring):
@@ -120,16 +126,12 @@ def modelled(lengths: list[int], ring: int) -> str:
     inputs, home, work = _tilings(lengths, ring)
     tiles = all_tiles(home, ring)
     costs = tile_costs(tiles, _DOCUMENT_CAUSAL, inputs, sum(lengths))
-    index = {t.key: i for i, t in enumerate(tiles)}
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     ideal = float(costs.sum()) / ring
-    times = []
-    for tiling in (home, work):
-        owners = torch.zeros(len(tiles), dtype=torch.long)
-        for r in range(ring):
-            for t in tiling(r):
-                owners[index[t.key]] = r
-        times.append(ring_time(costs, owners, sub_rings, ring) / ideal)
+    times = [
+        ring_time(costs, tile_owners(tiling, tiles, ring), sub_rings, ring) / ideal
+        for tiling in (home, work)
+    ]
     return f"{times[0]:.3f} -> {times[1]:.3f}"
 
 

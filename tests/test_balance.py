@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import shard
-from ringify.runtime.balance import MIN_GAIN, all_tiles, balanced_tiling, ring_time, tile_costs
+from ringify.runtime.balance import (
+    MIN_GAIN,
+    all_tiles,
+    balanced_tiling,
+    ring_time,
+    tile_costs,
+    tile_owners,
+)
 from ringify.runtime.schedule import shard_tiles
 from ringify.testing.attention import document_causal_program, document_ids
 
@@ -25,16 +32,6 @@ UNEVEN = {2: [6, 40, 18], 4: [13, 60, 7, 48]}
 
 def _home(world: int, seq: int, layout: str = "zigzag"):
     return lambda r: shard_tiles(r, world, seq // world, layout, True, PER_CHUNK)
-
-
-def _owners(tiling, tiles, world) -> torch.Tensor:
-    index = {t.key: i for i, t in enumerate(tiles)}
-    owners = torch.full((len(tiles),), -1)
-    for r in range(world):
-        for t in tiling(r):
-            assert owners[index[t.key]] == -1, "a tile dealt twice"
-            owners[index[t.key]] = r
-    return owners
 
 
 @pytest.mark.parametrize(("world", "layout"), [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
@@ -53,14 +50,14 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
             assert t.length == next(h.length for h in tiles if h.key == t.key)
     costs = tile_costs(tiles, program, inputs, seq)
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
-    before = ring_time(costs, _owners(home, tiles, world), sub_rings, world)
-    after = ring_time(costs, _owners(work, tiles, world), sub_rings, world)
+    owners = {name: tile_owners(t, tiles, world) for name, t in (("home", home), ("work", work))}
+    before, after = (ring_time(costs, owners[n], sub_rings, world) for n in ("home", "work"))
     assert after <= (1 - MIN_GAIN) * before
-    per_rank = torch.zeros(world, dtype=torch.float64)
-    per_rank.index_add_(0, _owners(work, tiles, world), costs.sum(1))
-    home_rank = torch.zeros(world, dtype=torch.float64)
-    home_rank.index_add_(0, _owners(home, tiles, world), costs.sum(1))
-    assert per_rank.max() < home_rank.max()
+    busiest = {  # the busiest rank's work
+        n: torch.zeros(world, dtype=torch.float64).index_add_(0, o, costs.sum(1)).max()
+        for n, o in owners.items()
+    }
+    assert busiest["work"] < busiest["home"]
 
 
 def test_one_document_keeps_zigzag():

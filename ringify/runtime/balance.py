@@ -63,6 +63,16 @@ def all_tiles(tiling: Tiling, ring_size: int) -> list[Tile]:
     return sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
 
 
+def tile_owners(tiling: Tiling, tiles: list[Tile], ring_size: int) -> torch.Tensor:
+    """(n,) the rank that works on each of ``tiles`` (global order) under ``tiling``."""
+    index = {t.key: i for i, t in enumerate(tiles)}
+    owners = torch.zeros(len(tiles), dtype=torch.long)
+    for r in range(ring_size):
+        for t in tiling(r):
+            owners[index[t.key]] = r
+    return owners
+
+
 def tile_costs(tiles: list[Tile], program: str, inputs, key_len: int) -> torch.Tensor:
     """(n, n) float64: the kernel area the ring op spends on each (query, key) tile pair
     of ``tiles`` (global order), from the program's bounds on a grid of blocks."""
@@ -117,11 +127,7 @@ def balanced_tiling(
     ``program``, with the same local rows on every rank (tiles change rank, never
     shape), or None when ``tiling`` is as good."""
     tiles = all_tiles(tiling, ring_size)
-    index = {t.key: i for i, t in enumerate(tiles)}
-    home = torch.zeros(len(tiles), dtype=torch.long)
-    for r in range(ring_size):
-        for t in tiling(r):
-            home[index[t.key]] = r
+    home = tile_owners(tiling, tiles, ring_size)
     costs = tile_costs(tiles, program, inputs, key_len)
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     work = costs.sum(1)

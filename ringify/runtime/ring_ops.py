@@ -58,9 +58,9 @@ _DKV_TAG = 1
 def _tile_masks(
     ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance
 ):
-    """``(home, work, TileMasks)`` for this call (the same on every rank): ``home(rank)``
-    is how that rank's shard is tiled; ``work`` the balanced tiling the ring runs on
-    (``balance.py``), or None to run on ``home``."""
+    """``(home, tiling, TileMasks)`` for this call (the same on every rank): ``home(rank)``
+    is how that rank's shard is tiled; ``tiling`` the one the ring runs on, ``home``
+    itself unless a balanced plan (``balance.py``) moves tiles between ranks."""
     rows = q.shape[2]
     masked = attn_mask is not None or bool(program)
     positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
@@ -70,12 +70,11 @@ def _tile_masks(
     def home(rank: int):
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
 
-    work = None
+    tiling = home
     if balance and program and attn_mask is None and ring.size > 1:
-        work = balanced_tiling(home, ring.size, program, inputs, key_len)
-    tiling = work or home
+        tiling = balanced_tiling(home, ring.size, program, inputs, key_len) or home
     masks = TileMasks(tiling, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
-    return home, work, masks
+    return home, tiling, masks
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -101,14 +100,13 @@ def ring_attention_op(
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
 
-    home, work, masks = _tile_masks(
+    home, tiling, masks = _tile_masks(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance,
     )  # fmt: skip
     q_home = q
-    if work is not None:
-        q, k, v = move_tiles(ring, [q, k, v], home, work)
-    tiling = work or home
+    if tiling is not home:
+        q, k, v = move_tiles(ring, [q, k, v], home, tiling)
     mine = tiling(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -126,8 +124,8 @@ def ring_attention_op(
             )  # fmt: skip
             merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
     out = out_acc.to(q.dtype)
-    if work is not None:
-        out, lse_acc = move_tiles(ring, [out, lse_acc], work, home)
+    if tiling is not home:
+        out, lse_acc = move_tiles(ring, [out, lse_acc], tiling, home)
     return in_dim_order_of(q_home, out), lse_acc
 
 
@@ -173,13 +171,12 @@ def ring_attention_backward_op(
         return *grads, no_mask_grad, []
 
     acc = accumulation_dtype(q.dtype)
-    home, work, masks = _tile_masks(
+    home, tiling, masks = _tile_masks(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance,
     )  # fmt: skip
-    if work is not None:
-        grad_out, q, k, v, out, lse = move_tiles(ring, [grad_out, q, k, v, out, lse], home, work)
-    tiling = work or home
+    if tiling is not home:
+        grad_out, q, k, v, out, lse = move_tiles(ring, [grad_out, q, k, v, out, lse], home, tiling)
     mine = tiling(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
@@ -233,8 +230,8 @@ def ring_attention_backward_op(
         for d, x in zip(dinputs, mask_inputs, strict=True)
     ]
     dq = dq_acc.to(q.dtype)
-    if work is not None:
-        dq, dk, dv = move_tiles(ring, [dq, dk, dv], work, home)
+    if tiling is not home:
+        dq, dk, dv = move_tiles(ring, [dq, dk, dv], tiling, home)
     return dq, dk, dv, dmask, dinputs
 
 
