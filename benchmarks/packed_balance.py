@@ -39,6 +39,7 @@ from ringify.runtime.balance import (
     tile_owners,
 )
 from ringify.runtime.layout import padded_length, rank_chunks
+from ringify.runtime.mask_program import parse
 from ringify.runtime.schedule import shard_tiles
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
 from ringify.runtime.tiles import Visibility, sub_ring_tiles
@@ -99,7 +100,8 @@ def _tilings(lengths: list[int], ring: int):
     def home(rank: int):
         return shard_tiles(rank, ring, rows, "zigzag", True, per_chunk)
 
-    return inputs, home, balanced_tiling(home, ring, _DOCUMENT_CAUSAL, inputs, seq) or home
+    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
+    return inputs, home, balanced_tiling(masks) or home
 
 
 def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
@@ -107,13 +109,14 @@ def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
     seq = sum(lengths)
     inputs, home, balanced_plan = _tilings(lengths, ring)
     tiling = balanced_plan if balanced else home
-    masks = TileMasks(tiling, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
+    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
+    masks = masks.working_on(tiling)
     work = []
     for rank in range(ring):
         area, mine = 0.0, tiling(rank)
         for j in sorted({t.sub_ring for t in mine}):
             for step in range(ring):
-                held = sub_ring_tiles(tiling((rank - step) % ring), j)
+                held = sub_ring_tiles(home((rank - step) % ring), j)
                 for b in masks.pairs(mine, held, torch.float32):
                     cells = (b.rows.stop - b.rows.start) * (b.cols.stop - b.cols.start)
                     area += cells / 2 if b.seen is Visibility.DIAGONAL else cells
@@ -125,11 +128,12 @@ def modelled(lengths: list[int], ring: int) -> str:
     """The op's modelled ring time over the ideal, zigzag -> balanced."""
     inputs, home, work = _tilings(lengths, ring)
     tiles = all_tiles(home, ring)
-    costs = tile_costs(tiles, _DOCUMENT_CAUSAL, inputs, sum(lengths))
+    costs = tile_costs(tiles, parse(_DOCUMENT_CAUSAL), inputs, sum(lengths))
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     ideal = float(costs.sum()) / ring
+    keys = tile_owners(home, tiles, ring)
     times = [
-        ring_time(costs, tile_owners(tiling, tiles, ring), sub_rings, ring) / ideal
+        ring_time(costs, tile_owners(tiling, tiles, ring), keys, sub_rings, ring) / ideal
         for tiling in (home, work)
     ]
     return f"{times[0]:.3f} -> {times[1]:.3f}"
@@ -185,11 +189,16 @@ def main() -> None:
     parser.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--time", action="store_true", help="also time the op on gloo ranks")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--mixes", nargs="+", default=[""], help="only the mixes whose names start so"
+    )
     args = parser.parse_args()
     rows = []
     for ring in args.rings:
         pool = RankPool(ring) if args.time else None
         for name, lengths in document_mixes(args.seq).items():
+            if not any(name.startswith(prefix) for prefix in args.mixes):
+                continue
             rows.append({
                 "documents": name,
                 "P": ring,

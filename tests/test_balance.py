@@ -22,7 +22,9 @@ from ringify.runtime.balance import (
     tile_costs,
     tile_owners,
 )
+from ringify.runtime.mask_program import parse
 from ringify.runtime.schedule import shard_tiles
+from ringify.runtime.tile_masks import TileMasks
 from ringify.testing.attention import document_causal_program, document_ids
 
 PER_CHUNK = 4
@@ -34,13 +36,21 @@ def _home(world: int, seq: int, layout: str = "zigzag"):
     return lambda r: shard_tiles(r, world, seq // world, layout, True, PER_CHUNK)
 
 
+def _plan(home, world: int, lengths: list[int]):
+    """The op's balanced plan for documents of ``lengths`` (None: kept home)."""
+    seq, docs = sum(lengths), document_ids(lengths)
+    inputs = [docs.view(-1, 1), docs.view(1, -1)]
+    masks = TileMasks(home, world, None, False, seq, document_causal_program(), inputs, "cpu")
+    return balanced_tiling(masks)
+
+
 @pytest.mark.parametrize(("world", "layout"), [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
 def test_plan_keeps_shapes_and_pays_off(world, layout):
     lengths = UNEVEN[world]
     seq, docs = sum(lengths), document_ids(lengths)
     inputs, program = [docs.view(-1, 1), docs.view(1, -1)], document_causal_program()
     home = _home(world, seq, layout)
-    work = balanced_tiling(home, world, program, inputs, seq)
+    work = _plan(home, world, lengths)
     assert work is not None
     tiles = all_tiles(home, world)
     assert sorted(t.key for t in all_tiles(work, world)) == [t.key for t in tiles]
@@ -48,10 +58,14 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
         assert [(t.rows, t.sub_ring) for t in work(r)] == [(t.rows, t.sub_ring) for t in home(r)]
         for t in work(r):  # a tile's rows are its global positions' count
             assert t.length == next(h.length for h in tiles if h.key == t.key)
-    costs = tile_costs(tiles, program, inputs, seq)
+        own = {t.key: t.rows for t in home(r)}  # a tile that stays keeps its rows
+        assert all(t.rows == own[t.key] for t in work(r) if t.key in own)
+    costs = tile_costs(tiles, parse(program), inputs, seq)
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     owners = {name: tile_owners(t, tiles, world) for name, t in (("home", home), ("work", work))}
-    before, after = (ring_time(costs, owners[n], sub_rings, world) for n in ("home", "work"))
+    before, after = (
+        ring_time(costs, owners[n], owners["home"], sub_rings, world) for n in ("home", "work")
+    )
     assert after <= (1 - MIN_GAIN) * before
     busiest = {  # the busiest rank's work
         n: torch.zeros(world, dtype=torch.float64).index_add_(0, o, costs.sum(1)).max()
@@ -62,9 +76,7 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
 
 def test_one_document_keeps_zigzag():
     """Zigzag already balances one causal document: no plan, nothing moves."""
-    seq, docs = 64, torch.zeros(64, dtype=torch.long)
-    inputs = [docs.view(-1, 1), docs.view(1, -1)]
-    assert balanced_tiling(_home(2, seq), 2, document_causal_program(), inputs, seq) is None
+    assert _plan(_home(2, 64), 2, [64]) is None
 
 
 def test_tile_costs_count_what_the_program_leaves_visible():
@@ -72,7 +84,8 @@ def test_tile_costs_count_what_the_program_leaves_visible():
     tile with itself its whole area (the bounds cannot see the triangle)."""
     docs = document_ids([8, 8, 8, 8])
     tiles = all_tiles(lambda r: shard_tiles(r, 2, 16, "contiguous", True, 2), 2)
-    costs = tile_costs(tiles, document_causal_program(), [docs.view(-1, 1), docs.view(1, -1)], 32)
+    program = parse(document_causal_program())
+    costs = tile_costs(tiles, program, [docs.view(-1, 1), docs.view(1, -1)], 32)
     assert torch.equal(costs, torch.eye(4, dtype=torch.float64) * 64)
 
 
@@ -130,3 +143,39 @@ def test_balanced_ring_is_exact(ranks, world, learned):
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # the balanced run moved rows: more bytes on some rank than the zigzag run
     assert sum(r[True][1] for r, _ in per_rank) > sum(r[False][1] for r, _ in per_rank)
+
+
+def moved_layout(world, lengths):
+    """``rows_in`` gives every tile of the plan at its global rows and receives only the
+    tiles that change rank; ``move_home`` brings a plan-laid tensor home in place."""
+    import torch.distributed as dist
+
+    from ringify.runtime.ring import ring_by_name
+    from ringify.runtime.tile_moves import move_home, rows_in
+
+    rank, seq = dist.get_rank(), sum(lengths)
+    ring = ring_by_name(dist.group.WORLD.group_name)
+    home = _home(world, seq)
+    plan = _plan(home, world, lengths)
+    full = torch.arange(2 * 3 * seq, dtype=torch.float64).view(2, 3, seq)  # (B, H, S)
+    local = torch.empty(2, 3, seq // world, dtype=torch.float64)
+    for t in home(rank):
+        local[:, :, t.rows] = full[:, :, t.start : t.start + t.length]
+    (at,) = rows_in(ring, [local], home, plan)
+    for t in plan(rank):
+        assert torch.equal(at[t.rows], full[:, :, t.start : t.start + t.length])
+    arrived = sum(t.length for t in plan(rank) if t.key not in {h.key for h in home(rank)})
+    laid = torch.empty_like(local)
+    for t in plan(rank):
+        laid[:, :, t.rows] = full[:, :, t.start : t.start + t.length]
+    move_home(ring, [laid], plan, home)
+    return at.moved_rows(), arrived, torch.equal(laid, local)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_only_moved_tiles_travel(ranks, world):
+    per_rank = ranks(world).run(moved_layout, world, UNEVEN[world])
+    for moved, arrived, home_again in per_rank:
+        assert moved == arrived
+        assert home_again
+    assert sum(moved for moved, _, _ in per_rank) > 0

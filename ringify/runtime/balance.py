@@ -1,4 +1,4 @@
-"""Load balancing of one ring call: which of the sequence's tiles each rank works on.
+"""Load balancing of one ring call: which of the sequence's query tiles each rank works on.
 
 Zigzag gives every rank the same causal work for one document. Under a mask program
 that is not (packed documents of uneven length, padding, a window), the ranks' work
@@ -10,13 +10,20 @@ it changes:
 
 - ``tile_costs``: the kernel area of every (query tile, key tile) pair, bounded from
   the program on a grid of blocks (a surely hidden block costs nothing);
-- ``balanced_tiling``: tiles of one sub-ring swapped between the busiest and the least
-  busy rank while that helps (each rank keeps its number of tiles per sub-ring, so
-  every buffer keeps its shape; few swaps, few rows moved), or, if clearly better, all
-  tiles dealt anew longest processing time first; kept only if the modelled ring
-  time (``ring_time``) drops by ``MIN_GAIN``;
-- ``move_tiles``: the rows of q, k, v (and back: out, lse, gradients) between the
-  ranks' own layout and the balanced one, only for tiles that change rank.
+- ``balanced_tiling``: query tiles of one sub-ring swapped between the busiest and the
+  least busy rank while that helps (each rank keeps its number of tiles per sub-ring,
+  so every buffer keeps its shape; few swaps, few rows moved), or, if clearly better,
+  all dealt anew longest processing time first; kept only if the modelled ring time
+  (``ring_time``) drops by ``MIN_GAIN``;
+- only queries move: K/V tiles travel round the ring from their home rank (their
+  gradients arrive there), as far as the farthest rank whose queries see them; a query
+  tile that stays keeps its local rows, so that only the moved tiles' q rows travel,
+  and their outputs and dq back (``tile_moves.py``).
+
+The time model counts kernel work, not bytes: the K/V that a plan sends further (keys
+whose queries moved) are taken to hide behind the kernels, as they do for tiles of
+1024 rows and more on GPUs. So a plan can send more than zigzag does
+(``benchmarks/RESULTS.md`` says how much).
 
 Every rank computes the same plan from the same replicated program inputs.
 """
@@ -28,20 +35,17 @@ from collections.abc import Callable
 
 import torch
 
-from ringify.runtime.mask_program import parse
-from ringify.runtime.p2p import buffers_like, start_exchange
-from ringify.runtime.ring import Ring
-from ringify.runtime.tile_masks import settled_pairs
+from ringify.runtime.mask_program import MaskProgram
+from ringify.runtime.tile_masks import TileMasks, settled_pairs
 from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
 
-# A balanced plan moves rows between ranks (bytes, and a copy of each buffer): keep it
-# only when it shortens the modelled ring time by at least this fraction.
+# A balanced plan moves rows between ranks (bytes, and their buffers): keep it only when
+# it shortens the modelled ring time by at least this fraction.
 MIN_GAIN = 0.05
 # Blocks the cost grid is cut into at most (its bounds are blocks x blocks).
 MAX_COST_BLOCKS = 512
 # Swaps tried per plan at most, per rank of the ring (each costs O(tiles^2) to choose).
 MAX_SWAPS_PER_RANK = 8
-_MOVE_TAG = 2
 
 Tiling = Callable[[int], list[Tile]]
 
@@ -73,7 +77,7 @@ def tile_owners(tiling: Tiling, tiles: list[Tile], ring_size: int) -> torch.Tens
     return owners
 
 
-def tile_costs(tiles: list[Tile], program: str, inputs, key_len: int) -> torch.Tensor:
+def tile_costs(tiles: list[Tile], program: MaskProgram, inputs, key_len: int) -> torch.Tensor:
     """(n, n) float64: the kernel area the ring op spends on each (query, key) tile pair
     of ``tiles`` (global order), from the program's bounds on a grid of blocks."""
     total = max(t.start + t.length for t in tiles)
@@ -84,7 +88,7 @@ def tile_costs(tiles: list[Tile], program: str, inputs, key_len: int) -> torch.T
             rows = min(block, t.length - a)
             blocks.append(Tile(slice(a, a + rows), (i, a), t.start + a))
             owner.append(i)
-    hidden, _ = settled_pairs(parse(program), [x.detach() for x in inputs], blocks, blocks, key_len)
+    hidden, _ = settled_pairs(program, [x.detach() for x in inputs], blocks, blocks, key_len)
     q_rows = torch.tensor([b.length for b in blocks], dtype=torch.float64)
     keys = torch.tensor(
         [max(0, min(b.length, key_len - b.start)) for b in blocks], dtype=torch.float64
@@ -94,18 +98,19 @@ def tile_costs(tiles: list[Tile], program: str, inputs, key_len: int) -> torch.T
     return one_hot.T @ area @ one_hot
 
 
-def ring_time(costs: torch.Tensor, owners: torch.Tensor, sub_rings: torch.Tensor, ring_size):
-    """The modelled time of a plan: at each step of each sub-ring every rank attends from
-    all its query tiles to the key tiles it holds (those of rank - step); it starts the
-    next step once it is done and both neighbours have started this one (its tiles were
-    sent and its sends received), so a rank runs at most a step ahead of its neighbours."""
+def ring_time(costs: torch.Tensor, queries, keys, sub_rings: torch.Tensor, ring_size) -> float:
+    """The modelled time of a plan (``queries``, ``keys``: the rank that owns each tile's
+    queries and keys): at each step of each sub-ring every rank attends from all its
+    query tiles to the key tiles it holds (those of rank - step); it starts the next
+    step once it is done and both neighbours have started this one (its tiles were sent
+    and its sends received), so a rank runs at most a step ahead of its neighbours."""
     per_rank = torch.zeros(ring_size, costs.shape[0], dtype=costs.dtype)
-    per_rank.index_add_(0, owners, costs)  # rank r's queries x each key tile
+    per_rank.index_add_(0, queries, costs)  # rank r's queries x each key tile
     n_sub = int(sub_rings.max()) + 1
     held = torch.zeros(n_sub, ring_size, ring_size, dtype=costs.dtype)  # [sub, r, src]
     held.index_put_(
-        (sub_rings.repeat(ring_size), torch.arange(ring_size).repeat_interleave(len(owners)),
-         owners.repeat(ring_size)),
+        (sub_rings.repeat(ring_size), torch.arange(ring_size).repeat_interleave(len(keys)),
+         keys.repeat(ring_size)),
         per_rank.flatten(), accumulate=True,
     )  # fmt: skip
     ranks = torch.arange(ring_size)
@@ -120,24 +125,27 @@ def ring_time(costs: torch.Tensor, owners: torch.Tensor, sub_rings: torch.Tensor
     return max(clock)
 
 
-def balanced_tiling(
-    tiling: Tiling, ring_size: int, program: str, inputs, key_len: int
-) -> Tiling | None:
-    """A tiling whose ring time is at least ``MIN_GAIN`` shorter than ``tiling``'s under
-    ``program``, with the same local rows on every rank (tiles change rank, never
-    shape), or None when ``tiling`` is as good."""
-    tiles = all_tiles(tiling, ring_size)
-    home = tile_owners(tiling, tiles, ring_size)
-    costs = tile_costs(tiles, program, inputs, key_len)
+def balanced_tiling(masks: TileMasks) -> Tiling | None:
+    """The query tiles of each rank, if working on them makes the ring time at least
+    ``MIN_GAIN`` shorter than on its own tiles (``masks.home``) under ``masks``' program,
+    with the same local rows on every rank (tiles change rank, never shape); None when
+    the home tiling is as good. Key tiles stay home."""
+    ring_size = masks.ring_size
+    tiles = all_tiles(masks.home, ring_size)
+    home = tile_owners(masks.home, tiles, ring_size)
+    costs = tile_costs(tiles, masks.program, masks.inputs, masks.key_len)
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     work = costs.sum(1)
-    swapped = _fewest_swaps(work, home, sub_rings, ring_size)
+
+    def modelled(owners):
+        return ring_time(costs, owners, home, sub_rings, ring_size)
+
+    before = modelled(home)
+    owners = _fewest_swaps(work, home, sub_rings, ring_size)
+    after = modelled(owners)
     dealt = _longest_first(work, home, sub_rings, ring_size)
-    before, after, anew = (
-        ring_time(costs, o, sub_rings, ring_size) for o in (home, swapped, dealt)
-    )
-    owners = swapped  # few rows move; dealing anew moves most, so it must clearly win
-    if anew < (1 - MIN_GAIN) * after:
+    anew = modelled(dealt)
+    if anew < (1 - MIN_GAIN) * after:  # dealing anew moves most rows: it must clearly win
         owners, after = dealt, anew
     if after > (1 - MIN_GAIN) * before:
         _plans["kept"] += 1
@@ -146,7 +154,7 @@ def balanced_tiling(
     plan = {r: [] for r in range(ring_size)}
     for i in owners.argsort(stable=True).tolist():  # by rank, then global order
         plan[int(owners[i])].append(tiles[i])
-    placed = {r: _in_home_slots(tiling(r), plan[r]) for r in range(ring_size)}
+    placed = {r: _in_home_slots(masks.home(r), plan[r]) for r in range(ring_size)}
     return placed.__getitem__
 
 
@@ -189,40 +197,16 @@ def _longest_first(work, home, sub_rings, ring_size) -> torch.Tensor:
 
 
 def _in_home_slots(home: list[Tile], mine: list[Tile]) -> list[Tile]:
-    """``mine`` placed in the local rows of ``home``: the k-th home tile of a sub-ring
-    gives its rows to the k-th of ``mine`` in that sub-ring."""
-    by_sub: dict[int, list[Tile]] = {}
+    """``mine`` placed in the local rows of ``home``: a tile that stays keeps its own
+    rows (nothing to copy, ``tile_moves.py``); the others take the slots that the tiles
+    leaving free, a slot of each sub-ring to a tile of that sub-ring, in global order."""
+    staying = {t.key for t in mine} & {t.key for t in home}
+    arriving: dict[int, list[Tile]] = {}
     for t in mine:
-        by_sub.setdefault(t.sub_ring, []).append(t)
+        if t.key not in staying:
+            arriving.setdefault(t.sub_ring, []).append(t)
     placed = []
     for slot in home:
-        t = by_sub[slot.sub_ring].pop(0)
+        t = slot if slot.key in staying else arriving[slot.sub_ring].pop(0)
         placed.append(Tile(slot.rows, t.key, t.start))
     return placed
-
-
-def move_tiles(
-    ring: Ring, tensors: list[torch.Tensor], src: Tiling, dst: Tiling
-) -> list[torch.Tensor]:
-    """``tensors`` (rows on dim 2, laid out by ``src``) laid out by ``dst``: the rows of
-    each tile that changes rank are sent to it, the rest copied locally."""
-    at_src = {t.key: (r, t.rows) for r in range(ring.size) for t in src(r)}
-    moved = [torch.empty_like(x) for x in tensors]
-    sends, receives, slots = [], [], []
-    for t in sorted(dst(ring.rank), key=lambda t: t.key):
-        peer, rows = at_src[t.key]
-        if peer == ring.rank:
-            for x, y in zip(tensors, moved, strict=True):
-                y[:, :, t.rows] = x[:, :, rows]
-        else:
-            receives.append((peer, buffers_like([x[:, :, rows] for x in tensors])))
-            slots.append(t.rows)
-    at_dst = {t.key: r for r in range(ring.size) for t in dst(r)}
-    for t in sorted(src(ring.rank), key=lambda t: t.key):
-        if at_dst[t.key] != ring.rank:
-            sends.append((at_dst[t.key], [x[:, :, t.rows] for x in tensors]))
-    received = start_exchange(ring, sends, receives, tag=_MOVE_TAG).wait()
-    for rows, parts in zip(slots, received, strict=True):
-        for y, part in zip(moved, parts, strict=True):
-            y[:, :, rows] = part
-    return moved

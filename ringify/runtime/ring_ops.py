@@ -25,16 +25,16 @@ float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home.
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
-length), both run on a balanced plan (``balance.py``): tiles change rank, q/k/v
-rows move there first and the results move back; ``balance=False`` keeps the shard's
-own tiling.
+length), both run on a balanced plan (``balance.py``): some query tiles change rank,
+their rows move there first and their results move back (``tile_moves.py``), while
+K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringify.runtime.balance import balanced_tiling, move_tiles
+from ringify.runtime.balance import balanced_tiling
 from ringify.runtime.block_attention import (
     accumulation_dtype,
     bias_backward,
@@ -50,6 +50,7 @@ from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring, ring_by_name
 from ringify.runtime.schedule import needs_positions, ring_visits, shard_tiles, tile_views
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk, tile_of
+from ringify.runtime.tile_moves import move_home, rows_in
 from ringify.runtime.tiles import Visibility
 
 _DKV_TAG = 1
@@ -58,9 +59,10 @@ _DKV_TAG = 1
 def _tile_masks(
     ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance
 ):
-    """``(home, tiling, TileMasks)`` for this call (the same on every rank): ``home(rank)``
-    is how that rank's shard is tiled; ``tiling`` the one the ring runs on, ``home``
-    itself unless a balanced plan (``balance.py``) moves tiles between ranks."""
+    """``(home, queries, TileMasks)`` for this call (the same on every rank): ``home(rank)``
+    is how that rank's shard is tiled, and its K/V tiles travel so; ``queries(rank)`` the
+    query tiles it works on, ``home`` itself unless a balanced plan (``balance.py``)
+    moves query tiles between ranks."""
     rows = q.shape[2]
     masked = attn_mask is not None or bool(program)
     positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
@@ -70,11 +72,12 @@ def _tile_masks(
     def home(rank: int):
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
 
-    tiling = home
+    masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
     if balance and program and attn_mask is None and ring.size > 1:
-        tiling = balanced_tiling(home, ring.size, program, inputs, key_len) or home
-    masks = TileMasks(tiling, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
-    return home, tiling, masks
+        plan = balanced_tiling(masks)
+        if plan is not None:
+            return home, plan, masks.working_on(plan)
+    return home, home, masks
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -100,33 +103,31 @@ def ring_attention_op(
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
 
-    home, tiling, masks = _tile_masks(
+    home, queries, masks = _tile_masks(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance,
     )  # fmt: skip
-    q_home = q
-    if tiling is not home:
-        q, k, v = move_tiles(ring, [q, k, v], home, tiling)
-    mine = tiling(ring.rank)
+    (q_at,) = rows_in(ring, [q], home, queries)
+    mine = queries(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
-    for own, _, _, held, kv in ring_visits(ring, k, v, tiling, masks.last_steps):
+    for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own))
             continue
         for b in masks.pairs(mine, held, acc, count=True):
             k_blk, v_blk = kv[b.held][:, :, b.cols], kv[len(own) + b.held][:, :, b.cols]
             out_blk, lse_blk = block_forward(
-                q[:, :, b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
+                q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                 scale=scale, bias=b.bias,
             )  # fmt: skip
             merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
     out = out_acc.to(q.dtype)
-    if tiling is not home:
-        out, lse_acc = move_tiles(ring, [out, lse_acc], tiling, home)
-    return in_dim_order_of(q_home, out), lse_acc
+    del q_at  # free the moved-in rows before the results move home
+    move_home(ring, [out, lse_acc], queries, home)
+    return in_dim_order_of(q, out), lse_acc
 
 
 @ring_attention_op.register_fake
@@ -171,13 +172,12 @@ def ring_attention_backward_op(
         return *grads, no_mask_grad, []
 
     acc = accumulation_dtype(q.dtype)
-    home, tiling, masks = _tile_masks(
+    home, queries, masks = _tile_masks(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance,
     )  # fmt: skip
-    if tiling is not home:
-        grad_out, q, k, v, out, lse = move_tiles(ring, [grad_out, q, k, v, out, lse], home, tiling)
-    mine = tiling(ring.rank)
+    saved = rows_in(ring, [grad_out, q, out, lse], home, queries)
+    mine = queries(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
@@ -188,7 +188,7 @@ def ring_attention_backward_op(
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
     arriving = {}  # what the exchange of the previous step brings: "travel", "home"
     pending = None
-    for own, step, src, held, kv in ring_visits(ring, k, v, tiling, masks.last_steps):
+    for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         last = masks.last_steps(own[0].sub_ring)
         if pending is not None:
             received, pending = pending.wait(), None
@@ -199,7 +199,7 @@ def ring_attention_backward_op(
             dkv = None
         if held is not None:
             dkv = _tiles_backward(
-                dkv, held, kv, own, mine, masks, (grad_out, q, out, lse), dq_acc, dmask, learned,
+                dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learned,
                 scale=scale, acc=acc,
             )  # fmt: skip
             if step == last[src] == 0:
@@ -230,8 +230,8 @@ def ring_attention_backward_op(
         for d, x in zip(dinputs, mask_inputs, strict=True)
     ]
     dq = dq_acc.to(q.dtype)
-    if tiling is not home:
-        dq, dk, dv = move_tiles(ring, [dq, dk, dv], tiling, home)
+    del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
+    move_home(ring, [dq], queries, home)
     return dq, dk, dv, dmask, dinputs
 
 
@@ -251,8 +251,7 @@ def _tiles_backward(dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learn
     for b in masks.pairs(mine, held, acc, biased=learned is not None):
         i, r, cols = b.held, b.rows, b.cols
         block = (
-            grad_out[:, :, r], q[:, :, r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols],
-            out[:, :, r], lse[:, :, r],
+            grad_out[r], q[r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols], out[r], lse[r],
         )  # fmt: skip
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(*block, is_causal=causal, scale=scale, bias=b.bias)

@@ -13,6 +13,7 @@ round the ring each rank's key tiles are needed: beyond that step they are not s
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass
 
@@ -58,15 +59,17 @@ class Block:
 
 
 class TileMasks:
-    """The visibility of every tile pair of one call (the same on every rank)."""
+    """The visibility of every tile pair of one call (the same on every rank). The key
+    tiles of each rank are those of its shard, ``home(rank)``; so are its query tiles
+    unless ``working_on`` gives it others (a balanced plan, ``balance.py``)."""
 
-    def __init__(self, tiling, ring_size, attn_mask, is_causal, key_len, program, inputs, device):
-        self.tiling, self.ring_size = tiling, ring_size
+    def __init__(self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, device):
+        self.home, self._queries, self.ring_size = home, home, ring_size
         self.mask, self.is_causal, self.key_len = attn_mask, is_causal, key_len
         self.program = parse(program) if program else None
         self.inputs = [x.detach() for x in inputs]
         self.device = device
-        tiles = sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
+        tiles = sorted((t for r in range(ring_size) for t in home(r)), key=lambda t: t.key)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
         if self.program is not None:
@@ -75,6 +78,12 @@ class TileMasks:
             self._full = self._full.tolist()
         self._maybe_list = self._maybe.tolist()
         self._last: dict[int, list[int]] = {}
+
+    def working_on(self, queries) -> TileMasks:
+        """These masks with ``queries(rank)`` the query tiles of each rank."""
+        moved = copy.copy(self)
+        moved._queries, moved._last = queries, {}
+        return moved
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
         n = len(tiles)
@@ -98,13 +107,13 @@ class TileMasks:
     def _last_steps(self, sub_ring: int) -> list[int]:
         last = []
         for src in range(self.ring_size):
-            cols = [self._index[t.key] for t in sub_ring_tiles(self.tiling(src), sub_ring)]
+            cols = [self._index[t.key] for t in sub_ring_tiles(self.home(src), sub_ring)]
             seen = [
                 s
                 for s in range(self.ring_size)
                 if any(
                     self._maybe_list[self._index[q.key]][c]
-                    for q in self.tiling((src + s) % self.ring_size)
+                    for q in self._queries((src + s) % self.ring_size)
                     for c in cols
                 )
             ]

@@ -76,7 +76,7 @@ class RankPool:
     def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size = world_size
         self.backend = backend
-        self._procs = []
+        self._procs, self._jobs = [], []  # started on the first run
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")

@@ -1,0 +1,90 @@
+"""Rows of a shard between its own tiling and a balanced one (``balance.py``), with no
+copy of the shard.
+
+A balanced plan leaves every tile that stays on a rank in its own local rows; only
+the slots of tiles that change rank change content. So the op reads its inputs in
+the plan's layout as ``ShardRows``: the tensor itself, except for the moved-in tiles,
+read from receive buffers the size of those tiles. Its results go back home in place
+(``move_home``): only the moved tiles' rows are sent and received. The memory a plan
+costs is the moved rows, not a copy of every buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ringify.runtime.p2p import buffers_like, start_exchange
+from ringify.runtime.ring import Ring
+from ringify.runtime.tiles import Tile
+
+_MOVE_TAG = 2
+
+Tiling = Callable[[int], list[Tile]]
+
+
+class ShardRows:
+    """A shard tensor (rows on dim 2) laid out by another tiling: ``rows[r]`` is local rows
+    ``r`` (within one tile), from the tensor for a tile that stayed, else from the buffer
+    its rows were received into."""
+
+    def __init__(self, tensor: torch.Tensor, moved_in: list[tuple[slice, torch.Tensor]] = ()):
+        self.tensor = tensor
+        self._moved_in = list(moved_in)  # (slot rows, buffer)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        for slot, buffer in self._moved_in:
+            if slot.start <= rows.start < slot.stop:
+                assert rows.stop <= slot.stop, (rows, slot)
+                return buffer[:, :, rows.start - slot.start : rows.stop - slot.start]
+        return self.tensor[:, :, rows]
+
+    def moved_rows(self) -> int:
+        return sum(slot.stop - slot.start for slot, _ in self._moved_in)
+
+
+def rows_in(ring: Ring, tensors: list[torch.Tensor], home: Tiling, plan: Tiling) -> list:
+    """``tensors`` (laid out by ``home``) as laid out by ``plan``: each a ``ShardRows``; the
+    rows of the tiles that move to this rank are received, nothing else is copied."""
+    if plan is home:
+        return [ShardRows(x) for x in tensors]
+    slots, received = _exchange(ring, tensors, home, plan)
+    return [
+        ShardRows(x, [(rows, parts[i]) for rows, parts in zip(slots, received, strict=True)])
+        for i, x in enumerate(tensors)
+    ]
+
+
+def move_home(ring: Ring, tensors: list[torch.Tensor], plan: Tiling, home: Tiling) -> None:
+    """Lay ``tensors`` out by ``home`` in place, from ``plan``: the rows of the tiles that
+    moved are sent back and their own rows received into the slots they leave."""
+    if plan is home:
+        return
+    slots, received = _exchange(ring, tensors, plan, home)
+    for rows, parts in zip(slots, received, strict=True):
+        for x, part in zip(tensors, parts, strict=True):
+            x[:, :, rows] = part
+
+
+def _exchange(ring: Ring, tensors, src: Tiling, dst: Tiling):
+    """Send the rows of this rank's tiles that ``dst`` puts elsewhere; receive those that
+    ``dst`` puts here from elsewhere: ``(their local rows under dst, received buffers)``,
+    waited for (the sends too, so their slots may be written next)."""
+    at_src = {t.key: (r, t.rows) for r in range(ring.size) for t in src(r)}
+    at_dst = {t.key: r for r in range(ring.size) for t in dst(r)}
+    receives, slots = [], []
+    for t in sorted(dst(ring.rank), key=lambda t: t.key):
+        peer, rows = at_src[t.key]
+        if peer == ring.rank:
+            assert rows == t.rows, "a tile that stays keeps its local rows"
+            continue
+        receives.append((peer, buffers_like([x[:, :, t.rows] for x in tensors])))
+        slots.append(t.rows)
+    sends = [
+        (at_dst[t.key], [x[:, :, t.rows] for x in tensors])
+        for t in sorted(src(ring.rank), key=lambda t: t.key)
+        if at_dst[t.key] != ring.rank
+    ]
+    received = start_exchange(ring, sends, receives, tag=_MOVE_TAG).wait()
+    return slots, received
