@@ -31,13 +31,12 @@ Every rank computes the same plan from the same replicated program inputs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 
 from ringify.runtime.mask_program import MaskProgram
 from ringify.runtime.tile_masks import TileMasks, settled_pairs
-from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+from ringify.runtime.tiles import MIN_TILE_ROWS, Tile, Tiling
 
 # A balanced plan moves rows between ranks (bytes, and their buffers): keep it only when
 # it shortens the modelled ring time by at least this fraction.
@@ -46,8 +45,6 @@ MIN_GAIN = 0.05
 MAX_COST_BLOCKS = 512
 # Swaps tried per plan at most, per rank of the ring (each costs O(tiles^2) to choose).
 MAX_SWAPS_PER_RANK = 8
-
-Tiling = Callable[[int], list[Tile]]
 
 _plans: Counter = Counter()  # calls of this process that were balanced, and that were not
 

@@ -11,17 +11,13 @@ costs is the moved rows, not a copy of every buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring
-from ringify.runtime.tiles import Tile
+from ringify.runtime.tiles import Tiling
 
 _MOVE_TAG = 2
-
-Tiling = Callable[[int], list[Tile]]
 
 
 class ShardRows:

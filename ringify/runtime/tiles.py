@@ -21,6 +21,7 @@ output or gradients) at O(rows / tiles) instead of O(rows).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ringify.runtime.layout import chunks_per_rank, rank_chunks
@@ -76,6 +77,10 @@ def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int
 def sub_ring_tiles(tiles: list[Tile], sub_ring: int) -> list[Tile]:
     """The tiles that travel together in ``sub_ring``: one per chunk."""
     return [tile for tile in tiles if tile.sub_ring == sub_ring]
+
+
+# A tiling: the tiles of each rank of the ring, ``tiling(rank)``, in local order.
+Tiling = Callable[[int], list[Tile]]
 
 
 class Visibility(enum.Enum):
