@@ -32,7 +32,6 @@ import torch
 from tabulate import tabulate
 
 from ringify.runtime.balance import (
-    all_tiles,
     balanced_tiling,
     ring_time,
     tile_costs,
@@ -42,9 +41,9 @@ from ringify.runtime.layout import padded_length, rank_chunks
 from ringify.runtime.mask_program import parse
 from ringify.runtime.schedule import shard_tiles
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
-from ringify.runtime.tiles import Visibility, sub_ring_tiles
+from ringify.runtime.tiles import Visibility, all_tiles, sub_ring_tiles
 from ringify.testing import RankPool
-from ringify.testing.attention import document_causal_program, document_ids
+from ringify.testing.attention import document_causal_program, document_inputs
 
 # document ids equal, key at or before query: HF's packed-sequence mask
 _DOCUMENT_CAUSAL = document_causal_program()
@@ -92,8 +91,7 @@ def per_document(lengths: list[int], ring: int) -> list[float]:
 def _tilings(lengths: list[int], ring: int):
     """(program inputs, zigzag tiling, the op's balanced tiling or zigzag's if kept)."""
     seq = sum(lengths)
-    docs = document_ids(lengths)
-    inputs = [docs.view(-1, 1), docs.view(1, -1)]
+    inputs = document_inputs(lengths)
     rows = padded_length(seq, ring, "zigzag") // ring
     per_chunk = program_tiles_per_chunk(_DOCUMENT_CAUSAL, inputs, rows, ring, "zigzag")
 
@@ -155,8 +153,7 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
         shard(t, 2, layout="zigzag").contiguous().requires_grad_(t is not dout)
         for t in (q, k, v, dout)
     )
-    docs = document_ids(lengths)
-    inputs = [docs.view(-1, 1), docs.view(1, -1)]
+    inputs = document_inputs(lengths)
     name = dist.group.WORLD.group_name
     args = (None, False, 0.125, name, "zigzag", seq, _DOCUMENT_CAUSAL, inputs, 0, balance)
     dist.barrier()

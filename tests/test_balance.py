@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from ringify.runtime import shard
 from ringify.runtime.balance import (
     MIN_GAIN,
-    all_tiles,
     balanced_tiling,
     ring_time,
     tile_costs,
@@ -25,7 +24,8 @@ from ringify.runtime.balance import (
 from ringify.runtime.mask_program import parse
 from ringify.runtime.schedule import shard_tiles
 from ringify.runtime.tile_masks import TileMasks
-from ringify.testing.attention import document_causal_program, document_ids
+from ringify.runtime.tiles import all_tiles
+from ringify.testing.attention import document_causal_program, document_inputs
 
 PER_CHUNK = 4
 # (ring size, document lengths): zigzag leaves these unbalanced at 4 tiles per chunk
@@ -38,17 +38,15 @@ def _home(world: int, seq: int, layout: str = "zigzag"):
 
 def _plan(home, world: int, lengths: list[int]):
     """The op's balanced plan for documents of ``lengths`` (None: kept home)."""
-    seq, docs = sum(lengths), document_ids(lengths)
-    inputs = [docs.view(-1, 1), docs.view(1, -1)]
-    masks = TileMasks(home, world, None, False, seq, document_causal_program(), inputs, "cpu")
+    program, inputs = document_causal_program(), document_inputs(lengths)
+    masks = TileMasks(home, world, None, False, sum(lengths), program, inputs, "cpu")
     return balanced_tiling(masks)
 
 
 @pytest.mark.parametrize(("world", "layout"), [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
 def test_plan_keeps_shapes_and_pays_off(world, layout):
     lengths = UNEVEN[world]
-    seq, docs = sum(lengths), document_ids(lengths)
-    inputs, program = [docs.view(-1, 1), docs.view(1, -1)], document_causal_program()
+    seq, inputs = sum(lengths), document_inputs(lengths)
     home = _home(world, seq, layout)
     work = _plan(home, world, lengths)
     assert work is not None
@@ -60,7 +58,7 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
             assert t.length == next(h.length for h in tiles if h.key == t.key)
         own = {t.key: t.rows for t in home(r)}  # a tile that stays keeps its rows
         assert all(t.rows == own[t.key] for t in work(r) if t.key in own)
-    costs = tile_costs(tiles, parse(program), inputs, seq)
+    costs = tile_costs(tiles, parse(document_causal_program()), inputs, seq)
     sub_rings = torch.tensor([t.sub_ring for t in tiles])
     owners = {name: tile_owners(t, tiles, world) for name, t in (("home", home), ("work", work))}
     before, after = (
@@ -82,10 +80,9 @@ def test_one_document_keeps_zigzag():
 def test_tile_costs_count_what_the_program_leaves_visible():
     """Two documents of one tile each: a tile pair across documents costs nothing, a
     tile with itself its whole area (the bounds cannot see the triangle)."""
-    docs = document_ids([8, 8, 8, 8])
     tiles = all_tiles(lambda r: shard_tiles(r, 2, 16, "contiguous", True, 2), 2)
     program = parse(document_causal_program())
-    costs = tile_costs(tiles, program, [docs.view(-1, 1), docs.view(1, -1)], 32)
+    costs = tile_costs(tiles, program, document_inputs([8, 8, 8, 8]), 32)
     assert torch.equal(costs, torch.eye(4, dtype=torch.float64) * 64)
 
 
@@ -96,13 +93,13 @@ def balanced_ring(world, lengths, learned):
 
     from ringify.runtime.p2p import sent_bytes
 
-    seq, docs = sum(lengths), document_ids(lengths)
+    seq, (q_docs, k_docs) = sum(lengths), document_inputs(lengths)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (
         torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)
     )
     bias = torch.randn(1, seq, generator=g, dtype=torch.float64)
-    visible = (docs.view(-1, 1) == docs.view(1, -1)) & torch.ones(seq, seq).tril().bool()
+    visible = (q_docs == k_docs) & torch.ones(seq, seq).tril().bool()
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     mask = torch.where(visible, leaves[3], float("-inf")) if learned else visible
     want = F.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, enable_gqa=True)
@@ -114,7 +111,7 @@ def balanced_ring(world, lengths, learned):
     results = {}
     for balance in (True, False):
         local = [shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
-        inputs = [docs.view(-1, 1), docs.view(1, -1)]
+        inputs = [q_docs, k_docs]
         if learned:
             inputs.append(bias.clone().requires_grad_())
         program = document_causal_program(learned)

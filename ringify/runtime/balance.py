@@ -36,7 +36,7 @@ import torch
 
 from ringify.runtime.mask_program import MaskProgram
 from ringify.runtime.tile_masks import TileMasks, settled_pairs
-from ringify.runtime.tiles import MIN_TILE_ROWS, Tile, Tiling
+from ringify.runtime.tiles import MIN_TILE_ROWS, Tile, Tiling, all_tiles
 
 # A balanced plan moves rows between ranks (bytes, and their buffers): keep it only when
 # it shortens the modelled ring time by at least this fraction.
@@ -57,11 +57,6 @@ def plan_counts() -> dict[str, int]:
 
 def reset_plan_counts() -> None:
     _plans.clear()
-
-
-def all_tiles(tiling: Tiling, ring_size: int) -> list[Tile]:
-    """Every rank's tiles, in global order."""
-    return sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
 
 
 def tile_owners(tiling: Tiling, tiles: list[Tile], ring_size: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from ringify.runtime.tiles import (
     MIN_TILE_ROWS,
     Tile,
     Visibility,
+    all_tiles,
     sub_ring_tiles,
     tiles_per_chunk,
     visibility,
@@ -69,7 +70,7 @@ class TileMasks:
         self.program = parse(program) if program else None
         self.inputs = [x.detach() for x in inputs]
         self.device = device
-        tiles = sorted((t for r in range(ring_size) for t in home(r)), key=lambda t: t.key)
+        tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
         if self.program is not None:

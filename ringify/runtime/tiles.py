@@ -83,6 +83,11 @@ def sub_ring_tiles(tiles: list[Tile], sub_ring: int) -> list[Tile]:
 Tiling = Callable[[int], list[Tile]]
 
 
+def all_tiles(tiling: Tiling, ring_size: int) -> list[Tile]:
+    """Every rank's tiles, in global order."""
+    return sorted((t for r in range(ring_size) for t in tiling(r)), key=lambda t: t.key)
+
+
 class Visibility(enum.Enum):
     """What a query tile sees of a key tile (torch's context parallel: ``_CausalBehavior``)."""
 

@@ -72,6 +72,8 @@ def document_causal_program(learned: bool = False) -> str:
     return MaskProgram(roles, tuple(code)).text()
 
 
-def document_ids(lengths: list[int]) -> torch.Tensor:
-    """(S,) the document of each position, documents of ``lengths`` packed in order."""
-    return torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+def document_inputs(lengths: list[int]) -> list[torch.Tensor]:
+    """``document_causal_program``'s inputs for documents of ``lengths`` packed in order:
+    the document of each position along queries (S, 1) and along keys (1, S)."""
+    docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    return [docs.view(-1, 1), docs.view(1, -1)]
