@@ -20,9 +20,9 @@ from ringify.testing import RankPool
 from ringify.testing.attention import (
     make_inputs,
     reference,
-    relative_error,
     ring_forward_backward,
 )
+from ringify.testing.tolerance import relative_difference
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
         {
             "ring size": "sdpa (bf16)",
             **{
-                n: relative_error(s, t)
+                n: relative_difference(s, t)
                 for n, s, t in zip(("out", "dq", "dk", "dv"), sdpa, truth, strict=True)
             },
         }
@@ -52,7 +52,7 @@ def main() -> None:
         row = {"ring size": world}
         for name, g, s, t in zip(("out", "dq", "dk", "dv"), got, sdpa, truth, strict=True):
             row[name] = (
-                f"{relative_error(g, t):.3g} ({relative_error(g, t) / relative_error(s, t):.2f}x)"
+                f"{relative_difference(g, t):.3g} ({relative_difference(g, t) / relative_difference(s, t):.2f}x)"
             )
         rows.append(row)
     rows[0] = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in rows[0].items()}

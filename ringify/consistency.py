@@ -7,7 +7,8 @@ seed, a rank that missed an optimizer step). Each call therefore starts with one
 small collective (``check_call``): the input signature and modes, the
 configuration, and fingerprints of the values of every input the ranks must
 share and of the parameters and buffers. A new trace ends with a second one
-(``check_trace``) that compares the rewritten graphs and carries any rank's
+(``check_trace``) that compares the rewritten graphs (by a canonical digest, blind to
+the order of independent nodes) and carries any rank's
 trace error, so that every rank raises at once instead of waiting on the ring.
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
+from ringify.passes.digest import graph_digest
 from ringify.runtime.agreement import check_ranks_agree
 from ringify.runtime.ring import Ring
 
@@ -133,18 +135,20 @@ def check_call(
 def check_trace(
     ring: Ring,
     *,
-    graph_code: str | None,
+    graph: torch.fx.GraphModule | None,
     shared: list[torch.Tensor] | None,
     state: list[torch.Tensor] | None,
     error: BaseException | None,
     args,
     kwargs,
 ) -> None:
-    """After a new trace: raise on every rank if any rank's trace failed or the graphs differ."""
+    """After a new trace: raise on every rank if any rank's trace failed or the graphs differ
+    in what they compute (compared by a canonical digest: the order and names of independent
+    nodes may differ between ranks, see ``passes/digest.py``)."""
     check_ranks_agree(
         ring,
         {
-            "graph": graph_code,
+            "graph": None if graph is None else _graph_described(graph),
             "inputs": 0.0 if shared is None else fingerprint(shared),
             "parameters": 0.0 if state is None else state_fingerprint(state),
         },
@@ -153,6 +157,12 @@ def check_trace(
         error=error,
         details=lambda: _input_checksums(args, kwargs),
     )
+
+
+def _graph_described(graph: torch.fx.GraphModule) -> str:
+    """The graph's canonical digest and size, readable in a disagreement's message."""
+    nodes = sum(len(m.graph.nodes) for m in graph.modules() if isinstance(m, torch.fx.GraphModule))
+    return f"digest {graph_digest(graph)[:16]} ({nodes} nodes)"
 
 
 def _described(config: Config) -> tuple:

@@ -199,7 +199,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
             shared = [flat[i] for i in traced.shared_inputs]
     check_trace(
         module._ring,
-        graph_code=None if traced is None else traced.module.code,
+        graph=None if traced is None else traced.module,
         shared=shared,
         state=state,
         error=error,

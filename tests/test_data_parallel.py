@@ -8,6 +8,7 @@ hooks, so the blocks' parameters are sharded again after their forward."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -138,29 +139,43 @@ def test_per_layer_fsdp2_trains_as_one_process_on_the_global_batch(
             torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
 
 
-def mixed_precision():
-    """(largest relative difference from the unmodified model under the same FSDP2 recipe of
-    each step's gradients and of the weights after the steps, the dtypes the blocks'
-    matmuls run in)."""
+def mixed_precision(wrong_scale: bool = False):
+    """(per step, the largest relative difference of the ringified model's gradients from the
+    unmodified model's under the same FSDP2 recipe, and its tolerance; the same for the
+    weights after the steps; the dtypes the blocks' matmuls run in). ``wrong_scale``: the ring's gradients go to FSDP's average
+    over dp x cp unscaled (x1 instead of x P), to show that the test can fail.
+
+    The blocks compute in float32, whose rounding depends on the CPU's kernels, so the
+    tolerance is measured: the unmodified model's own difference when each replica's batch
+    rows come in the other order (the same sums, in another order), on this machine, as
+    ``ringify.testing.tolerance`` does. Adam's steps amplify rounding: each step has its own."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ringify.testing.tolerance import FACTOR, relative_difference
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
     ids = _batches()[0][mesh["dp"].get_local_rank()]
     runs = []
-    for ring in (False, True):
+    for ring, batch in ((False, ids), (False, ids.flip(0)), (True, ids)):
         model = _model(checkpointing=True)
         shard_over = mesh["dp", "cp"]._flatten() if ring else mesh["dp"]
         for layer in model.model.layers:
             fully_shard(layer, mesh=shard_over, mp_policy=policy)
         run = ringify(model, ring_size=2, mesh=mesh["cp"]) if ring else model
         run = fully_shard(run, mesh=shard_over, mp_policy=policy)
-        runs.append(_train(model, run, ids, full=lambda t: t.full_tensor()))
-    (want_grads, want_weights), (grads, weights) = runs
-    err = [
-        max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
-        for got, want in [*zip(grads, want_grads, strict=True), (weights, want_weights)]
+        with _unscaled_for_fsdp() if ring and wrong_scale else contextlib.nullcontext():
+            grads, weights = _train(model, run, batch, full=lambda t: t.full_tensor())
+        runs.append([*grads, weights])
+    want, reordered, got = runs
+
+    def largest(a, b):
+        return max(relative_difference(a[n], b[n]) for n in b)
+
+    steps = [
+        (largest(g, w), FACTOR * max(largest(r, w), torch.finfo(torch.float32).eps))
+        for w, r, g in zip(want, reordered, got, strict=True)
     ]
     matmuls = {
         str(n.meta["val"].dtype)
@@ -169,14 +184,33 @@ def mixed_precision():
         for n in m.graph.nodes
         if n.target is torch.ops.aten.linear.default
     }
-    return err, matmuls
+    return steps, matmuls
+
+
+def _unscaled_for_fsdp():
+    """A deliberate bug: weight gradients averaged outside the ring are not scaled by P."""
+    from unittest import mock
+
+    from ringify.runtime.ring_reduce import _CopyToRing
+
+    backward = _CopyToRing.backward
+
+    def unscaled(ctx, grad):
+        return (grad, None, None) if ctx.averaged_outside else backward(ctx, grad)
+
+    return mock.patch.object(_CopyToRing, "backward", staticmethod(unscaled))
 
 
 def test_per_layer_fsdp2_mixed_precision_runs_the_blocks_in_param_dtype(ranks):
     """A float64 model, all-gathered to float32: the ringified model trains as the unmodified
-    model does under the same FSDP2 recipe, to float32 precision (first gradients; the
-    weights after 3 AdamW steps, which amplify it), with every matmul in float32."""
-    for err, matmuls in ranks(4).run(mixed_precision):
+    model does under the same FSDP2 recipe, to float32 precision (each step's gradients; the
+    weights after 3 AdamW steps), with every matmul in float32."""
+    for steps, matmuls in ranks(4).run(mixed_precision):
         assert matmuls == {"torch.float32"}, matmuls
-        first_grads, *later = err  # Adam's steps scale float32's rounding up: later is looser
-        assert first_grads <= 1e-6 and max(later) <= 1e-4, err
+        assert all(difference <= tolerance for difference, tolerance in steps), steps
+
+
+def test_a_wrong_fsdp_scale_fails_the_mixed_precision_comparison(ranks):
+    """The measured tolerance keeps the test's power: gradients off by the ring's size fail."""
+    for steps, _ in ranks(4).run(mixed_precision, True):
+        assert all(difference > tolerance for difference, tolerance in steps), steps

@@ -183,3 +183,76 @@ def collectives_per_call():
 
 def test_agreement_is_once_per_call_not_per_attention(ranks):
     assert ranks(2).run(collectives_per_call) == [(2, 2), (2, 2)]
+
+
+def _results(model, run, ids, mask) -> dict[str, torch.Tensor]:
+    """Logits, loss and every parameter's gradient of one step of ``run``."""
+    model.zero_grad()
+    out = run(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"logits": out.logits.detach(), "loss": out.loss.detach(), **grads}
+
+
+def hybrid_layer_types(name: str):
+    """An HF model with full and sliding-window layers, whose RoPE tables are built in ``set``
+    order, at a length the ring pads, with a padded batch row: (this rank's iteration order
+    of the layer types, the results that differ from the unmodified model's beyond their
+    tolerance). Gemma's norms compute in float32 even in a float64 model: their weights'
+    gradients, and HF's float32 loss, are held to the unmodified model's own difference with
+    its batch rows swapped (``ringify.testing.tolerance``)."""
+    import torch.distributed as dist
+
+    from ringify.testing import hf_models
+    from ringify.testing.tolerance import differences, exceeding, reordering_tolerances
+
+    torch.manual_seed(0)
+    model = getattr(hf_models, name)().double()
+    seq = 4 * dist.get_world_size() + 1  # odd: padded to the ring
+    ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, seq - 3 :] = 0
+    want = _results(model, model, ids, mask)
+    swapped = _results(model, model, ids.flip(0), mask.flip(0))
+    swapped["logits"] = swapped["logits"].flip(0)
+    got = _results(model, ringify(model, ring_size=dist.get_world_size()), ids, mask)
+    wrong = exceeding(differences(got, want), reordering_tolerances(want, swapped))
+    return list({"full_attention", "sliding_attention"}), wrong
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["modernbert", "gemma3"])
+def test_ranks_with_different_hash_seeds_trace_one_computation(ranks, world, name):
+    """torchrun's ranks draw their own hash seeds: their graphs list the RoPE tables in another
+    order, and the ranks still agree, and are exact."""
+    results = ranks(world).run(hybrid_layer_types, name)
+    assert len({tuple(order) for order, _ in results}) > 1  # the ranks iterate differently
+    for _, wrong in results:
+        assert wrong == {}, wrong
+
+
+class ScaledLogits(torch.nn.Module):
+    """NanoGPT whose logits are scaled by a Python constant: not a parameter, not an input,
+    so only the traced graph shows it."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.inner, self.factor = NanoGPT().double(), factor
+
+    def forward(self, idx, targets):
+        logits, loss = self.inner(idx, targets)
+        return logits * self.factor, loss
+
+
+def constant_per_rank():
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = ScaledLogits(1.5 if dist.get_rank() == 1 else 1.0)
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    return outcome(lambda: ringified(*_batch(0)))
+
+
+def test_a_constant_that_differs_on_one_rank_is_caught(ranks):
+    """The digest is blind to node order, not to a constant: every rank raises, at once."""
+    assert_every_rank_raised(ranks(2).run(constant_per_rank), "ValueError", "graph", "report")

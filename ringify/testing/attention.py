@@ -52,10 +52,6 @@ def reference(q, k, v, dout, kwargs):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def relative_error(x, truth):
-    return ((x.double() - truth).norm() / truth.norm()).item()
-
-
 def document_causal_program(learned: bool = False) -> str:
     """HF's packed-sequence mask as a program: document ids equal (inputs 0 and 1: the
     ids along queries and along keys), key at or before query. ``learned``: an additive

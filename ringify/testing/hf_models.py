@@ -141,3 +141,57 @@ def whisper_encoder(layers=2, dim=32, heads=4, mel_bins=8, frames=32):
     )
     config._attn_implementation = "sdpa"
     return WhisperEncoder(config)
+
+
+def modernbert(layers=2, dim=32, heads=4, vocab=64, window=8):
+    """HF ModernBERT: global and local (sliding-window) layers, a RoPE table per layer type
+    built in ``set`` order (so in another order under another ``PYTHONHASHSEED``)."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        layer_types=["full_attention", "sliding_attention"] * (layers // 2)
+        + ["full_attention"] * (layers % 2),
+        local_attention=window,
+        max_position_embeddings=128,
+        attention_dropout=0.0,
+        mlp_dropout=0.0,
+        embedding_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        cls_token_id=0,
+        sep_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return ModernBertForMaskedLM(config)
+
+
+def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
+    """HF Gemma3 (text): sliding and full layers, a RoPE table per layer type built in
+    ``set`` order."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dim // heads,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+        + ["sliding_attention"] * (layers % 2),
+        sliding_window=window,
+        max_position_embeddings=128,
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    return Gemma3ForCausalLM(config)

@@ -3,14 +3,25 @@
 A ``RankPool(world_size)`` spawns its ranks once (a free TCP port, one torch
 thread each, a short process-group timeout; ``backend="nccl"`` puts rank r on GPU r) and then runs any number of jobs:
 ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns the
-per-rank results, or re-raises the first rank's exception. A job that does not
-finish within its timeout kills the pool, so a hung ring fails a test in
-seconds instead of hanging the suite; the next ``pool.run`` starts fresh ranks.
+per-rank results, or re-raises the first rank's exception.
+
+A job's ``timeout`` times the job alone. Spawning the ranks, importing torch and
+ringify, joining the process group (``STARTUP_S``) and unpickling the job (which
+imports the test's module) happen before its clock starts: on a busy 2-core machine
+they take from seconds to a minute and a half. A job that does not finish within its
+timeout kills the pool, so a hung ring fails a test seconds after its timeout instead
+of hanging the suite; the next ``pool.run`` starts fresh ranks.
+
+``hash_seeds`` gives each rank its own ``PYTHONHASHSEED``, as torchrun does when it
+leaves the variable unset: ranks that iterate over a ``set`` of strings then do so in
+different orders.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import queue
 import socket
 import sys
@@ -20,6 +31,7 @@ import traceback
 import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = 30
+STARTUP_S = 600  # start-up or unpickling slower than this is a broken machine, not a slow one
 
 
 def _free_port() -> int:
@@ -35,6 +47,8 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    import ringify  # noqa: F401  (imported before the ready message: start-up, not a job)
+
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -45,19 +59,21 @@ def _worker(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
+    results.put(("ready", rank, None))
     while True:
-        job = jobs.get()
+        job = jobs.get()  # unpickling imports the job's module: before "started"
         if job is None:
             break
         fn, args = job
+        results.put(("started", rank, None))
         try:
-            results.put((rank, True, fn(*args)))
+            results.put(("done", rank, (True, fn(*args))))
         except BaseException as exc:  # report any failure to the test process
             detail = "".join(traceback.format_exception(exc))
             try:
-                results.put((rank, False, (exc, detail)))
+                results.put(("done", rank, (False, (exc, detail))))
             except Exception:
-                results.put((rank, False, (RuntimeError(detail), detail)))
+                results.put(("done", rank, (False, (RuntimeError(detail), detail))))
     dist.destroy_process_group()
 
 
@@ -73,66 +89,94 @@ def outcome(fn) -> tuple[str, str, float]:
 
 
 class RankPool:
-    def __init__(self, world_size: int, backend: str = "gloo"):
+    def __init__(self, world_size: int, backend: str = "gloo", hash_seeds: list[int] | None = None):
+        if hash_seeds is not None and len(hash_seeds) != world_size:
+            raise ValueError(f"hash_seeds: one per rank ({world_size}), got {len(hash_seeds)}")
         self.world_size = world_size
         self.backend = backend
+        self.hash_seeds = hash_seeds
         self._procs, self._jobs = [], []  # started on the first run
+        self._early: list[tuple] = []  # messages a fast rank sent before the others caught up
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.world_size)]
         port = _free_port()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(
-                    r,
-                    self.world_size,
-                    self.backend,
-                    port,
-                    list(sys.path),
-                    self._jobs[r],
-                    self._results,
-                ),
-                daemon=True,
+        for r in range(self.world_size):
+            args = (r, self.world_size, self.backend, port, list(sys.path))
+            process = ctx.Process(
+                target=_worker, args=(*args, self._jobs[r], self._results), daemon=True
             )
-            for r in range(self.world_size)
-        ]
-        for p in self._procs:
-            p.start()
+            with _hash_seed(None if self.hash_seeds is None else self.hash_seeds[r]):
+                process.start()  # a spawned child reads the environment as it is now
+            self._procs.append(process)
+        self._collect("ready", STARTUP_S, "start")
 
     def run(self, fn, *args, timeout: float = 120.0) -> list:
-        """``fn(*args)`` on every rank; the list of results indexed by rank."""
+        """``fn(*args)`` on every rank; the list of results indexed by rank. ``timeout`` counts
+        from the moment every rank has started the job."""
         if not self._procs:
             self._start()
         for q in self._jobs:
             q.put((fn, args))
-        results, errors = [None] * self.world_size, {}
-        for _ in range(self.world_size):
-            try:
-                rank, ok, value = self._results.get(timeout=timeout)
-            except queue.Empty:
-                self.close()
-                raise TimeoutError(
-                    f"ranks did not finish within {timeout}s (pool restarted)"
-                ) from None
-            if ok:
-                results[rank] = value
-            else:
-                errors[rank] = value
+        self._collect("started", STARTUP_S, "unpickle the job")
+        outcomes = self._collect("done", timeout, "finish")
+        errors = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
         if errors:
             rank = min(errors)
             exc, detail = errors[rank]
             raise exc from RuntimeError(f"rank {rank} of {self.world_size} failed:\n{detail}")
-        return results
+        return [outcomes[rank][1] for rank in range(self.world_size)]
 
-    def close(self) -> None:
+    def _collect(self, kind: str, timeout: float, what: str) -> dict[int, object]:
+        """Every rank's message of ``kind``, within ``timeout`` seconds from now. Messages
+        of the next kind that a fast rank sends early are kept for the next call."""
+        pending, self._early = self._early, []
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size:
+            if pending:
+                message = pending.pop(0)
+            else:
+                try:
+                    message = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    self.close(kill=True)
+                    raise TimeoutError(
+                        f"ranks did not {what} within {timeout}s (pool restarted)"
+                    ) from None
+            got_kind, rank, value = message
+            if got_kind == kind:
+                got[rank] = value
+            else:
+                self._early.append(message)
+        return got
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks: ask them to finish (``kill``: at once, as after a hung job)."""
         for q, p in zip(self._jobs, self._procs, strict=False):
-            if p.is_alive():
+            if p.is_alive() and not kill:
                 q.put(None)
         for p in self._procs:
-            p.join(timeout=5)
+            if not kill:
+                p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        self._procs = []
+                p.join(timeout=5)
+        self._procs, self._early = [], []
+
+
+@contextlib.contextmanager
+def _hash_seed(seed: int | None):
+    """``PYTHONHASHSEED`` set to ``seed`` (None: left as it is) for the duration of a block."""
+    saved = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = saved

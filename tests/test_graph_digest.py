@@ -1,0 +1,55 @@
+"""The canonical graph digest the ranks compare after a trace: blind to the order and names of
+independent nodes, not to what the graph computes or to the order of its collectives."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.digest import graph_digest
+
+aten = torch.ops.aten
+OPS = {"a": aten.sin.default, "b": aten.cos.default}
+
+
+def _graph(order=("a", "b"), constant=2.0, reduced=()) -> fx.GraphModule:
+    """sin(x) and cos(x), made in ``order``; those in ``reduced`` all-reduced, in that order;
+    then (sin + cos) * constant."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    made = {name: graph.call_function(OPS[name], (x,)) for name in order}
+    for name in reduced:
+        reduce = torch.ops._c10d_functional.all_reduce.default
+        made[name] = graph.call_function(reduce, (made[name], "sum", "0"))
+    total = graph.call_function(aten.add.Tensor, (made["a"], made["b"]))
+    graph.output(graph.call_function(aten.mul.Tensor, (total, constant)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_independent_nodes_in_another_order_give_one_digest():
+    one, other = _graph(order=("a", "b")), _graph(order=("b", "a"))
+    assert one.code != other.code  # what the ranks compared before: the text differs
+    assert graph_digest(one) == graph_digest(other)
+
+
+def test_another_constant_op_or_collective_order_changes_the_digest():
+    base = graph_digest(_graph(reduced=("a", "b")))
+    assert base == graph_digest(_graph(order=("b", "a"), reduced=("a", "b")))
+    assert base != graph_digest(_graph(reduced=("a", "b"), constant=3.0))
+    assert base != graph_digest(_graph(reduced=("b", "a")))  # collectives in another order
+    assert base != graph_digest(_graph(reduced=("a",)))
+
+
+def test_a_nested_graph_is_read_by_content():
+    """A call_module of a nested graph (a checkpointed region) counts by what it computes."""
+
+    def outer(inner: fx.GraphModule) -> fx.GraphModule:
+        root = torch.nn.Module()
+        root.region = inner
+        graph = fx.Graph()
+        graph.output(graph.call_module("region", (graph.placeholder("x"),)))
+        return fx.GraphModule(root, graph)
+
+    same = graph_digest(outer(_graph(order=("b", "a"))))
+    assert graph_digest(outer(_graph())) == same
+    assert graph_digest(outer(_graph(constant=3.0))) != same
