@@ -30,7 +30,9 @@ def as_model_layout(t):
 
 
 def opcheck_ops():
-    """opcheck both ops (every rank runs the same sequence of calls, so the ring stays in step)."""
+    """opcheck every op (every rank runs the same sequence of calls, so the ring stays in
+    step): the ring's attention, dilated attention, gather and take_shard, then the ops
+    beside them."""
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
@@ -57,7 +59,39 @@ def opcheck_ops():
     torch.library.opcheck(torch.ops.ringify.gather.default, (strided, 1, name, "zigzag"))
     full = torch.randn(3, 8, dtype=torch.float64)
     torch.library.opcheck(torch.ops.ringify.take_shard.default, (full, 1, name, "zigzag"))
+    opcheck_beside_the_ring(name)
     return True
+
+
+def opcheck_beside_the_ring(name: str) -> None:
+    """The ops that serve the ring: memory attention (replicated queries, this rank's keys;
+    with and without a learned bias), a mask program, the ring's maximum, sequence dropout."""
+    from ringify.testing.attention import document_causal_program, document_inputs
+
+    (q, k, v), _ = ring_args(16, layout="contiguous")
+    q = q[:, :, :3].detach().requires_grad_()  # a short replicated query set
+    k, v = (x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in (k, v))
+    bias = torch.randn(1, 4, 3, k.shape[2], dtype=q.dtype, requires_grad=True)
+    for mask in (None, bias):
+        args = (q, k, v, mask, 0.3, name, "contiguous", 15)
+        torch.library.opcheck(torch.ops.ringify.memory_attention.default, args)
+        out, lse = torch.ops.ringify.memory_attention(*args)
+        tensors = (torch.randn_like(out), q, k, v, out, lse)
+        plain_mask = None if mask is None else mask.detach()
+        bwd_args = (*(t.detach() for t in tensors), plain_mask, *args[4:])
+        kwargs = {"mask_grad": mask is not None}
+        op = torch.ops.ringify.memory_attention_backward.default
+        torch.library.opcheck(op, bwd_args, kwargs)
+    program = document_causal_program()
+    inputs = document_inputs([5, 3, 8])
+    shape = [2, 1, 16, 16]
+    torch.library.opcheck(
+        torch.ops.ringify.program_mask.default, (program, inputs, shape, torch.device("cpu"))
+    )
+    x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
+    if name:  # a ring's maximum needs a ring: checked on 2 ranks
+        torch.library.opcheck(torch.ops.ringify.ring_amax.default, (x, [1], name))
 
 
 def gradcheck_ring():
@@ -298,3 +332,19 @@ def ring_shift_matches_shifted(layout):
 def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
     for per_rank in ranks(world).run(ring_shift_matches_shifted, layout):
         assert per_rank == [True] * 10
+
+
+def test_every_op_is_opchecked():
+    """opcheck_ops covers every op ringify registers (11): a new op must join it."""
+    import inspect
+
+    import ringify.runtime  # noqa: F401  (registers the ops)
+
+    registered = {
+        name
+        for name in dir(torch.ops.ringify)
+        if isinstance(getattr(torch.ops.ringify, name), torch._ops.OpOverloadPacket)
+    }
+    source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
+    checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
+    assert len(registered) == 11 and checked == registered, registered - checked

@@ -1,7 +1,8 @@
 """The ring-attention custom ops: exact SDPA over a sequence sharded across the ranks of a ring.
 
 ``torch.ops.ringify.ring_attention(q, k, v, attn_mask, is_causal, scale, group_name,
-layout, key_len, tiles_per_chunk=0) -> (out, lse)`` is a custom op with a fake
+layout, key_len, mask_program, mask_inputs, tiles_per_chunk=0, balance=True) -> (out, lse)``
+is a custom op with a fake
 kernel and autograd, whose backward is the custom op
 ``ringify::ring_attention_backward``; AOTAutograd and Inductor see each as one
 opaque node. Output strides are a function of q's, so the fake kernels can state
@@ -14,6 +15,8 @@ Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 
 ``key_len``: keys at global positions >= key_len are padding and are cut off.
+``mask_program`` / ``mask_inputs``: a mask as a program (``mask_program.py``, its text, or
+"" for none) and its O(S) inputs; the op bounds it per tile pair (``tile_masks.py``).
 ``tiles_per_chunk``: 0 lets the op choose (``schedule.py``); tests and benchmarks
 force a tiling with it.
 
@@ -27,7 +30,8 @@ with it, every rank adds its contribution, and after P steps it arrives home.
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
 length), both run on a balanced plan (``balance.py``): some query tiles change rank,
 their rows move there first and their results move back (``tile_moves.py``), while
-K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling.
+K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling
+(tests and benchmarks compare the two).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ custom op ``ringify::ring_amax`` computes those shares once, in the forward).
 ``ring_take`` picks given global positions of the sequence (a cls token, a last
 token): each rank contributes the rows it holds, zeros elsewhere, summed.
 
-Both use functional collectives, which AOTAutograd and Inductor trace as graph nodes.
+Every collective here is a functional collective (``_c10d_functional``), which AOTAutograd
+and Inductor trace as graph nodes.
 """
 
 from __future__ import annotations
