@@ -11,14 +11,18 @@ Kernel choice follows the device of the inputs:
   rounded to 8 mantissa bits (so the error does not grow with the ring), and on
   CPUs without AMX the float32 kernel is also the faster one (measured 3x in the
   backward on the reference machine);
-- CUDA: flash for fp16/bf16, memory-efficient for fp32; float64 (no fused CUDA
-  kernel) uses the math formulation below.
+- CUDA: flash for fp16/bf16 (``flash_kernel.py`` keeps its contracts: a dense lse, and
+  causal blocks squared, since FA2 aligns a non-square causal mask bottom-right),
+  memory-efficient for fp32 (top-left causal, as SDPA); float64 (no fused CUDA kernel)
+  uses the math formulation below.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ringify.runtime.flash_kernel import flash_backward, flash_forward
 
 aten = torch.ops.aten
 
@@ -87,10 +91,7 @@ def block_forward(
         )
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(
-            q_BHsD, k_BHtD, v_BHtD, 0.0, is_causal, False, scale=scale
-        )
-        return out, lse
+        return flash_forward(q_BHsD, k_BHtD, v_BHtD, is_causal=is_causal, scale=scale)
     if q_BHsD.dtype == torch.float32:
         out, lse, *_ = aten._scaled_dot_product_efficient_attention(
             q_BHsD, k_BHtD, v_BHtD, None, True, 0.0, is_causal, scale=scale
@@ -132,25 +133,10 @@ def block_backward(
             dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, 0.0, is_causal, scale=scale
         )
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
-    s, t = q_BHsD.shape[2], k_BKtD.shape[2]
+    s = q_BHsD.shape[2]
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):
-        no_rng = torch.zeros(2, dtype=torch.int64, device=q_BHsD.device)
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout_BHsD,
-            q_BHsD,
-            k_BHtD,
-            v_BHtD,
-            out_BHsD,
-            lse_BHs.float(),
-            None,
-            None,
-            s,
-            t,
-            0.0,
-            is_causal,
-            no_rng,
-            no_rng,
-            scale=scale,
+        dq, dk, dv = flash_backward(
+            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
         )
     elif q_BHsD.dtype == torch.float32:
         padded_lse = F.pad(lse_BHs.float(), (0, -s % 32))
