@@ -15,6 +15,7 @@ from ringify.passes.report import MaskKind
 from ringify.runtime import shard
 from ringify.runtime.mask_program import MaskProgram, parse
 from ringify.runtime.tiles import Visibility
+from ringify.testing.tolerance import relative_difference, rounding
 
 S = 24  # per rank; no other dim of the models has this size times the ring size
 
@@ -59,7 +60,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     grad = max((p.grad - want_grads[n]).abs().max().item() for n, p in model.named_parameters())
     return {
         "logits": (got.logits - want.logits).abs().max().item(),
-        "loss": (got.loss - want.loss).abs().item(),
+        "loss": relative_difference(got.loss, want.loss),
         "grads": grad,
         "masks": [a.mask for a in report.rewritten],
         "gathers": len(report.gathers),
@@ -72,8 +73,10 @@ def check(results, attentions=2):
     for r in results:
         assert r["gathers"] == 0 and r["masks"] == [MaskKind.PROGRAM] * attentions, r
         assert r["quadratic"] == [], r["quadratic"]
-        # HF computes the loss in float32: 1e-6 there, float64 everywhere else
-        assert r["logits"] <= 1e-10 and r["grads"] <= 1e-10 and r["loss"] <= 1e-6, r
+        # HF computes the loss in float32: held to float32's own resolution (relative),
+        # float64 everywhere else
+        assert r["logits"] <= 1e-10 and r["grads"] <= 1e-10, r
+        assert r["loss"] <= rounding(torch.float32), r
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -104,6 +104,15 @@ def _forward_backward(run, model, args, kwargs, through_logits=True):
     return logits.detach(), loss.detach(), grads, inputs
 
 
+def _differences(got, want) -> dict[str, float]:
+    """The largest differences of the logits, the loss and the parameters' gradients."""
+    return {
+        "logits": (got[0] - want[0]).abs().max().item(),
+        "loss": _loss_difference(got[1], want[1]),
+        "grads": max((got[2][n] - want[2][n]).abs().max().item() for n in want[2]),
+    }
+
+
 def compare(name, seq, dtype, layout, compile_backend=None):
     """On every rank: ringified vs unmodified, the largest differences of each kind."""
     import torch.distributed as dist
@@ -120,10 +129,19 @@ def compare(name, seq, dtype, layout, compile_backend=None):
     got = _forward_backward(run, model, args, kwargs)
     report = ringified.report()
     assert set(got[2]) == set(want[2]), "every parameter gets a gradient"
+    tolerances = dict.fromkeys(("logits", "loss", "grads"), TOL[torch.float64])
+    if compile_backend == "inductor":
+        # Inductor fuses what a model computes in float32 (HF's loss, T5's variance) in
+        # another order than eager: the unmodified model's own move under Inductor,
+        # measured here, sets the bound (ringify.testing.tolerance)
+        from ringify.testing.tolerance import FACTOR
+
+        torch._dynamo.reset()
+        moved = _differences(_forward_backward(torch.compile(model), model, args, kwargs), want)
+        tolerances = {k: max(t, FACTOR * moved[k]) for k, t in tolerances.items()}
     return {
-        "logits": (got[0] - want[0]).abs().max().item(),
-        "loss": _loss_difference(got[1], want[1]),
-        "grads": max((got[2][n] - want[2][n]).abs().max().item() for n in want[2]),
+        **_differences(got, want),
+        "tolerances": tolerances,
         "inputs": max(
             [(a - b).abs().max().item() for a, b in zip(got[3], want[3], strict=True)] or [0.0]
         ),
@@ -224,13 +242,7 @@ def test_compiled_matches_unmodified_model(ranks, backend, name):
     """torch.compile(ringified, fullgraph=True): no graph break, same results as eager."""
     for r in run_compare(ranks, 2, name, 16, torch.float64, "zigzag", backend):
         for kind in ("logits", "loss", "grads"):
-            # HF's loss runs in float32 (logits.float()): Inductor fuses that part of the
-            # backward differently from eager, which moves the grads by float32 roundoff.
-            tol = 1e-7 if (name, backend, kind) == ("gpt2", "inductor", "grads") else 1e-10
-            # T5's layer norm takes its variance in float32: Inductor moves the unmodified
-            # model itself by ~4e-7 from eager.
-            tol = 2e-6 if (name, backend) == ("t5-encoder", "inductor") else tol
-            assert r[kind] <= tol, (kind, r)
+            assert r[kind] <= r["tolerances"][kind], (kind, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])
