@@ -98,7 +98,7 @@ def _tilings(lengths: list[int], ring: int):
     def home(rank: int):
         return shard_tiles(rank, ring, rows, "zigzag", True, per_chunk)
 
-    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
+    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs)
     return inputs, home, balanced_tiling(masks) or home
 
 
@@ -107,7 +107,7 @@ def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
     seq = sum(lengths)
     inputs, home, balanced_plan = _tilings(lengths, ring)
     tiling = balanced_plan if balanced else home
-    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs, "cpu")
+    masks = TileMasks(home, ring, None, False, seq, _DOCUMENT_CAUSAL, inputs)
     masks = masks.working_on(tiling)
     work = []
     for rank in range(ring):

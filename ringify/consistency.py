@@ -74,7 +74,10 @@ def state_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device if tensors else "cpu"
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (_, dtype), members in groups.items():
-        index = torch.tensor([i + 1 for i, _ in members], dtype=torch.float64, device=device)
+        # each member weighted by its place in the group, offset by the group's first index
+        # (made on the device: no host-to-device copy)
+        first = members[0][0] + 1
+        index = torch.arange(first, first + len(members), dtype=torch.float64, device=device)
         if dtype.is_floating_point:
             norms = torch._foreach_norm([t for _, t in members])
         else:

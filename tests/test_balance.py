@@ -39,7 +39,7 @@ def _home(world: int, seq: int, layout: str = "zigzag"):
 def _plan(home, world: int, lengths: list[int]):
     """The op's balanced plan for documents of ``lengths`` (None: kept home)."""
     program, inputs = document_causal_program(), document_inputs(lengths)
-    masks = TileMasks(home, world, None, False, sum(lengths), program, inputs, "cpu")
+    masks = TileMasks(home, world, None, False, sum(lengths), program, inputs)
     return balanced_tiling(masks)
 
 

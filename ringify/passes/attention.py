@@ -150,7 +150,8 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     causal, mask, program = att.is_causal, None, ("", [])
     kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
     if att.mask is not None and att.mask.target is program_mask:
-        program, kind = program_inputs(att.mask, state), MaskKind.PROGRAM
+        text, inputs, plan = program_inputs(att.mask, state, att.is_causal)
+        program, kind = (text, inputs, 0, True, plan), MaskKind.PROGRAM
     elif att.mask is not None:
         mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))

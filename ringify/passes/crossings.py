@@ -40,7 +40,9 @@ class PassState:
         self.dilation = dilation  # every attention becomes dilated attention
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
-        self._cache: dict[tuple, fx.Node] = {}
+        self._cache: dict[
+            tuple, object
+        ] = {}  # inserted nodes (and a program's inputs) by what made them
 
     def sharded(self, node) -> bool:
         return isinstance(self.place.get(node), Seq)

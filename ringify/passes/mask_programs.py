@@ -22,6 +22,7 @@ from torch import fx
 
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, is_tensor, shape, val
+from ringify.runtime.attention_plan import attention_plan
 from ringify.runtime.mask_program import ELEMENTWISE, MaskProgram, parse, program_mask
 from ringify.runtime.mask_program_grad import DIFFERENTIABLE
 
@@ -264,9 +265,29 @@ def _writes_only_a_temporary(node: fx.Node) -> bool:
     return written.op == "call_function" and fresh and set(written.users) == {node}
 
 
-def program_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:
-    """The ring op's ``(mask_program, mask_inputs)`` for a ``program_mask`` node: its text
-    and its inputs whole on every rank, padded with the sequence (O(S) each)."""
+def program_inputs(
+    folded: fx.Node, state: PassState, is_causal: bool
+) -> tuple[str, list[fx.Node], fx.Node]:
+    """The ring op's ``(mask_program, mask_inputs, plan)`` for a ``program_mask`` node: its
+    text, its inputs whole on every rank, padded with the sequence (O(S) each), and the
+    ``attention_plan`` node that every ring op under it shares (once per model call)."""
+    # Layers often fold a program of their own from the same inputs (HF slices its mask
+    # per layer): one set of whole inputs and one plan per program text and inputs.
+    program = (folded.args[0], tuple(folded.args[1]))
+    if ("program", program) not in state._cache:
+        state._cache["program", program] = _whole_inputs(folded, state)
+    text, whole = state._cache["program", program]
+    if ("plan", program, is_causal) not in state._cache:
+        geo = state.geo
+        with state.graph.inserting_before(folded):
+            args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
+            plan = call(state.graph, attention_plan._opoverload, args)
+        state.place[plan] = None
+        state._cache["plan", program, is_causal] = plan
+    return text, whole, state._cache["plan", program, is_causal]
+
+
+def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:
     text, inputs = folded.args[:2]
     pad = state.geo.padded - state.geo.length
     whole = []

@@ -63,15 +63,19 @@ def check_ranks_agree(
     # for this small collective and not for the work queued on the compute stream.
     stream = _side_stream(device) if not tensors else contextlib.nullcontext()
     with stream:
-        local = torch.stack(
-            [torch.as_tensor(float(error is not None), dtype=torch.float64, device=device)]
-            + [_as_number(v, device) for v in fields.values()]
-        )
+        # The Python numbers in one host-to-device copy, the device numbers as they are:
+        # the error flag first, then every field, in the same order on every rank.
+        numbers = [float(error is not None)]
+        numbers += [_as_number(v) for v in fields.values() if not isinstance(v, torch.Tensor)]
+        local = torch.tensor(numbers, dtype=torch.float64).to(device)
+        if tensors:
+            as_numbers = [v.detach().to(device, torch.float64).reshape(1) for v in tensors]
+            local = torch.cat([local, *as_numbers])
         everyone = local.new_empty(ring.size * local.numel())
         dist.all_gather_single(everyone, local, group=ring.group)
         everyone = everyone.view(ring.size, -1)
         bits = everyone.view(torch.int64)
-        if bool((bits == bits[0]).all()) and not bool(everyone[:, 0].any()):
+        if bool((bits == bits[0]).all() & (everyone[:, 0] == 0).all()):  # one host read
             return
     _raise_everywhere(ring, fields, what, fix, error, details)
 
@@ -103,11 +107,8 @@ def _raise_everywhere(ring, fields, what, fix, error, details) -> None:
     raise ValueError(f"the ranks of the ring disagree on {what}:\n  " + "\n  ".join(lines) + fixes)
 
 
-def _as_number(value: object, device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64).reshape(())
-    number = float(value) if isinstance(value, bool | int | float) else digest(value)
-    return torch.tensor(number, dtype=torch.float64, device=device)
+def _as_number(value: object) -> float:
+    return float(value) if isinstance(value, bool | int | float) else digest(value)
 
 
 def _readable(value: object) -> object:

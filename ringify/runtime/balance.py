@@ -59,6 +59,11 @@ def reset_plan_counts() -> None:
     _plans.clear()
 
 
+def count_plan(balanced: bool) -> None:
+    """Count one ring call that ran on a balanced plan, or on its own tiling."""
+    _plans["balanced" if balanced else "kept"] += 1
+
+
 def tile_owners(tiling: Tiling, tiles: list[Tile], ring_size: int) -> torch.Tensor:
     """(n,) the rank that works on each of ``tiles`` (global order) under ``tiling``."""
     index = {t.key: i for i, t in enumerate(tiles)}
@@ -140,9 +145,7 @@ def balanced_tiling(masks: TileMasks) -> Tiling | None:
     if anew < (1 - MIN_GAIN) * after:  # dealing anew moves most rows: it must clearly win
         owners, after = dealt, anew
     if after > (1 - MIN_GAIN) * before:
-        _plans["kept"] += 1
         return None
-    _plans["balanced"] += 1
     plan = {r: [] for r in range(ring_size)}
     for i in owners.argsort(stable=True).tolist():  # by rank, then global order
         plan[int(owners[i])].append(tiles[i])

@@ -81,11 +81,9 @@ def block_forward(
         )
         # The kernel reads a row whose scores are all NaN as fully masked (out 0,
         # lse 0), where SDPA gives NaN: the NaN that signals divergence would be
-        # hidden. Such a row has lse exactly 0; only then are q and k scanned.
-        suspect = lse == 0
-        if not suspect.any():
-            return out, lse
-        nan_rows = suspect & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
+        # hidden. Such a row has lse exactly 0 and a NaN in its q or a key it sees.
+        # (Scanned every time: asking first whether any lse is 0 is a host read.)
+        nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
         return out.masked_fill(nan_rows.unsqueeze(-1), float("nan")), lse.masked_fill(
             nan_rows, float("nan")
         )
@@ -326,7 +324,7 @@ def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor:
     k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
-        seen = k_nan.cummax(-1).values[..., torch.arange(s).clamp(max=t - 1)]
+        seen = k_nan.cummax(-1).values[..., torch.arange(s, device=k_nan.device).clamp(max=t - 1)]
     else:
         seen = k_nan.any(-1, keepdim=True).expand_as(q_nan)
     return q_nan | seen

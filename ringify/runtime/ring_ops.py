@@ -1,8 +1,8 @@
 """The ring-attention custom ops: exact SDPA over a sequence sharded across the ranks of a ring.
 
 ``torch.ops.ringify.ring_attention(q, k, v, attn_mask, is_causal, scale, group_name,
-layout, key_len, mask_program, mask_inputs, tiles_per_chunk=0, balance=True) -> (out, lse)``
-is a custom op with a fake
+layout, key_len, mask_program, mask_inputs, tiles_per_chunk=0, balance=True,
+plan=None) -> (out, lse)`` is a custom op with a fake
 kernel and autograd, whose backward is the custom op
 ``ringify::ring_attention_backward``; AOTAutograd and Inductor see each as one
 opaque node. Output strides are a function of q's, so the fake kernels can state
@@ -18,7 +18,8 @@ key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 ``mask_program`` / ``mask_inputs``: a mask as a program (``mask_program.py``, its text, or
 "" for none) and its O(S) inputs; the op bounds it per tile pair (``tile_masks.py``).
 ``tiles_per_chunk``: 0 lets the op choose (``schedule.py``); tests and benchmarks
-force a tiling with it.
+force a tiling with it. ``plan``: a handle from ``ringify::attention_plan`` (the graph's
+one plan per program and model call, ``attention_plan.py``), or None: made here.
 
 Forward, P ranks: the K/V tiles of each sub-ring (see ``tiles.py``) travel round
 the ring for P-1 steps; at step i this rank holds the tiles of rank
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.balance import balanced_tiling
+from ringify.runtime.attention_plan import plan_for, used
 from ringify.runtime.block_attention import (
     accumulation_dtype,
     bias_backward,
@@ -52,36 +53,12 @@ from ringify.runtime.block_attention import (
 from ringify.runtime.mask_program_grad import add_program_grads
 from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring, ring_by_name
-from ringify.runtime.schedule import needs_positions, ring_visits, shard_tiles, tile_views
-from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk, tile_of
+from ringify.runtime.schedule import ring_visits, tile_views
+from ringify.runtime.tile_masks import tile_of
 from ringify.runtime.tile_moves import move_home, rows_in
 from ringify.runtime.tiles import Visibility
 
 _DKV_TAG = 1
-
-
-def _tile_masks(
-    ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance
-):
-    """``(home, queries, TileMasks)`` for this call (the same on every rank): ``home(rank)``
-    is how that rank's shard is tiled, and its K/V tiles travel so; ``queries(rank)`` the
-    query tiles it works on, ``home`` itself unless a balanced plan (``balance.py``)
-    moves query tiles between ranks."""
-    rows = q.shape[2]
-    masked = attn_mask is not None or bool(program)
-    positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
-    if program and not per_chunk:
-        per_chunk = program_tiles_per_chunk(program, inputs, rows, ring.size, layout)
-
-    def home(rank: int):
-        return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
-
-    masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, inputs, q.device)
-    if balance and program and attn_mask is None and ring.size > 1:
-        plan = balanced_tiling(masks)
-        if plan is not None:
-            return home, plan, masks.working_on(plan)
-    return home, home, masks
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -99,6 +76,7 @@ def ring_attention_op(
     mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
     balance: bool = True,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
@@ -107,9 +85,9 @@ def ring_attention_op(
         out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
         return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
 
-    home, queries, masks = _tile_masks(
+    home, queries, masks = _planned(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
-        tiles_per_chunk, balance,
+        tiles_per_chunk, balance, plan,
     )  # fmt: skip
     (q_at,) = rows_in(ring, [q], home, queries)
     mine = queries(ring.rank)
@@ -137,7 +115,7 @@ def ring_attention_op(
 @ring_attention_op.register_fake
 def _(
     q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, mask_program,
-    mask_inputs, tiles_per_chunk=0, balance=True,
+    mask_inputs, tiles_per_chunk=0, balance=True, plan=None,
 ):  # fmt: skip
     return empty_attention_outputs(q)
 
@@ -162,6 +140,7 @@ def ring_attention_backward_op(
     mask_grad: bool = False,
     input_grads: list[bool] | None = None,
     balance: bool = True,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, d attn_mask, d mask_inputs): d attn_mask is empty unless ``mask_grad``
     (a learned bias); ``d mask_inputs[i]`` unless ``input_grads[i]`` (a learned program)."""
@@ -176,9 +155,9 @@ def ring_attention_backward_op(
         return *grads, no_mask_grad, []
 
     acc = accumulation_dtype(q.dtype)
-    home, queries, masks = _tile_masks(
+    home, queries, masks = _planned(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
-        tiles_per_chunk, balance,
+        tiles_per_chunk, balance, plan,
     )  # fmt: skip
     saved = rows_in(ring, [grad_out, q, out, lse], home, queries)
     mine = queries(ring.rank)
@@ -239,6 +218,18 @@ def ring_attention_backward_op(
     return dq, dk, dv, dmask, dinputs
 
 
+def _planned(
+    ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
+    handle,
+):  # fmt: skip
+    """``(home, queries, TileMasks)`` of this call from its plan (``attention_plan.py``):
+    the one ``handle`` names, made once per model call, else made here."""
+    args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
+    plan = plan_for(ring, q.shape[2], *args, handle=handle)
+    used(plan)
+    return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device)
+
+
 def _store_home(own, totals, dk, dv) -> None:
     """This rank's own tiles' dK and dV, complete: into ``dk`` and ``dv``."""
     n = len(own)
@@ -297,6 +288,7 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, 
 def _(
     grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
     mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None, balance=True,
+    plan=None,
 ):  # fmt: skip
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
@@ -314,18 +306,19 @@ def _setup_context(ctx, inputs, output):
     ctx.program, mask_inputs = inputs[9:11]
     ctx.tiles = inputs[11] if len(inputs) > 11 else 0
     ctx.balance = inputs[12] if len(inputs) > 12 else True
+    plan = inputs[13] if len(inputs) > 13 else None
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, *mask_inputs)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, plan, *mask_inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask, *mask_inputs = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, plan, *mask_inputs = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs = ring_attention_backward_op(
         grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
-        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance,
+        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance, plan=plan,
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
     grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)

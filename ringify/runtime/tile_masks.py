@@ -34,6 +34,7 @@ from ringify.runtime.tiles import (
     visibility,
 )
 
+_HOST = torch.device("cpu")
 _counts: Counter = Counter()  # tile pairs of the forward passes, by what they saw
 
 
@@ -62,14 +63,21 @@ class Block:
 class TileMasks:
     """The visibility of every tile pair of one call (the same on every rank). The key
     tiles of each rank are those of its shard, ``home(rank)``; so are its query tiles
-    unless ``working_on`` gives it others (a balanced plan, ``balance.py``)."""
+    unless ``working_on`` gives it others (a balanced plan, ``balance.py``).
 
-    def __init__(self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, device):
+    A program is bounded and its open blocks classified on the host, from ``inputs``:
+    host copies of its inputs (``attention_plan.py`` makes them once per model call), so
+    that nothing here reads a device tensor or mixes one with a host tensor. The blocks
+    that need their mask evaluate it from the inputs of the call they run in, on its
+    device (``bound_to``): device work, no host read."""
+
+    def __init__(self, home, ring_size, attn_mask, is_causal, key_len, program, inputs):
         self.home, self._queries, self.ring_size = home, home, ring_size
         self.mask, self.is_causal, self.key_len = attn_mask, is_causal, key_len
         self.program = parse(program) if program else None
         self.inputs = [x.detach() for x in inputs]
-        self.device = device
+        self._run_inputs, self._device = self.inputs, None
+        self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
@@ -85,6 +93,13 @@ class TileMasks:
         moved = copy.copy(self)
         moved._queries, moved._last = queries, {}
         return moved
+
+    def bound_to(self, inputs: list[torch.Tensor], device: torch.device) -> TileMasks:
+        """These masks, evaluating the blocks that need their mask from ``inputs`` (the
+        program's inputs as the running call holds them) on ``device``."""
+        bound = copy.copy(self)
+        bound._run_inputs, bound._device = [x.detach() for x in inputs], device
+        return bound
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
         n = len(tiles)
@@ -168,7 +183,21 @@ class TileMasks:
         return None, None
 
     def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
-        """Every ``Block`` of an open pair."""
+        """Every ``Block`` of an open pair: its visibility from the host's classification
+        (made once per plan), its bias, where it needs one, evaluated on the device."""
+        for rows, cols, seen, at in self._open_blocks(q_tile, k_tile, keys):
+            if seen is Visibility.HIDDEN or not (seen is Visibility.MASKED or biased):
+                yield Block(held, rows, cols, seen, None, at)
+                continue
+            mask = evaluate(self.program, self._run_inputs, *at, self._device)
+            yield Block(held, rows, cols, Visibility.MASKED, additive_mask(mask, acc), at)
+
+    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> list:
+        """``(query rows, key rows, visibility, global positions)`` of each block of an open
+        pair, classified on the host once and kept for every later call of the plan."""
+        key = (q_tile.key, q_tile.rows.start, k_tile.key, keys)
+        if key in self._open:
+            return self._open[key]
         step = MIN_TILE_ROWS
         q_blocks = [
             Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, q_tile.length)),
@@ -180,18 +209,18 @@ class TileMasks:
             for b in range(0, keys, step)
         ]
         hidden, full = settled_pairs(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
-        if biased:
-            full.zero_()
-        hidden, full = hidden.tolist(), full.tolist()
+        hidden, full = hidden.tolist(), full.tolist()  # host tensors: no device read
+        blocks = []
         for a, qb in enumerate(q_blocks):
             for b, kb in enumerate(k_blocks):
                 at = (_positions(qb, qb.length), _positions(kb, kb.length))
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
-                    yield Block(held, qb.rows, kb.rows, seen, None, at)
-                    continue
-                mask = evaluate(self.program, self.inputs, *at, self.device)
-                yield Block(held, qb.rows, kb.rows, *_classify(mask, acc, biased), at)
+                else:
+                    seen = _classify(evaluate(self.program, self.inputs, *at, _HOST))
+                blocks.append((qb.rows, kb.rows, seen, at))
+        self._open[key] = blocks
+        return blocks
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
@@ -203,22 +232,20 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     return mask[:, :, q_part, k_part]
 
 
-def _classify(mask: torch.Tensor, acc: torch.dtype, biased: bool):
-    """An evaluated block of a program: hidden, full, the causal triangle, or a bias."""
+def _classify(mask: torch.Tensor) -> Visibility:
+    """A block's mask, evaluated on the host: hidden, full, the causal triangle, or masked."""
     visible = mask if mask.dtype == torch.bool else mask == 0
     hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     if bool(hidden.all()):
-        return Visibility.HIDDEN, None
-    if biased:
-        return Visibility.MASKED, additive_mask(mask, acc)
+        return Visibility.HIDDEN
     if bool(visible.all()):
-        return Visibility.FULL, None
+        return Visibility.FULL
     rows, cols = mask.shape[-2:]
     if rows == cols:
-        tril = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+        tril = torch.ones(rows, cols, dtype=torch.bool).tril()
         if bool((visible == tril).all() and (hidden == ~tril).all()):
-            return Visibility.DIAGONAL, None
-    return Visibility.MASKED, additive_mask(mask, acc)
+            return Visibility.DIAGONAL
+    return Visibility.MASKED
 
 
 def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):

@@ -154,8 +154,7 @@ def modernbert(layers=2, dim=32, heads=4, vocab=64, window=8):
         intermediate_size=2 * dim,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        layer_types=["full_attention", "sliding_attention"] * (layers // 2)
-        + ["full_attention"] * (layers % 2),
+        layer_types=[("full_attention", "sliding_attention")[i % 2] for i in range(layers)],
         local_attention=window,
         max_position_embeddings=128,
         attention_dropout=0.0,
@@ -184,8 +183,7 @@ def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=dim // heads,
-        layer_types=["sliding_attention", "full_attention"] * (layers // 2)
-        + ["sliding_attention"] * (layers % 2),
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
         sliding_window=window,
         max_position_embeddings=128,
         use_cache=False,
