@@ -278,8 +278,11 @@ def program_inputs(
         state._cache["program", program] = _whole_inputs(folded, state)
     text, whole = state._cache["program", program]
     if ("plan", program, is_causal) not in state._cache:
-        geo = state.geo
-        with state.graph.inserting_before(folded):
+        # right after its inputs: outside any layer's checkpointed or FSDP span that the
+        # program's node may sit in, so that no recompute makes the plan again
+        geo, order = state.geo, {n: i for i, n in enumerate(state.graph.nodes)}
+        latest = max(whole, key=order.__getitem__, default=folded.prev)
+        with state.graph.inserting_before(state.after(latest)):
             args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
             plan = call(state.graph, attention_plan._opoverload, args)
         state.place[plan] = None
@@ -296,7 +299,7 @@ def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]
             x = state.gather(x)
         if pad and role in ("q", "k"):
             spec = [0, pad] if role == "k" else [0, 0, 0, pad]
-            with state.graph.inserting_before(folded):
+            with state.graph.inserting_before(state.after(x)):
                 x = call(state.graph, aten.constant_pad_nd.default, (x, spec, 0))
             state.place[x] = None
         if val(x).is_floating_point():  # each rank's ring returns its part of the gradient
