@@ -37,6 +37,7 @@ from ringify.parallelized import (
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.fsdp_units import keep_fsdp_units
+from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
@@ -307,6 +308,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
     fold_shifts(gm.graph)
+    fold_repeated_kv(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm
 

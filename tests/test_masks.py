@@ -231,3 +231,44 @@ def test_program_text_round_trips_and_refuses_other_ops():
     bad = MaskProgram((), (("mm.default", ({"pos": "q"}, {"pos": "k"}), "int64"),))
     with pytest.raises(ValueError, match="not an elementwise op"):
         parse(bad.text())
+
+
+def kv_heads_on_the_ring(kv_heads: int):
+    """(the K heads of every ring op's k and v, their bytes per step in the report, the
+    largest difference of logits and grads from the unmodified model): HF repeats K/V per
+    head before SDPA (``repeat_kv``); the ring gets them unrepeated."""
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.testing import hf_models
+
+    torch.manual_seed(0)
+    model = hf_models.llama(heads=4, kv_heads=kv_heads).double()
+    ids = torch.randint(1, 64, (2, 16 * dist.get_world_size()))
+    want = model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    got = ringified(input_ids=ids, labels=ids)
+    got.loss.backward()
+    graph = next(iter(ringified._traced.values())).module.graph
+    rings = [n for n in graph.nodes if n.target is torch.ops.ringify.ring_attention.default]
+    heads = sorted({n.args[i].meta["val"].shape[1] for n in rings for i in (1, 2)})
+    error = max(
+        (got.logits - want.logits).abs().max().item(),
+        *((p.grad - want_grads[n]).abs().max().item() for n, p in model.named_parameters()),
+    )
+    return heads, [a.bytes_per_step for a in ringified.report().attentions], error
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grouped_kv_heads_travel_unexpanded(ranks, world):
+    """4 query heads on 1 and 2 kv heads: K/V travel with their own heads (4x and 2x fewer
+    bytes than repeated), exactly."""
+    for kv_heads in (1, 2):
+        for heads, sent, error in ranks(world).run(kv_heads_on_the_ring, kv_heads):
+            assert heads == [kv_heads]
+            local = 2 * kv_heads * 16 * 8 * 8  # B x K x rows x D x float64
+            assert sent == [2 * local] * 2  # k and v, each of 2 layers
+            assert error <= 1e-10
