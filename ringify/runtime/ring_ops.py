@@ -173,6 +173,11 @@ def ring_attention_backward_op(
     pending = None
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         last = masks.last_steps(own[0].sub_ring)
+        here = None
+        if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
+            here = _tiles_backward(
+                held, kv, own, mine, masks, saved, dq_acc, dmask, learned, scale=scale, acc=acc
+            )
         if pending is not None:
             received, pending = pending.wait(), None
             if "home" in arriving:
@@ -181,10 +186,7 @@ def ring_attention_backward_op(
         if step == 0:
             dkv = None
         if held is not None:
-            dkv = _tiles_backward(
-                dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learned,
-                scale=scale, acc=acc,
-            )  # fmt: skip
+            dkv = _added(dkv, here, kv, acc)
             if step == last[src] == 0:
                 _store_home(own, dkv, dk, dv)
         # The gradients go on with the tiles while they travel, then straight home.
@@ -237,9 +239,9 @@ def _store_home(own, totals, dk, dv) -> None:
         dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
 
 
-def _tiles_backward(dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *, scale, acc):
-    """Add this rank's share of the held tiles' gradients into ``dkv`` (started here if
-    None) and of its queries' into ``dq_acc``, and of the mask's into ``dmask`` (a learned
+def _tiles_backward(held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *, scale, acc):
+    """This rank's share of the held tiles' dK/dV (per tile, None where no query here sees
+    it); its queries' share is added into ``dq_acc``, the mask's into ``dmask`` (a learned
     bias) or, with ``learned`` = (program, inputs, their gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(kv)
@@ -261,6 +263,12 @@ def _tiles_backward(dkv, held, kv, own, mine, masks, saved, dq_acc, dmask, learn
         dq_acc[:, :, r] += dq_blk
         _accumulate(here, i, dk_blk, kv[i], cols, acc)
         _accumulate(here, len(own) + i, dv_blk, kv[len(own) + i], cols, acc)
+    return here
+
+
+def _added(dkv, here, kv, acc):
+    """``here`` (this rank's share) added into the arriving ``dkv``, or, at the first step
+    (None), the start of it."""
     if dkv is None:  # zero for a tile no query here sees (all padding, masked)
         return [
             torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g

@@ -1,0 +1,53 @@
+"""The backward's dK/dV exchange overlaps its compute: each step computes its blocks before it
+waits for the dK/dV that travel from the step before (they are added after, not awaited first)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from ringify.testing.attention import make_inputs, ring_forward_backward
+
+
+def backward_events(world_inputs):
+    """The order of the backward's block kernels, dK/dV exchanges started and waited for."""
+    from ringify.runtime import ring_ops
+
+    events = []
+    start, block = ring_ops.start_exchange, ring_ops.block_backward
+
+    def started(*args, **kwargs):
+        pending = start(*args, **kwargs)
+        wait = pending.wait
+
+        def waited():
+            events.append("wait")
+            return wait()
+
+        pending.wait = waited
+        events.append("start")
+        return pending
+
+    def computed(*args, **kwargs):
+        events.append("block")
+        return block(*args, **kwargs)
+
+    with (
+        mock.patch.object(ring_ops, "start_exchange", started),
+        mock.patch.object(ring_ops, "block_backward", computed),
+    ):
+        ring_forward_backward(*world_inputs, "zigzag", {"is_causal": False})
+    return events
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_step_computes_before_it_waits_for_the_travelling_gradients(ranks, world):
+    inputs = make_inputs(1, 2, 2, 8 * world, 8, torch.float64)
+    for events in ranks(world).run(backward_events, inputs):
+        waits = [i for i, event in enumerate(events) if event == "wait"]
+        assert len(waits) == world and events.count("block") >= world, events
+        # every step's blocks run between starting the exchange and waiting for it; only
+        # the trip's last exchange (the gradients going home) has nothing left to overlap
+        assert all(events[i - 1] == "block" for i in waits[:-1]), events
