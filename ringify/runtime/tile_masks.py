@@ -214,11 +214,15 @@ class TileMasks:
         for a, qb in enumerate(q_blocks):
             for b, kb in enumerate(k_blocks):
                 at = (_positions(qb, qb.length), _positions(kb, kb.length))
+                cols = kb.rows
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
                 else:
-                    seen = _classify(evaluate(self.program, self.inputs, *at, _HOST))
-                blocks.append((qb.rows, kb.rows, seen, at))
+                    seen, kept = _classify(evaluate(self.program, self.inputs, *at, _HOST))
+                    # keys that no query of the block sees, at its end (padding): cut off
+                    cols = slice(cols.start, cols.start + kept)
+                    at = (at[0], slice(at[1].start, at[1].start + kept))
+                blocks.append((qb.rows, cols, seen, at))
         self._open[key] = blocks
         return blocks
 
@@ -232,20 +236,24 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     return mask[:, :, q_part, k_part]
 
 
-def _classify(mask: torch.Tensor) -> Visibility:
-    """A block's mask, evaluated on the host: hidden, full, the causal triangle, or masked."""
+def _classify(mask: torch.Tensor) -> tuple[Visibility, int]:
+    """A block's mask, evaluated on the host: hidden, full, the causal triangle (top-left,
+    as the kernels' ``is_causal``), or masked; and how many of its leading key columns some
+    query sees (the columns after them, as padding keys, are left out of the block)."""
     visible = mask if mask.dtype == torch.bool else mask == 0
     hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     if bool(hidden.all()):
-        return Visibility.HIDDEN
+        return Visibility.HIDDEN, 0
+    columns = (~hidden).reshape(-1, hidden.shape[-1]).any(0).nonzero()
+    kept = int(columns[-1]) + 1
+    visible, hidden = visible[..., :kept], hidden[..., :kept]
     if bool(visible.all()):
-        return Visibility.FULL
-    rows, cols = mask.shape[-2:]
-    if rows == cols:
-        tril = torch.ones(rows, cols, dtype=torch.bool).tril()
-        if bool((visible == tril).all() and (hidden == ~tril).all()):
-            return Visibility.DIAGONAL
-    return Visibility.MASKED
+        return Visibility.FULL, kept
+    rows = mask.shape[-2]
+    tril = torch.ones(rows, kept, dtype=torch.bool).tril()
+    if bool((visible == tril).all() and (hidden == ~tril).all()):
+        return Visibility.DIAGONAL, kept
+    return Visibility.MASKED, kept
 
 
 def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):

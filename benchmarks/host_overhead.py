@@ -1,0 +1,264 @@
+"""Host time of the ring op per attention call, with its kernels and transfers stubbed.
+
+On a GPU the ring op's kernels run asynchronously: what the host spends per call (planning,
+slicing, launching) is hidden behind them only if it is shorter. Here the block kernels
+(``block_forward``, ``block_backward``, ``merge_block``) are replaced by stubs that allocate
+their outputs, and ``start_exchange`` by one that moves nothing (it counts the bytes a real
+exchange would send), so a call's time under ``torch.profiler`` is its host work alone.
+
+Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
+mask program: HF always builds one under export), right-padded (10%), packed (4 documents
+of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
+``is_causal=True`` and no mask on the same shapes. Per case: host µs per call, forward and
+backward (the mean over the layers of one step, after a warm-up step; the op's own time
+plus ``LAUNCH_US`` per kernel it launches, see ``_host_cost``), the kernels per call, the
+``attention_plan`` op's µs per step, and the K/V bytes one layer sends per step, with
+HF's ``repeat_kv`` folded (the default) and not.
+
+    python benchmarks/host_overhead.py --seqs 8192 32768 --rings 2 4
+
+Then a paper model of a GPU step (labelled so): see ``paper_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+import torch
+from tabulate import tabulate
+
+from ringify.testing import RankPool
+
+CASES = ("is_causal", "causal", "padded", "packed", "swa")
+LAYERS, WINDOW = 4, 256
+
+
+def _stubs(sent: list[int]):
+    """The block kernels and the P2P exchange replaced, in every runtime module using them."""
+    from ringify.runtime import p2p
+
+    def forward(q, k, v, **_):
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def backward(dout, q, k, v, out, lse, **_):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def exchange(ring, sends, receives, *, tag=0):
+        sent[0] += sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
+        return p2p.PendingStep([], [batch for _, batch in receives], [])
+
+    patches = [
+        ("block_forward", forward),
+        ("block_backward", backward),
+        ("merge_block", lambda *a: None),
+        ("start_exchange", exchange),
+    ]
+    stack = contextlib.ExitStack()
+    for name in ("ring_ops", "schedule", "tile_moves"):
+        module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
+        for attribute, stub in patches:
+            if hasattr(module, attribute):
+                stack.enter_context(mock.patch.object(module, attribute, stub))
+    return stack
+
+
+def _model_and_inputs(case: str, seq: int):
+    from ringify.testing import hf_models
+
+    torch.manual_seed(0)
+    shape = {"layers": LAYERS, "dim": 128, "heads": 4, "kv_heads": 2}
+    if case == "swa":
+        model = hf_models.mistral(WINDOW, **shape)
+    else:
+        model = hf_models.llama(**shape, max_len=seq)
+    ids = torch.randint(1, 64, (1, seq))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if case == "padded":
+        mask = torch.ones(1, seq, dtype=torch.long)
+        mask[:, seq - seq // 10 :] = 0
+        kwargs["attention_mask"] = mask
+    if case == "packed":
+        sizes = [seq // 10, seq // 5, 3 * seq // 10]
+        kwargs["position_ids"] = torch.cat(
+            [torch.arange(n) for n in (*sizes, seq - sum(sizes))]
+        ).view(1, -1)
+    return model, kwargs
+
+
+def _step(case: str, seq: int, fold: bool):
+    """One step's function (forward and backward), after its warm-up step."""
+    import torch.distributed as dist
+
+    from ringify import ringify
+
+    world = dist.get_world_size()
+    if case == "is_causal":
+        from ringify.runtime import ring_attention, shard
+
+        g = torch.Generator().manual_seed(0)
+        full = [torch.randn(1, h, seq, 32, generator=g) for h in (4, 2, 2)]
+        qkv = [shard(t, 2).requires_grad_() for t in full]
+
+        def step():
+            for _ in range(LAYERS):
+                ring_attention(*qkv, is_causal=True, enable_gqa=True).sum().backward()
+
+        return step
+    model, kwargs = _model_and_inputs(case, seq)
+    with contextlib.nullcontext() if fold else mock.patch("ringify.trace.fold_repeated_kv"):
+        ringified = ringify(model, ring_size=world)
+        ringified(**kwargs).loss.backward()  # trace, plan
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        ringified(**kwargs).loss.backward()
+
+    return step
+
+
+def host_times(case: str, seq: int, fold: bool) -> dict[str, float]:
+    """On every rank: µs per ring op call (forward, backward), attention_plan µs per step,
+    K/V bytes sent per layer and step (stubbed exchanges count them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sent = [0]
+    with _stubs(sent):
+        step = _step(case, seq, fold)
+        step()  # a warm step: plans kept, caches filled
+        sent[0] = 0
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
+    plan_us = 0.0
+    for event in prof.events():
+        if event.name in calls:
+            calls[event.name].append(_host_cost(event))
+        elif event.name == "ringify::attention_plan":
+            plan_us += event.cpu_time_total
+
+    def mean(name, i):
+        got = calls[name]
+        return sum(c[i] for c in got) / max(1, len(got))
+
+    return {
+        "fwd_us": mean("ringify::ring_attention", 0),
+        "bwd_us": mean("ringify::ring_attention_backward", 0),
+        "fwd_launches": mean("ringify::ring_attention", 1),
+        "bwd_launches": mean("ringify::ring_attention_backward", 1),
+        "plan_us": plan_us,
+        "bytes": sent[0] / LAYERS,
+    }
+
+
+# On a GPU each kernel an op launches costs the host about this much (CUDA launch, ATen
+# dispatch); the kernels' own work, done here on the CPU, is left out.
+LAUNCH_US = 5.0
+
+
+def _host_cost(event) -> tuple[float, int]:
+    """(µs, kernels) of one op call on a GPU host: its own Python time (the op's time less
+    its ATen children's) plus ``LAUNCH_US`` per kernel it launches (ATen ops that call no
+    other), so that a mask evaluated on this CPU counts as the launches it would be."""
+    kernels, children_us, stack = 0, 0.0, list(event.cpu_children)
+    for child in event.cpu_children:
+        children_us += child.cpu_time_total
+    while stack:
+        e = stack.pop()
+        inner = [c for c in e.cpu_children if c.name.startswith("aten::")]
+        if e.name.startswith("aten::") and not inner:
+            kernels += 1
+        stack.extend(e.cpu_children)
+    return event.cpu_time_total - children_us + LAUNCH_US * kernels, kernels
+
+
+# A Llama-3-8B attention layer on H100s: the paper model's constants.
+H, K, D = 32, 8, 128
+BF16_FLOPS = 400e12  # attention kernels achieved on an H100 in bf16 (FA2-class), not the peak
+NVLINK_BYTES_S = 450e9  # one direction of an H100's NVLink 4
+
+
+def paper_model(seq: int, ring: int, host_us: float, causal: bool = True) -> dict[str, float]:
+    """A modelled GPU step of one attention layer, forward + backward, per rank: kernel time
+    from FLOPs (forward 4 S^2 D H, backward 2.5x, causal half) over ``ring`` ranks; K/V
+    bytes per ring step in bf16 (K heads), hidden behind a step's kernels if shorter; the
+    host time measured here, hidden behind the kernels if shorter. Efficiency: the kernel
+    time over the modelled time."""
+    flops = 4 * seq * seq * D * H * 3.5 * (0.5 if causal else 1.0) / ring
+    kernels = flops / BF16_FLOPS
+    step_kernels = kernels / ring
+    step_bytes = 2 * (seq // ring) * K * D * 2 * 2  # k and v forward, k/v + dk/dv backward
+    step = max(step_kernels, step_bytes / NVLINK_BYTES_S)
+    modelled = max(step * ring, host_us * 1e-6)
+    return {"kernel_ms": kernels * 1e3, "modelled_ms": modelled * 1e3, "eff": kernels / modelled}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8192])
+    parser.add_argument("--rings", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    rows, model_rows = [], []
+    for ring in args.rings:
+        pool = RankPool(ring)
+        try:
+            for seq in args.seqs:
+                base = None
+                for case in CASES:
+                    got = pool.run(host_times, case, seq, True, timeout=3600)[0]
+                    unfolded = (
+                        pool.run(host_times, case, seq, False, timeout=3600)[0]
+                        if case != "is_causal"
+                        else got
+                    )
+                    base = base or got
+                    rows.append([
+                        ring, seq, case, f"{got['fwd_us']:.0f}", f"{got['bwd_us']:.0f}",
+                        f"{got['fwd_us'] / base['fwd_us']:.2f}",
+                        f"{got['bwd_us'] / base['bwd_us']:.2f}",
+                        f"{got['fwd_launches']:.0f}", f"{got['bwd_launches']:.0f}",
+                        f"{got['plan_us']:.0f}",
+                        f"{unfolded['bytes'] / 2**20:.2f}", f"{got['bytes'] / 2**20:.2f}",
+                    ])  # fmt: skip
+                    host = got["fwd_us"] + got["bwd_us"] + got["plan_us"] / LAYERS
+                    m = paper_model(seq, ring, host)
+                    model_rows.append([
+                        ring, seq, case, f"{host:.0f}", f"{m['kernel_ms']:.2f}",
+                        f"{m['modelled_ms']:.2f}", f"{m['eff']:.2f}",
+                    ])  # fmt: skip
+                    print(tabulate([rows[-1]]), flush=True)
+        finally:
+            pool.close()
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "ring",
+                "S",
+                "case",
+                "fwd µs/call",
+                "bwd µs/call",
+                "fwd / is_causal",
+                "bwd / is_causal",
+                "fwd kernels",
+                "bwd kernels",
+                "plan µs/step",
+                "KV MiB/layer-step repeated",
+                "KV MiB/layer-step folded",
+            ],
+            tablefmt="github",
+        )
+    )
+    print("\nPaper model (not a measurement): Llama-3-8B layer, H100 bf16")
+    print(
+        tabulate(
+            model_rows,
+            headers=["ring", "S", "case", "host µs/layer", "kernel ms", "modelled ms", "eff"],
+            tablefmt="github",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
