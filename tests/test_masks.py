@@ -272,3 +272,63 @@ def test_grouped_kv_heads_travel_unexpanded(ranks, world):
             local = 2 * kv_heads * 16 * 8 * 8  # B x K x rows x D x float64
             assert sent == [2 * local] * 2  # k and v, each of 2 layers
             assert error <= 1e-10
+
+
+def test_a_blocks_padding_keys_are_cut_off_and_its_causal_triangle_kept():
+    """An evaluated block: keys no query sees at its end (padding) leave the block, and what
+    remains is read as the kernel's top-left causal mask at any shape."""
+    from ringify.runtime.tile_masks import _classify
+
+    tril = torch.ones(8, 8, dtype=torch.bool).tril()
+    padded = tril.clone()
+    padded[:, 6:] = False  # 8 queries, 6 real keys: top-left causal on 8 x 6
+    assert _classify(padded[None, None]) == (Visibility.DIAGONAL, 6)
+    full = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    full[..., 5:] = False
+    assert _classify(full) == (Visibility.FULL, 5)
+    window = tril & ~torch.ones(8, 8, dtype=torch.bool).tril(-3)
+    assert _classify(window[None, None]) == (Visibility.MASKED, 8)
+    rows = torch.stack([padded, tril])[:, None]  # the second batch row has no padding:
+    assert _classify(rows) == (Visibility.MASKED, 8)  # a cut holds for every row, or none
+    additive = torch.zeros(1, 1, 8, 8).masked_fill(~padded, float("-inf"))
+    assert _classify(additive) == (Visibility.DIAGONAL, 6)
+    assert _classify(torch.zeros(1, 1, 8, 8, dtype=torch.bool)) == (Visibility.HIDDEN, 0)
+
+
+def test_an_open_pair_runs_as_few_kernel_calls():
+    """HF's causal mask is a program, so a diagonal tile pair is open and cut into blocks: it
+    still runs as one causal call, with padding keys at its end cut off; a pair that is not
+    the causal triangle runs each row's unmasked blocks as one call."""
+    from ringify.runtime.mask_program import MaskProgram
+    from ringify.runtime.tile_masks import TileMasks
+    from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+
+    n = 4 * MIN_TILE_ROWS
+    causal = MaskProgram(("q", "k"), (("le.Tensor", ({"in": 1}, {"in": 0}), "bool"),)).text()
+    positions = torch.arange(n)
+    inputs = [positions.view(-1, 1), positions.view(1, -1)]
+    tile = Tile(slice(0, n), (0, 0), 0)
+    for key_len, want in ((n, n), (n - 5, n - 5)):
+        masks = TileMasks(lambda rank: [tile], 1, None, False, key_len, causal, inputs)
+        blocks, coalesced = masks._open_blocks(tile, tile, min(n, key_len))
+        assert len(blocks) == 16
+        assert [(b[0], b[1], b[2]) for b in coalesced] == [
+            (slice(0, n), slice(0, want), Visibility.DIAGONAL)
+        ]
+    window = MaskProgram(
+        ("q", "k"),
+        (
+            ("le.Tensor", ({"in": 1}, {"in": 0}), "bool"),
+            ("sub.Tensor", ({"in": 0}, {"in": 1}), "int64"),
+            ("lt.Scalar", ({"op": 1}, 3 * MIN_TILE_ROWS), "bool"),
+            ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
+        ),
+    ).text()
+    n = 6 * MIN_TILE_ROWS  # the last rows: a masked block, then two unmasked, the diagonal
+    tile, positions = Tile(slice(0, n), (0, 0), 0), torch.arange(n)
+    inputs = [positions.view(-1, 1), positions.view(1, -1)]
+    masks = TileMasks(lambda rank: [tile], 1, None, False, n, window, inputs)
+    blocks, coalesced = masks._open_blocks(tile, tile, n)
+    seen = [b[2] for b in coalesced if b[2] is not Visibility.HIDDEN]
+    assert len(seen) < sum(b[2] is not Visibility.HIDDEN for b in blocks)
+    assert Visibility.MASKED in seen  # the window's edge keeps its mask

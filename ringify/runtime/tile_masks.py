@@ -184,17 +184,20 @@ class TileMasks:
 
     def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
         """Every ``Block`` of an open pair: its visibility from the host's classification
-        (made once per plan), its bias, where it needs one, evaluated on the device."""
-        for rows, cols, seen, at in self._open_blocks(q_tile, k_tile, keys):
+        (made once per plan), its bias, where it needs one, evaluated on the device. Without a
+        bias, neighbouring blocks that need none run as one (``_coalesced``)."""
+        blocks, coalesced = self._open_blocks(q_tile, k_tile, keys)
+        for rows, cols, seen, at in blocks if biased else coalesced:
             if seen is Visibility.HIDDEN or not (seen is Visibility.MASKED or biased):
                 yield Block(held, rows, cols, seen, None, at)
                 continue
             mask = evaluate(self.program, self._run_inputs, *at, self._device)
             yield Block(held, rows, cols, Visibility.MASKED, additive_mask(mask, acc), at)
 
-    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> list:
+    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list]:
         """``(query rows, key rows, visibility, global positions)`` of each block of an open
-        pair, classified on the host once and kept for every later call of the plan."""
+        pair, classified on the host once and kept for every later call of the plan: each
+        block, and the blocks coalesced."""
         key = (q_tile.key, q_tile.rows.start, k_tile.key, keys)
         if key in self._open:
             return self._open[key]
@@ -210,8 +213,9 @@ class TileMasks:
         ]
         hidden, full = settled_pairs(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
         hidden, full = hidden.tolist(), full.tolist()  # host tensors: no device read
-        blocks = []
+        grid = []
         for a, qb in enumerate(q_blocks):
+            grid.append([])
             for b, kb in enumerate(k_blocks):
                 at = (_positions(qb, qb.length), _positions(kb, kb.length))
                 cols = kb.rows
@@ -222,9 +226,47 @@ class TileMasks:
                     # keys that no query of the block sees, at its end (padding): cut off
                     cols = slice(cols.start, cols.start + kept)
                     at = (at[0], slice(at[1].start, at[1].start + kept))
-                blocks.append((qb.rows, cols, seen, at))
-        self._open[key] = blocks
-        return blocks
+                grid[-1].append((qb.rows, cols, seen, at))
+        blocks = [block for row in grid for block in row]
+        nominal = [kb.rows for kb in k_blocks]
+        self._open[key] = (blocks, _coalesced(grid, q_tile, k_tile, nominal))
+        return self._open[key]
+
+
+def _coalesced(grid: list[list], q_tile: Tile, k_tile: Tile, nominal: list[slice]) -> list:
+    """The blocks of an open pair as few kernel calls: the whole pair as one causal call if
+    its blocks are exactly the causal triangle of a pair on the diagonal (HF's mask is a
+    causal program), else each row's runs of unmasked blocks as one. ``nominal``: each block
+    column's key rows before padding keys were cut off."""
+    d, f, h = Visibility.DIAGONAL, Visibility.FULL, Visibility.HIDDEN
+    n = len(nominal)
+    shaped = [
+        grid[a][b][2] is (d if a == b else f if b < a else h)
+        and (grid[a][b][2] is h or b == n - 1 or grid[a][b][1] == nominal[b])
+        for a in range(len(grid))
+        for b in range(n)
+    ]
+    last = {grid[a][n - 1][1].stop for a in range(len(grid)) if grid[a][n - 1][2] is not h}
+    aligned = q_tile.start == k_tile.start and q_tile.length == k_tile.length
+    if aligned and all(shaped) and len(last) == 1:  # padding may cut the last column short
+        (stop,) = last
+        at = (_positions(q_tile, q_tile.length), slice(k_tile.start, k_tile.start + stop))
+        return [(q_tile.rows, slice(0, stop), d, at)]
+    merged = []
+    for row in grid:
+        for block in row:
+            prev = merged[-1] if merged else None
+            if (
+                prev
+                and block[2] is prev[2] is f
+                and prev[0] == block[0]
+                and prev[1].stop == block[1].start
+            ):
+                at = (prev[3][0], slice(prev[3][1].start, block[3][1].stop))
+                merged[-1] = (prev[0], slice(prev[1].start, block[1].stop), f, at)
+            else:
+                merged.append(block)
+    return merged
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
