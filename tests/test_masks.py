@@ -332,3 +332,21 @@ def test_an_open_pair_runs_as_few_kernel_calls():
     seen = [b[2] for b in coalesced if b[2] is not Visibility.HIDDEN]
     assert len(seen) < sum(b[2] is not Visibility.HIDDEN for b in blocks)
     assert Visibility.MASKED in seen  # the window's edge keeps its mask
+
+
+def test_a_program_of_query_positions_only_keeps_every_key():
+    """A program with no key input (a query-side padding mask) evaluates to one key column,
+    broadcast: a block is never cut to that column (ViT's padded cls sequence)."""
+    from ringify.runtime.mask_program import MaskProgram
+    from ringify.runtime.tile_masks import TileMasks
+    from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+
+    n = 2 * MIN_TILE_ROWS
+    program = MaskProgram(("q",), (("cast", ({"in": 0},), "bool"),)).text()
+    valid = torch.ones(n, 1, dtype=torch.bool)
+    valid[-5:] = False  # the last queries are padding
+    tile = Tile(slice(0, n), (0, 0), 0)
+    masks = TileMasks(lambda rank: [tile], 1, None, False, n, program, [valid])
+    blocks, _ = masks._open_blocks(tile, tile, n)
+    masked = [b for b in blocks if b[2] is Visibility.MASKED]
+    assert masked and all(b[1].stop - b[1].start == MIN_TILE_ROWS for b in masked), blocks

@@ -222,7 +222,8 @@ class TileMasks:
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
                 else:
-                    seen, kept = _classify(evaluate(self.program, self.inputs, *at, _HOST))
+                    mask = evaluate(self.program, self.inputs, *at, _HOST)
+                    seen, kept = _classify(mask.expand(*mask.shape[:-2], qb.length, kb.length))
                     # keys that no query of the block sees, at its end (padding): cut off
                     cols = slice(cols.start, cols.start + kept)
                     at = (at[0], slice(at[1].start, at[1].start + kept))
@@ -279,9 +280,10 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
 
 
 def _classify(mask: torch.Tensor) -> tuple[Visibility, int]:
-    """A block's mask, evaluated on the host: hidden, full, the causal triangle (top-left,
-    as the kernels' ``is_causal``), or masked; and how many of its leading key columns some
-    query sees (the columns after them, as padding keys, are left out of the block)."""
+    """A block's mask, evaluated on the host and expanded to the block (a program of query
+    positions only has one key column): hidden, full, the causal triangle (top-left, as the
+    kernels' ``is_causal``), or masked; and how many of its leading key columns some query
+    sees (the columns after them, as padding keys, are left out of the block)."""
     visible = mask if mask.dtype == torch.bool else mask == 0
     hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     if bool(hidden.all()):
