@@ -26,11 +26,12 @@ FLASH = {
 
 
 class FlashCalls(TorchDispatchMode):
-    """Every flash call: (direction, query rows, key rows, is_causal, lse dense or None)."""
+    """Every flash call: (direction, query rows, key rows, is_causal, lse dense or None), and
+    the (query heads, key heads) of each in ``heads``."""
 
     def __init__(self):
         super().__init__()
-        self.calls = []
+        self.calls, self.heads = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in FLASH:
@@ -39,6 +40,7 @@ class FlashCalls(TorchDispatchMode):
             rows, keys = given["query"].shape[2], given["key"].shape[2]
             dense = None if lse is None else lse.is_contiguous()
             self.calls.append((FLASH[func], rows, keys, given["is_causal"], dense))
+            self.heads.append((given["query"].shape[1], given["key"].shape[1]))
         return func(*args, **(kwargs or {}))
 
 
@@ -95,9 +97,10 @@ def _meta(*shape, dtype=torch.bfloat16):
 @pytest.mark.parametrize(("s", "t"), [(8, 8), (8, 6), (6, 8)])
 def test_flash_gets_square_causal_blocks_and_a_dense_lse(s, t):
     """The CUDA branch of the block kernels, on meta tensors in bf16: the ring hands a block
-    a strided slice of the merged lse, and a padded diagonal tile is non-square."""
+    a strided slice of the merged lse, a padded diagonal tile is non-square, and K/V have
+    their GQA heads."""
     q, dout, out = _meta(2, 4, s, 16), _meta(2, 4, s, 16), _meta(2, 4, s, 16)
-    k, v = _meta(2, 4, t, 16), _meta(2, 4, t, 16)
+    k, v = _meta(2, 2, t, 16), _meta(2, 2, t, 16)  # GQA: 2 kv heads
     merged_lse = _meta(2, 4, 2 * s, dtype=torch.float32)
     lse = merged_lse[:, :, 1::2]  # a tile's rows of the merged lse
     with FlashCalls() as log:
@@ -109,3 +112,4 @@ def test_flash_gets_square_causal_blocks_and_a_dense_lse(s, t):
     for direction, rows, keys, causal, dense in log.calls:
         assert not causal or rows == keys, log.calls  # FA2 would align it bottom-right
         assert direction == "forward" or dense, log.calls
+    assert set(log.heads) == {(4, 2)}  # K/V reach FA2 unexpanded (it takes GQA natively)

@@ -70,5 +70,6 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
     for direction, rows, keys, causal, dense in log.calls:
         assert not causal or rows == keys, log.calls
         assert direction == "forward" or dense, log.calls
+    assert set(log.heads) <= {(4, 2)}  # GQA's K/V reach FA2 unexpanded
     if not learned:  # causal blocks on the diagonal reach FA2 (a learned one has a bias)
         assert any(causal for *_, causal, _ in log.calls), log.calls

@@ -12,7 +12,8 @@ Kernel choice follows the device of the inputs:
   CPUs without AMX the float32 kernel is also the faster one (measured 3x in the
   backward on the reference machine);
 - CUDA: flash for fp16/bf16 (``flash_kernel.py`` keeps its contracts: a dense lse, and
-  causal blocks squared, since FA2 aligns a non-square causal mask bottom-right),
+  causal blocks squared, since FA2 aligns a non-square causal mask bottom-right; GQA's
+  K/V go in with their own heads, as SDPA's ``enable_gqa`` hands them to FA2),
   memory-efficient for fp32 (top-left causal, as SDPA); float64 (no fused CUDA kernel)
   uses the math formulation below.
 """
@@ -87,9 +88,9 @@ def block_forward(
         return out.masked_fill(nan_rows.unsqueeze(-1), float("nan")), lse.masked_fill(
             nan_rows, float("nan")
         )
+    if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # FA2 takes GQA's K/V heads as they are
+        return flash_forward(q_BHsD, k_BKtD, v_BKtD, is_causal=is_causal, scale=scale)
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
-    if q_BHsD.dtype in (torch.float16, torch.bfloat16):
-        return flash_forward(q_BHsD, k_BHtD, v_BHtD, is_causal=is_causal, scale=scale)
     if q_BHsD.dtype == torch.float32:
         out, lse, *_ = aten._scaled_dot_product_efficient_attention(
             q_BHsD, k_BHtD, v_BHtD, None, True, 0.0, is_causal, scale=scale
@@ -130,13 +131,13 @@ def block_backward(
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, 0.0, is_causal, scale=scale
         )
+    if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # dK/dV come back with K heads
+        return flash_backward(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
+        )
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
     s = q_BHsD.shape[2]
-    if q_BHsD.dtype in (torch.float16, torch.bfloat16):
-        dq, dk, dv = flash_backward(
-            dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
-        )
-    elif q_BHsD.dtype == torch.float32:
+    if q_BHsD.dtype == torch.float32:
         padded_lse = F.pad(lse_BHs.float(), (0, -s % 32))
         no_rng = torch.zeros((), dtype=torch.int64, device=q_BHsD.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(

@@ -49,16 +49,17 @@ def flash_forward(
 def flash_backward(
     dout_BHsD: torch.Tensor,
     q_BHsD: torch.Tensor,
-    k_BHtD: torch.Tensor,
-    v_BHtD: torch.Tensor,
+    k_BKtD: torch.Tensor,
+    v_BKtD: torch.Tensor,
     out_BHsD: torch.Tensor,
     lse_BHs: torch.Tensor,
     *,
     is_causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of one block with top-left causal alignment, on FA2."""
-    tensors = (dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs)
+    """``(dq, dk, dv)`` of one block with top-left causal alignment, on FA2; dK/dV with the
+    K kv heads (FA2 sums each group)."""
+    tensors = (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs)
     return top_left_backward(_backward_kernel, *tensors, is_causal=is_causal, scale=scale)
 
 
