@@ -40,9 +40,8 @@ class PassState:
         self.dilation = dilation  # every attention becomes dilated attention
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
-        self._cache: dict[
-            tuple, object
-        ] = {}  # inserted nodes (and a program's inputs) by what made them
+        # inserted nodes (and a program's whole inputs) by what made them
+        self._cache: dict[tuple, object] = {}
 
     def sharded(self, node) -> bool:
         return isinstance(self.place.get(node), Seq)

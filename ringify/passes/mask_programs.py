@@ -281,7 +281,8 @@ def program_inputs(
         # right after its inputs: outside any layer's checkpointed or FSDP span that the
         # program's node may sit in, so that no recompute makes the plan again
         geo, order = state.geo, {n: i for i, n in enumerate(state.graph.nodes)}
-        latest = max(whole, key=order.__getitem__, default=folded.prev)
+        first = next(n for n in state.graph.nodes if n.op == "placeholder")
+        latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
         with state.graph.inserting_before(state.after(latest)):
             args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
             plan = call(state.graph, attention_plan._opoverload, args)

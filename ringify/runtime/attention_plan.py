@@ -77,7 +77,7 @@ def plan_for(
             _lookups["by handle"] += 1
             return kept
     host = _host_copy(inputs)
-    _lookups["host copies"] += 1
+    _lookups["host copies"] += bool(inputs)
     key = _content_key(geometry, program, host)
     if key not in _plans:
         _plans[key] = _build(ring, geometry, program, host, key)
@@ -122,7 +122,7 @@ def _home(ring, rows, attn_mask, is_causal, layout, key_len, program, per_chunk)
     return home
 
 
-def used(plan: Plan) -> None:
+def count_call(plan: Plan) -> None:
     """Count a call's use of its plan (``balance.plan_counts``)."""
     if plan.balanced is not None:
         count_plan(plan.balanced)

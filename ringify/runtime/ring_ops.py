@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention_plan import plan_for, used
+from ringify.runtime.attention_plan import count_call, plan_for
 from ringify.runtime.block_attention import (
     accumulation_dtype,
     bias_backward,
@@ -228,7 +228,7 @@ def _planned(
     the one ``handle`` names, made once per model call, else made here."""
     args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
     plan = plan_for(ring, q.shape[2], *args, handle=handle)
-    used(plan)
+    count_call(plan)
     return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device)
 
 

@@ -76,7 +76,7 @@ class TileMasks:
         self.mask, self.is_causal, self.key_len = attn_mask, is_causal, key_len
         self.program = parse(program) if program else None
         self.inputs = [x.detach() for x in inputs]
-        self._run_inputs, self._device = self.inputs, None
+        self._run_inputs, self._device = self.inputs, _HOST  # until ``bound_to`` a call
         self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
