@@ -6,12 +6,17 @@ slicing, launching) is hidden behind them only if it is shorter. Here the block 
 their outputs, and ``start_exchange`` by one that moves nothing (it counts the bytes a real
 exchange would send), so a call's time under ``torch.profiler`` is its host work alone.
 
+PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
+stubs (``torch_ring_times``). Tiles are a GPU's (``tiles.tile_rows``), patched onto these CPU
+tensors: what a GPU run's host would do.
+
 Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
 ``is_causal=True`` and no mask on the same shapes. Per case: host µs per call, forward and
-backward (the mean over the layers of one step, after a warm-up step; the op's own time
-plus ``LAUNCH_US`` per kernel it launches, see ``_host_cost``), the kernels per call, the
+backward (the op's own time plus ``LAUNCH_US`` per kernel it launches, see ``_host_cost``;
+the mean over the calls of one step after a warm-up step, the step's first forward left
+out: it evaluates the step's masks, ``masks µs/step``), the kernels per call, the
 ``attention_plan`` op's µs per step, and the K/V bytes one layer sends per step, with
 HF's ``repeat_kv`` folded (the default) and not.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 from unittest import mock
 
 import torch
@@ -32,12 +38,13 @@ from tabulate import tabulate
 from ringify.testing import RankPool
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
-LAYERS, WINDOW = 4, 256
+LAYERS, WINDOW, REPEATS = 4, 256, 3
 
 
-def _stubs(sent: list[int]):
-    """The block kernels and the P2P exchange replaced, in every runtime module using them."""
-    from ringify.runtime import p2p
+def _stubs(sent: list[int], gpu_tiles: bool = True):
+    """The block kernels and the P2P exchange replaced, in every runtime module using them;
+    with ``gpu_tiles``, the tiles a GPU would use (``tiles.tile_rows``) on these CPU tensors."""
+    from ringify.runtime import p2p, tile_masks, tiles
 
     def forward(q, k, v, **_):
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -56,7 +63,12 @@ def _stubs(sent: list[int]):
         ("start_exchange", exchange),
     ]
     stack = contextlib.ExitStack()
-    for name in ("ring_ops", "schedule", "tile_moves"):
+    if gpu_tiles:
+        for module in (tiles, tile_masks):
+            stack.enter_context(
+                mock.patch.object(module, "tile_rows", lambda _: tiles.DEVICE_TILE_ROWS)
+            )
+    for name in ("ring_ops", "courier"):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:
             if hasattr(module, attribute):
@@ -119,35 +131,136 @@ def _step(case: str, seq: int, fold: bool):
     return step
 
 
+def _torch_ring_stubs():
+    """PyTorch's ring (``_templated_ring_attention``) under the same stubs: its K/V and dK/dV
+    rotations move nothing, its per-step merge (``_SDPAMerger``, as our stubbed
+    ``merge_block``) keeps the first block's result."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    class Rotater:
+        def exchange_buffers(self, buffer):
+            self.buffer = buffer
+
+        def next_buffer(self):
+            return torch.empty_like(self.buffer)
+
+    class Merger:
+        def __init__(self, *args, **kwargs):
+            self.first = None
+
+        def step(self, out, lse, partial):
+            self.first = self.first or (out, lse)
+
+        def results(self):
+            return self.first
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(cp, "_create_rotater", lambda *a, **k: Rotater()))
+    stack.enter_context(mock.patch.object(cp, "_SDPAMerger", Merger))
+    return stack
+
+
+def torch_ring_times(seq: int) -> dict[str, float]:
+    """On every rank: µs per call of PyTorch's ring attention forward and backward (causal,
+    its round-robin load balance: our zigzag), kernels and rotations stubbed."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    world = dist.get_world_size()
+    rows = seq // world
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout, out = (torch.randn(1, 4, rows, 32, generator=g) for _ in range(5))
+    lse = torch.zeros(1, 4, rows)  # its CP expands GQA's K/V before the ring: 4 heads each
+
+    def forward_op(q, k, v, is_causal, **_):
+        return torch.empty_like(q), q.new_empty(q.shape[:3])
+
+    def backward_op(*, query, key, value, **_):
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+    def step():
+        for _ in range(LAYERS):
+            with record_function("torch_ring_forward"):
+                cp._templated_ring_attention(
+                    dist.group.WORLD, 2, forward_op, q, k, v, is_causal=True, scale=0.125
+                )
+            with record_function("torch_ring_backward"):
+                cp._templated_ring_attention_backward(
+                    dist.group.WORLD, 2, backward_op, dout, "grad_out", q, k, v, out, lse,
+                    is_causal=True, scale=0.125,
+                )  # fmt: skip
+
+    calls = {"torch_ring_forward": [], "torch_ring_backward": []}
+    with _torch_ring_stubs():
+        step()
+        for _ in range(REPEATS):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            got = {name: [] for name in calls}
+            for event in prof.events():
+                if event.name in calls:
+                    got[event.name].append(_host_cost(event))
+            for name in calls:
+                calls[name].append(got[name])
+    fwd, bwd = (
+        [_median(per_call) for per_call in zip(*calls[name], strict=True)] for name in calls
+    )
+    return {
+        "fwd_us": sum(c[0] for c in fwd) / len(fwd),
+        "bwd_us": sum(c[0] for c in bwd) / len(bwd),
+        "fwd_launches": sum(c[1] for c in fwd) / len(fwd),
+        "bwd_launches": sum(c[1] for c in bwd) / len(bwd),
+    }
+
+
+def _median(costs) -> tuple[float, int]:
+    return statistics.median(c[0] for c in costs), costs[0][1]
+
+
 def host_times(case: str, seq: int, fold: bool) -> dict[str, float]:
     """On every rank: µs per ring op call (forward, backward), attention_plan µs per step,
     K/V bytes sent per layer and step (stubbed exchanges count them)."""
     from torch.profiler import ProfilerActivity, profile
 
     sent = [0]
+    calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
+    plan_us = []
     with _stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
-        sent[0] = 0
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-    calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
-    plan_us = 0.0
-    for event in prof.events():
-        if event.name in calls:
-            calls[event.name].append(_host_cost(event))
-        elif event.name == "ringify::attention_plan":
-            plan_us += event.cpu_time_total
+        for _ in range(REPEATS):  # this machine's noise: each call's median over the steps
+            sent[0] = 0
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            got = {name: [] for name in calls}
+            plan_us.append(0.0)
+            for event in prof.events():
+                if event.name in calls:
+                    got[event.name].append(_host_cost(event))
+                elif event.name == "ringify::attention_plan":
+                    plan_us[-1] += event.cpu_time_total
+            for name in calls:
+                calls[name].append(got[name])
+    calls = {
+        name: [_median(per_call) for per_call in zip(*steps, strict=True)]
+        for name, steps in calls.items()
+    }
+    plan_us = statistics.median(plan_us)
 
-    def mean(name, i):
-        got = calls[name]
+    def mean(got, i):
         return sum(c[i] for c in got) / max(1, len(got))
 
+    # The step's first forward call evaluates the masks every later call of the step reuses
+    # (``step_masks.py``): a per-step cost, as the plan's, reported apart from the calls.
+    forward, backward = calls["ringify::ring_attention"], calls["ringify::ring_attention_backward"]
+    later = forward[1:] or forward
     return {
-        "fwd_us": mean("ringify::ring_attention", 0),
-        "bwd_us": mean("ringify::ring_attention_backward", 0),
-        "fwd_launches": mean("ringify::ring_attention", 1),
-        "bwd_launches": mean("ringify::ring_attention_backward", 1),
+        "fwd_us": mean(later, 0),
+        "bwd_us": mean(backward, 0),
+        "fwd_launches": mean(later, 1),
+        "bwd_launches": mean(backward, 1),
+        "masks_us": forward[0][0] - mean(later, 0) if forward else 0.0,
         "plan_us": plan_us,
         "bytes": sent[0] / LAYERS,
     }
@@ -174,8 +287,9 @@ def _host_cost(event) -> tuple[float, int]:
     return event.cpu_time_total - children_us + LAUNCH_US * kernels, kernels
 
 
-# A Llama-3-8B attention layer on H100s: the paper model's constants.
-H, K, D = 32, 8, 128
+# A Llama-3-8B attention layer on H100s: the paper model's constants (the per-step plan and
+# masks are shared by its 32 layers).
+H, K, D, MODEL_LAYERS = 32, 8, 128, 32
 BF16_FLOPS = 400e12  # attention kernels achieved on an H100 in bf16 (FA2-class), not the peak
 NVLINK_BYTES_S = 450e9  # one direction of an H100's NVLink 4
 
@@ -219,16 +333,26 @@ def main() -> None:
                         f"{got['fwd_us'] / base['fwd_us']:.2f}",
                         f"{got['bwd_us'] / base['bwd_us']:.2f}",
                         f"{got['fwd_launches']:.0f}", f"{got['bwd_launches']:.0f}",
-                        f"{got['plan_us']:.0f}",
+                        f"{got['masks_us']:.0f}", f"{got['plan_us']:.0f}",
                         f"{unfolded['bytes'] / 2**20:.2f}", f"{got['bytes'] / 2**20:.2f}",
                     ])  # fmt: skip
-                    host = got["fwd_us"] + got["bwd_us"] + got["plan_us"] / LAYERS
+                    per_step = got["plan_us"] + got["masks_us"]
+                    host = got["fwd_us"] + got["bwd_us"] + per_step / MODEL_LAYERS
                     m = paper_model(seq, ring, host)
                     model_rows.append([
                         ring, seq, case, f"{host:.0f}", f"{m['kernel_ms']:.2f}",
                         f"{m['modelled_ms']:.2f}", f"{m['eff']:.2f}",
                     ])  # fmt: skip
                     print(tabulate([rows[-1]]), flush=True)
+                theirs = pool.run(torch_ring_times, seq, timeout=3600)[0]
+                rows.append([
+                    ring, seq, "PyTorch ring", f"{theirs['fwd_us']:.0f}",
+                    f"{theirs['bwd_us']:.0f}", f"{theirs['fwd_us'] / base['fwd_us']:.2f}",
+                    f"{theirs['bwd_us'] / base['bwd_us']:.2f}",
+                    f"{theirs['fwd_launches']:.0f}", f"{theirs['bwd_launches']:.0f}",
+                    "-", "-", "-", "-",
+                ])  # fmt: skip
+                print(tabulate([rows[-1]]), flush=True)
         finally:
             pool.close()
     print(
@@ -244,6 +368,7 @@ def main() -> None:
                 "bwd / is_causal",
                 "fwd kernels",
                 "bwd kernels",
+                "masks µs/step",
                 "plan µs/step",
                 "KV MiB/layer-step repeated",
                 "KV MiB/layer-step folded",

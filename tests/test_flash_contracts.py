@@ -23,17 +23,27 @@ FLASH = {
     aten._scaled_dot_product_flash_attention.default: "forward",
     aten._scaled_dot_product_flash_attention_backward.default: "backward",
 }
+EFFICIENT = (
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+)
 
 
 class FlashCalls(TorchDispatchMode):
     """Every flash call: (direction, query rows, key rows, is_causal, lse dense or None), and
-    the (query heads, key heads) of each in ``heads``."""
+    the (query heads, key heads) of each in ``heads``; every bias the memory-efficient kernel
+    gets, in ``biases``: (its strides, its dtype is q's)."""
 
     def __init__(self):
         super().__init__()
-        self.calls, self.heads = [], []
+        self.calls, self.heads, self.biases = [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in EFFICIENT:
+            given = _by_name(func, args, kwargs or {})
+            bias = given.get("attn_bias")
+            if bias is not None:
+                self.biases.append((bias.stride(), bias.dtype == given["query"].dtype))
         if func in FLASH:
             given = _by_name(func, args, kwargs or {})
             lse = given.get("logsumexp")

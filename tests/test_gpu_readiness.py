@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_flash_contracts import FlashCalls
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.runtime.attention_plan import plan_lookups, reset_plan_lookups
 from ringify.runtime.mask_program import MaskProgram
@@ -71,5 +72,142 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
         assert not causal or rows == keys, log.calls
         assert direction == "forward" or dense, log.calls
     assert set(log.heads) <= {(4, 2)}  # GQA's K/V reach FA2 unexpanded
+    # a masked block's bias has the program's own dims, broadcast over the heads (never a
+    # dense (B, H, s, t) copy), its rows 16-byte aligned, in q's dtype
+    assert log.biases or name == "causal"
+    for strides, same_dtype in log.biases:
+        assert strides[1] == 0 and strides[2] % 8 == 0 and same_dtype, log.biases
     if not learned:  # causal blocks on the diagonal reach FA2 (a learned one has a bias)
         assert any(causal for *_, causal, _ in log.calls), log.calls
+
+
+class _ProgramOps(TorchDispatchMode):
+    """How many times each of ``names`` (ATen ops of a mask program) ran."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.count = names, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func.overloadpacket.__name__) + "." + func._overloadname in self.names
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["packed", "window"])
+def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
+    """The first call of a step evaluates each masked block's mask on the device and keeps it
+    for the step (the plan handle's life): another layer's forward and every backward evaluate
+    nothing. A call with no handle (outside a ringified graph) evaluates its own."""
+    program, host, _ = _case(name)
+    ops = {"packed": {"eq.Tensor"}, "window": {"lt.Scalar"}}[name]  # the program's own ops
+    geometry = ("", "contiguous", KEYS)
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+    q, dout, k, v = meta(1, 4, N, 64), meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64)
+    inputs = [x.to("meta") for x in host]
+
+    def layer(handle, q, k, v, dout, inputs):
+        args = (None, False, 0.125, *geometry, program, inputs, 0, True, handle)
+        out, lse = ring_attention_op._init_fn(q, k, v, *args)
+        ring_attention_backward_op._init_fn(
+            dout, q, k, v, out, lse, None, False, 0.125, *geometry, program, inputs, 0,
+            balance=True, plan=handle,
+        )  # fmt: skip
+
+    handle = torch.ops.ringify.attention_plan(program, host, N, False, *geometry)
+    with _ProgramOps(ops) as first:
+        layer(handle, q, k, v, dout, inputs)
+    with _ProgramOps(ops) as later:
+        layer(handle, q, k, v, dout, inputs)
+    small = [torch.zeros(*x.shape[:3], 2) for x in (q, k, v, dout)]  # no handle: on the host
+    with _ProgramOps(ops) as unplanned:
+        layer(None, *small[:3], small[3], host)
+    assert first.count > 0 and later.count == 0
+    assert unplanned.count >= 2 * first.count  # its forward and its backward, each
+
+
+class _RingifyBodies(TorchDispatchMode):
+    """Runs every ringify op's own body on meta tensors, where the dispatcher would run its
+    fake kernel (a fake kernel serves the Meta key): so a whole graph on meta executes the ring
+    loop itself, as on a device. Autograd sits above the mode: the ops' backward runs too."""
+
+    def __init__(self):
+        from torch._library.custom_ops import OPDEFS
+
+        super().__init__()
+        self.bodies = {
+            d._opoverload: d._init_fn for name, d in OPDEFS.items() if name.startswith("ringify::")
+        }
+        self.ran: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = self.bodies.get(func)
+        if body is None:
+            return func(*args, **(kwargs or {}))
+        self.ran.append(func.name())
+        return body(*args, **(kwargs or {}))
+
+
+def _llama_case(case: str, seq: int):
+    """(an HF Llama, or Mistral with a window shorter than ``seq``, and its inputs)."""
+    from ringify.testing import hf_models
+
+    torch.manual_seed(0)
+    shape = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2}
+    if case == "window":
+        model = hf_models.mistral(MIN_TILE_ROWS + 100, **shape)
+    else:
+        model = hf_models.llama(**shape, max_len=seq)
+    ids = torch.randint(1, 64, (1, seq))
+    inputs = {"input_ids": ids, "labels": ids}
+    if case == "padded":
+        inputs["attention_mask"] = torch.ones(1, seq, dtype=torch.long)
+        inputs["attention_mask"][:, -300:] = 0
+    if case == "packed":
+        lengths = (700, 1500, seq - 2200)
+        inputs["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
+    return model, inputs
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "packed", "window"])
+def test_a_whole_ringified_llama_runs_on_a_device(case):
+    """A whole ringified HF model, forward and backward, on meta tensors in bfloat16: every op
+    of its graph and every ring op body takes its CUDA branch, and a meta tensor can neither be
+    read nor mixed with a host tensor. Its plan's one host copy (the only read a GPU run makes)
+    is replayed from a CPU run on the same inputs. Every flash call keeps its contracts, GQA's
+    K/V reach it unexpanded, and every ring call finds its plan by the graph's handle."""
+    from unittest import mock
+
+    from ringify import ringify
+    from ringify.runtime import attention_plan
+
+    model, inputs = _llama_case(case, N)
+    ringified = ringify(model, ring_size=1)
+    copies, copy = [], attention_plan._host_copy
+    with mock.patch.object(
+        attention_plan, "_host_copy", lambda x: copies.append(copy(x)) or copies[-1]
+    ):
+        ringified(**inputs).loss.backward()  # on the host: the plans' inputs, recorded
+    ringified.to(device="meta", dtype=torch.bfloat16)
+    on_meta = {k: v.to("meta") for k, v in inputs.items()}
+    ringified(**on_meta)  # traced for meta inputs (the ops' fake kernels run)
+    replayed = iter(copies)
+    reset_plan_lookups()
+    with (
+        mock.patch.object(attention_plan, "_host_copy", lambda x: next(replayed)),
+        FlashCalls() as log,
+        _RingifyBodies() as bodies,
+    ):
+        loss = ringified(**on_meta).loss
+        loss.backward()
+    assert loss.device.type == "meta"
+    assert bodies.ran.count("ringify::ring_attention_backward") == 2, bodies.ran
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
+    lookups = plan_lookups()
+    assert lookups["by handle"] == 2 * 2 and lookups["host copies"] <= 1, lookups  # 2 layers
+    assert log.calls or log.biases  # the CUDA kernels were reached
+    for direction, rows, keys, causal, dense in log.calls:
+        assert not causal or rows == keys, log.calls
+        assert direction == "forward" or dense, log.calls
+    assert set(log.heads) <= {(4, 2)}
+    for strides, same_dtype in log.biases:
+        assert strides[1] == 0 and strides[2] % 8 == 0 and same_dtype, log.biases

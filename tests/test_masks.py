@@ -277,22 +277,26 @@ def test_grouped_kv_heads_travel_unexpanded(ranks, world):
 def test_a_blocks_padding_keys_are_cut_off_and_its_causal_triangle_kept():
     """An evaluated block: keys no query sees at its end (padding) leave the block, and what
     remains is read as the kernel's top-left causal mask at any shape."""
-    from ringify.runtime.tile_masks import _classify
+    from ringify.runtime.open_blocks import classify
 
     tril = torch.ones(8, 8, dtype=torch.bool).tril()
     padded = tril.clone()
     padded[:, 6:] = False  # 8 queries, 6 real keys: top-left causal on 8 x 6
-    assert _classify(padded[None, None]) == (Visibility.DIAGONAL, 6)
+    assert classify(padded[None, None]) == (Visibility.DIAGONAL, 6, False)
     full = torch.ones(1, 1, 8, 8, dtype=torch.bool)
     full[..., 5:] = False
-    assert _classify(full) == (Visibility.FULL, 5)
+    assert classify(full) == (Visibility.FULL, 5, False)
     window = tril & ~torch.ones(8, 8, dtype=torch.bool).tril(-3)
-    assert _classify(window[None, None]) == (Visibility.MASKED, 8)
+    assert classify(window[None, None]) == (Visibility.MASKED, 8, False)
     rows = torch.stack([padded, tril])[:, None]  # the second batch row has no padding:
-    assert _classify(rows) == (Visibility.MASKED, 8)  # a cut holds for every row, or none
+    assert classify(rows) == (Visibility.MASKED, 8, False)  # a cut holds for every row, or none
     additive = torch.zeros(1, 1, 8, 8).masked_fill(~padded, float("-inf"))
-    assert _classify(additive) == (Visibility.DIAGONAL, 6)
-    assert _classify(torch.zeros(1, 1, 8, 8, dtype=torch.bool)) == (Visibility.HIDDEN, 0)
+    assert classify(additive) == (Visibility.DIAGONAL, 6, False)
+    assert classify(torch.zeros(1, 1, 8, 8, dtype=torch.bool)) == (Visibility.HIDDEN, 0, True)
+    # a query row that sees no key of the block: the kernels' result for it must be zeroed
+    empty_row = tril.clone()
+    empty_row[3] = False
+    assert classify(empty_row[None, None]) == (Visibility.MASKED, 8, True)
 
 
 def test_an_open_pair_runs_as_few_kernel_calls():

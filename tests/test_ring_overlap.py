@@ -13,13 +13,15 @@ from ringify.testing.attention import make_inputs, ring_forward_backward
 
 def backward_events(world_inputs):
     """The order of the backward's block kernels, dK/dV exchanges started and waited for."""
-    from ringify.runtime import ring_ops
+    from ringify.runtime import courier, ring_ops
 
     events = []
-    start, block = ring_ops.start_exchange, ring_ops.block_backward
+    start, block = courier.start_exchange, ring_ops.block_backward
 
-    def started(*args, **kwargs):
-        pending = start(*args, **kwargs)
+    def started(*args, tag, **kwargs):
+        pending = start(*args, tag=tag, **kwargs)
+        if tag != courier.Parcel.DKV:  # K/V tiles travelling
+            return pending
         wait = pending.wait
 
         def waited():
@@ -35,7 +37,7 @@ def backward_events(world_inputs):
         return block(*args, **kwargs)
 
     with (
-        mock.patch.object(ring_ops, "start_exchange", started),
+        mock.patch.object(courier, "start_exchange", started),
         mock.patch.object(ring_ops, "block_backward", computed),
     ):
         ring_forward_backward(*world_inputs, "zigzag", {"is_causal": False})

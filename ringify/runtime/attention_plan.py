@@ -31,7 +31,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringify.runtime.balance import balanced_tiling, count_plan
-from ringify.runtime.ring import Ring, ring_by_name
+from ringify.runtime.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.schedule import needs_positions, shard_tiles
 from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
 from ringify.runtime.tiles import Tiling
@@ -62,28 +62,46 @@ class Plan:
 def plan_for(
     ring: Ring, rows: int, attn_mask, is_causal: bool, layout: str, key_len: int,
     program: str, inputs: list[torch.Tensor], per_chunk: int, balance: bool,
-    handle: torch.Tensor | None = None,
+    handle: torch.Tensor | None = None, device_type: str = "cpu",
 ) -> Plan:  # fmt: skip
-    """The plan of a call: the one ``handle`` names, if it is still kept and was made for
-    this geometry; else the kept plan of the same content; else a new one."""
+    """The plan of a call on ``device_type`` (its tile size, ``tiles.tile_rows``): the one
+    ``handle`` names, if it is still kept and was made for this geometry; else the kept
+    plan of the same content; else a new one."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
-    if attn_mask is not None or not program:  # nothing to read from the device: no cache
-        home = _home(ring, rows, attn_mask, is_causal, layout, key_len, program, per_chunk)
+    geometry += (device_type,)
+    if attn_mask is not None:  # a mask tensor: its tiles are the call's own
+        home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, [])
         return Plan(home, home, masks, None, geometry, 0)
+    if not program:  # nothing to read: kept by geometry alone
+        key = hash(geometry) >> 1
+        if key not in _plans:
+            home = _home(ring, geometry, None, "")
+            masks = TileMasks(home, ring.size, None, is_causal, key_len, "", [])
+            _keep(key, Plan(home, home, masks, None, geometry, key))
+        return _used(key)
     if handle is not None:
         kept = _handles.get(handle)  # the handle tensor itself is the key: nothing is read
-        if kept is not None and kept.geometry == geometry:
+        # made for this geometry (a plan made for another device's tile size is still exact)
+        if kept is not None and kept.geometry[:-1] == geometry[:-1]:
             _lookups["by handle"] += 1
             return kept
     host = _host_copy(inputs)
     _lookups["host copies"] += bool(inputs)
     key = _content_key(geometry, program, host)
     if key not in _plans:
-        _plans[key] = _build(ring, geometry, program, host, key)
+        _keep(key, _build(ring, geometry, program, host, key))
         _lookups["built"] += 1
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
+    return _used(key)
+
+
+def _keep(key: int, plan: Plan) -> None:
+    _plans[key] = plan
+    while len(_plans) > MAX_PLANS:
+        _plans.popitem(last=False)
+
+
+def _used(key: int) -> Plan:
     _plans.move_to_end(key)
     return _plans[key]
 
@@ -99,10 +117,10 @@ def reset_plan_lookups() -> None:
 
 
 def _build(ring: Ring, geometry: tuple, program: str, host: list[torch.Tensor], key: int) -> Plan:
-    _, _, rows, is_causal, layout, key_len, per_chunk, balance = geometry
+    _, _, rows, is_causal, layout, key_len, per_chunk, balance, device_type = geometry
     if not per_chunk:
-        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout)
-    home = _home(ring, rows, None, is_causal, layout, key_len, program, per_chunk)
+        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
+    home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
     masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host)
     if not (balance and ring.size > 1):
         return Plan(home, home, masks, None, geometry, key)
@@ -112,12 +130,13 @@ def _build(ring: Ring, geometry: tuple, program: str, host: list[torch.Tensor], 
     return Plan(home, queries, masks.working_on(queries), True, geometry, key)
 
 
-def _home(ring, rows, attn_mask, is_causal, layout, key_len, program, per_chunk) -> Tiling:
+def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
+    _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
     masked = attn_mask is not None or bool(program)
     positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
 
     def home(rank: int):
-        return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk)
+        return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk, device_type)
 
     return home
 
@@ -167,10 +186,19 @@ def attention_plan(
     this program with these inputs; the ring ops take it as their ``plan``."""
     ring = ring_by_name(group_name)
     args = (None, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk, balance)
-    plan = plan_for(ring, rows, *args)
+    plan = plan_for(ring, rows, *args, device_type=_device_type(ring, mask_inputs))
     handle = torch.tensor([plan.handle], dtype=torch.int64)  # its content key, never read
     _handles[handle] = plan
     return handle
+
+
+def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
+    """The device the ring calls of this plan run on, for its tile size: the program
+    inputs', else CUDA where the ring's backend moves CUDA tensors and there is a GPU."""
+    if inputs:
+        return inputs[0].device.type
+    served = served_devices(ring) if ring.group is not None else set()
+    return "cuda" if "cuda" in served and torch.cuda.is_available() else "cpu"
 
 
 @attention_plan.register_fake

@@ -65,15 +65,19 @@ def block_forward(
     is_causal: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
     ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
-    A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op.
+    A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
+    ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
     """
     q_BHsD, k_BKtD, v_BKtD = _unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
     if bias is not None:
         out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
+        if not empty_rows:
+            return out, lse
         empty = (bias == float("-inf")).all(-1).expand(lse.shape)
         return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     if q_BHsD.device.type == "cpu":
@@ -110,11 +114,13 @@ def block_backward(
     is_causal: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
 
     With the global ``out`` and ``lse`` the kernel's recomputed probabilities are
     the global ones, so the block gradients sum exactly to the full gradient.
+    ``empty_rows=False``: no row of the block is masked entirely (so none has lse -inf).
     """
     dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _unit_last_stride(
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
@@ -122,7 +128,8 @@ def block_backward(
     if bias is not None:
         # A row masked everywhere (lse = -inf) has no gradient: lse = +inf makes its
         # recomputed probabilities exp(s - lse) exactly 0 instead of NaN.
-        lse_BHs = lse_BHs.masked_fill(lse_BHs == float("-inf"), float("inf"))
+        if empty_rows:
+            lse_BHs = lse_BHs.masked_fill(lse_BHs == float("-inf"), float("inf"))
         return _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias, scale)
     if q_BHsD.device.type == "cpu":
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _cpu_kernel_inputs(
@@ -164,10 +171,8 @@ def block_backward(
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, float("-inf")
-        )
+    if mask.dtype == torch.bool:  # two kernels: log(1) = 0 and log(0) = -inf, exactly (IEEE)
+        return mask.to(dtype).log_()
     return mask.to(dtype)
 
 
@@ -214,13 +219,20 @@ def _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias,
 
 
 def _cuda_bias(bias, q_BHsD, k_BHtD):
-    """The efficient kernel wants a dense (B, H, s, t) bias whose rows are 16-byte aligned."""
+    """The efficient kernel wants a (B, H, s, t) bias whose rows are 16-byte aligned; its batch
+    and head dims may be broadcast (stride 0), as SDPA's own ``preprocess_mask`` expands them:
+    only the bias's own dims are written, never a dense (B, H, s, t) copy."""
     b, h, s, _ = q_BHsD.shape
     t = k_BHtD.shape[2]
-    padded = torch.empty(b, h, s, t + (-t % 8), dtype=q_BHsD.dtype, device=q_BHsD.device)
-    padded = padded[..., :t]
-    padded.copy_(bias.expand(b, h, s, t))
-    return padded
+    own = (*bias.shape[:2], s, t)
+    aligned = bias.stride(-1) == 1 and bias.stride(-2) % 8 == 0 and bias.data_ptr() % 16 == 0
+    if bias.dtype == q_BHsD.dtype and aligned:
+        aligned = bias.expand(own)
+    else:
+        padded = torch.empty(*own[:3], t + (-t % 8), dtype=q_BHsD.dtype, device=q_BHsD.device)
+        aligned = padded[..., :t]
+        aligned.copy_(bias.expand(own))
+    return aligned.expand(b, h, s, t)
 
 
 def math_forward(

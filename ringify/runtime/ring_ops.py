@@ -50,15 +50,14 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
+from ringify.runtime.courier import Courier, Parcel
 from ringify.runtime.mask_program_grad import add_program_grads
-from ringify.runtime.p2p import buffers_like, start_exchange
 from ringify.runtime.ring import Ring, ring_by_name
 from ringify.runtime.schedule import ring_visits, tile_views
+from ringify.runtime.step_masks import kept_masks
 from ringify.runtime.tile_masks import tile_of
 from ringify.runtime.tile_moves import move_home, rows_in
 from ringify.runtime.tiles import Visibility
-
-_DKV_TAG = 1
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -103,7 +102,7 @@ def ring_attention_op(
             k_blk, v_blk = kv[b.held][:, :, b.cols], kv[len(own) + b.held][:, :, b.cols]
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
-                scale=scale, bias=b.bias,
+                scale=scale, bias=b.bias, empty_rows=b.empty_rows,
             )  # fmt: skip
             merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
     out = out_acc.to(q.dtype)
@@ -169,8 +168,7 @@ def ring_attention_backward_op(
         for x, want in zip(mask_inputs, wanted, strict=True)
     ]
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
-    arriving = {}  # what the exchange of the previous step brings: "travel", "home"
-    pending = None
+    delivery = None  # the previous step's exchange: dK/dV travelling on, and arriving home
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         last = masks.last_steps(own[0].sub_ring)
         here = None
@@ -178,37 +176,29 @@ def ring_attention_backward_op(
             here = _tiles_backward(
                 held, kv, own, mine, masks, saved, dq_acc, dmask, learned, scale=scale, acc=acc
             )
-        if pending is not None:
-            received, pending = pending.wait(), None
-            if "home" in arriving:
-                _store_home(own, received[arriving["home"]], dk, dv)
-            dkv = received[arriving["travel"]] if "travel" in arriving else None
-        if step == 0:
-            dkv = None
+        arrived, delivery = delivery.wait() if delivery is not None else {}, None
+        if "home" in arrived:
+            _store_home(own, arrived["home"], dk, dv)
+        dkv = arrived.get("travel") if step > 0 else None
         if held is not None:
             dkv = _added(dkv, here, kv, acc)
             if step == last[src] == 0:
                 _store_home(own, dkv, dk, dv)
         # The gradients go on with the tiles while they travel, then straight home.
-        sends, receives, arriving = [], [], {}
+        courier = Courier(ring, Parcel.DKV)
         if held is not None and step < last[src]:
-            sends.append(((ring.rank + 1) % ring.size, dkv))
+            courier.send(courier.peer(1), dkv)
         elif held is not None and step == last[src] > 0:
-            sends.append((src, dkv))
-        if step + 1 <= last[(ring.rank - step - 1) % ring.size]:
-            arriving["travel"] = len(receives)
-            receives.append(((ring.rank - 1) % ring.size, buffers_like(tile_views(own, k, v), acc)))
+            courier.send(src, dkv)
+        if step + 1 <= last[courier.peer(-step - 1)]:
+            courier.receive("travel", courier.peer(-1), tile_views(own, k, v), acc)
         if step == last[ring.rank] > 0:
-            arriving["home"] = len(receives)
-            receives.append(
-                ((ring.rank + step) % ring.size, buffers_like(tile_views(own, k, v), acc))
-            )
-        if sends or receives:
-            pending = start_exchange(ring, sends, receives, tag=_DKV_TAG)
-        if step == ring.size - 1 and pending is not None:  # the sub-ring's trip ends here
-            received, pending = pending.wait(), None
-            if "home" in arriving:
-                _store_home(own, received[arriving["home"]], dk, dv)
+            courier.receive("home", courier.peer(step), tile_views(own, k, v), acc)
+        delivery = courier.start()
+        if step == ring.size - 1 and delivery is not None:  # the sub-ring's trip ends here
+            arrived, delivery = delivery.wait(), None
+            if "home" in arrived:
+                _store_home(own, arrived["home"], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     dinputs = [
         q.new_empty(0) if d is None else d.to(x.dtype)  # outputs never alias each other
@@ -227,9 +217,10 @@ def _planned(
     """``(home, queries, TileMasks)`` of this call from its plan (``attention_plan.py``):
     the one ``handle`` names, made once per model call, else made here."""
     args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
-    plan = plan_for(ring, q.shape[2], *args, handle=handle)
+    plan = plan_for(ring, q.shape[2], *args, handle=handle, device_type=q.device.type)
     count_call(plan)
-    return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device)
+    kept = kept_masks(handle, q.device, q.shape[2]) if program else None
+    return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
 
 
 def _store_home(own, totals, dk, dv) -> None:
@@ -251,7 +242,9 @@ def _tiles_backward(held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *
             grad_out[r], q[r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols], out[r], lse[r],
         )  # fmt: skip
         causal = b.seen is Visibility.DIAGONAL
-        dq_blk, dk_blk, dv_blk = block_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
+        dq_blk, dk_blk, dv_blk = block_backward(
+            *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
+        )
         if b.bias is not None and (dmask is not None or learned is not None):
             dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
             if dmask is not None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ringify.runtime.p2p import buffers_like, start_exchange
+from ringify.runtime.courier import Courier, Parcel
 from ringify.runtime.ring import Ring
 from ringify.runtime.tiles import Tile, rank_tiles, sub_ring_tiles, tiles_per_chunk
-
-_KV_TAG = 0
 
 
 def needs_positions(masked: bool, is_causal: bool, key_len: int, total_rows: int) -> bool:
@@ -23,11 +21,12 @@ def needs_positions(masked: bool, is_causal: bool, key_len: int, total_rows: int
 
 
 def shard_tiles(
-    rank: int, ring_size: int, rows: int, layout: str, positional: bool, per_chunk: int
-):
-    """Rank ``rank``'s tiles; ``per_chunk=0`` lets ``tiles_per_chunk`` choose."""
+    rank: int, ring_size: int, rows: int, layout: str, positional: bool, per_chunk: int,
+    device_type: str = "cpu",
+):  # fmt: skip
+    """Rank ``rank``'s tiles; ``per_chunk=0`` lets ``tiles_per_chunk`` choose (for the device)."""
     layout = layout if positional else "contiguous"
-    per_chunk = per_chunk or tiles_per_chunk(rows, layout)
+    per_chunk = per_chunk or tiles_per_chunk(rows, layout, device_type)
     return rank_tiles(rank, ring_size, rows, layout, per_chunk)
 
 
@@ -48,15 +47,16 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
         kv = like = tile_views(own, k, v)  # every rank's tiles of a sub-ring have one shape
         for step in range(ring.size):
             src, nxt = (ring.rank - step) % ring.size, (ring.rank - step - 1) % ring.size
-            sends = [((ring.rank + 1) % ring.size, kv)] if step + 1 <= last[src] else []
-            receives = (
-                [((ring.rank - 1) % ring.size, buffers_like(like))] if step + 1 <= last[nxt] else []
-            )
-            pending = start_exchange(ring, sends, receives, tag=_KV_TAG)
+            courier = Courier(ring, Parcel.KV)
+            if step + 1 <= last[src]:
+                courier.send(courier.peer(1), kv)
+            if step + 1 <= last[nxt]:
+                courier.receive("kv", courier.peer(-1), like)
+            delivery = courier.start()
             held = sub_ring_tiles(tiling(src), j) if step <= last[src] else None
             yield own, step, src, held, kv if held is not None else None
-            received = pending.wait()  # sends too: their buffers must outlive them
-            kv = received[0] if receives else None
+            # the sends are waited for too: their buffers must outlive them
+            kv = delivery.wait().get("kv") if delivery is not None else None
 
 
 def tile_views(own: list[Tile], k, v) -> list:

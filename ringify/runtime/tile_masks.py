@@ -23,6 +23,8 @@ from ringify.runtime.block_attention import additive_mask
 from ringify.runtime.layout import chunks_per_rank
 from ringify.runtime.mask_bounds import program_bounds, settled
 from ringify.runtime.mask_program import evaluate, parse, tile_bounds
+from ringify.runtime.open_blocks import OpenBlock, classify, coalesced
+from ringify.runtime.step_masks import KeptMasks
 from ringify.runtime.tiles import (
     MAX_BANDED_TILES_PER_CHUNK,
     MIN_TILE_ROWS,
@@ -30,6 +32,7 @@ from ringify.runtime.tiles import (
     Visibility,
     all_tiles,
     sub_ring_tiles,
+    tile_rows,
     tiles_per_chunk,
     visibility,
 )
@@ -58,6 +61,7 @@ class Block:
     seen: Visibility
     bias: torch.Tensor | None
     at: tuple[slice, slice]  # the block's global query and key positions
+    empty_rows: bool = True  # may a query row see no key of the block (False: surely not)
 
 
 class TileMasks:
@@ -77,6 +81,7 @@ class TileMasks:
         self.program = parse(program) if program else None
         self.inputs = [x.detach() for x in inputs]
         self._run_inputs, self._device = self.inputs, _HOST  # until ``bound_to`` a call
+        self._kept: KeptMasks | None = None
         self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
@@ -94,11 +99,15 @@ class TileMasks:
         moved._queries, moved._last = queries, {}
         return moved
 
-    def bound_to(self, inputs: list[torch.Tensor], device: torch.device) -> TileMasks:
+    def bound_to(
+        self, inputs: list[torch.Tensor], device: torch.device, kept: KeptMasks | None = None
+    ) -> TileMasks:
         """These masks, evaluating the blocks that need their mask from ``inputs`` (the
-        program's inputs as the running call holds them) on ``device``."""
+        program's inputs as the running call holds them) on ``device``; ``kept``: the
+        step's masks evaluated by an earlier call (``step_masks.py``), to reuse and add to."""
         bound = copy.copy(self)
         bound._run_inputs, bound._device = [x.detach() for x in inputs], device
+        bound._kept = kept
         return bound
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
@@ -165,7 +174,7 @@ class TileMasks:
                 if count:
                     _counts[seen] += 1
                 if seen is not Visibility.HIDDEN:
-                    at = (_positions(q_tile, q_tile.length), _positions(k_tile, keys))
+                    at = (q_tile.positions(q_tile.length), k_tile.positions(keys))
                     yield Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype, biased):
@@ -185,14 +194,25 @@ class TileMasks:
     def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
         """Every ``Block`` of an open pair: its visibility from the host's classification
         (made once per plan), its bias, where it needs one, evaluated on the device. Without a
-        bias, neighbouring blocks that need none run as one (``_coalesced``)."""
+        bias, blocks run as few calls (``open_blocks.coalesced``)."""
         blocks, coalesced = self._open_blocks(q_tile, k_tile, keys)
-        for rows, cols, seen, at in blocks if biased else coalesced:
+        for rows, cols, seen, at, empty in blocks if biased else coalesced:
             if seen is Visibility.HIDDEN or not (seen is Visibility.MASKED or biased):
                 yield Block(held, rows, cols, seen, None, at)
                 continue
+            bias = additive_mask(self._mask_at(at), acc)
+            yield Block(held, rows, cols, Visibility.MASKED, bias, at, empty or biased)
+
+    def _mask_at(self, at: tuple[slice, slice]) -> torch.Tensor:
+        """The program's mask at a block's positions on the call's device: kept from an
+        earlier call of the step, or evaluated (and kept, within the step's budget)."""
+        key = (at[0].start, at[0].stop, at[1].start, at[1].stop)
+        mask = None if self._kept is None else self._kept.get(key)
+        if mask is None:
             mask = evaluate(self.program, self._run_inputs, *at, self._device)
-            yield Block(held, rows, cols, Visibility.MASKED, additive_mask(mask, acc), at)
+            if self._kept is not None:
+                self._kept.keep(key, mask)
+        return mask
 
     def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list]:
         """``(query rows, key rows, visibility, global positions)`` of each block of an open
@@ -217,57 +237,21 @@ class TileMasks:
         for a, qb in enumerate(q_blocks):
             grid.append([])
             for b, kb in enumerate(k_blocks):
-                at = (_positions(qb, qb.length), _positions(kb, kb.length))
-                cols = kb.rows
+                at = (qb.positions(qb.length), kb.positions(kb.length))
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
-                else:
-                    mask = evaluate(self.program, self.inputs, *at, _HOST)
-                    seen, kept = _classify(mask.expand(*mask.shape[:-2], qb.length, kb.length))
-                    # keys that no query of the block sees, at its end (padding): cut off
-                    cols = slice(cols.start, cols.start + kept)
-                    at = (at[0], slice(at[1].start, at[1].start + kept))
-                grid[-1].append((qb.rows, cols, seen, at))
+                    grid[-1].append(OpenBlock(qb.rows, kb.rows, seen, at))
+                    continue
+                mask = evaluate(self.program, self.inputs, *at, _HOST)
+                seen, kept, empty = classify(mask.expand(*mask.shape[:-2], qb.length, kb.length))
+                # keys that no query of the block sees, at its end (padding): cut off
+                cols = slice(kb.rows.start, kb.rows.start + kept)
+                at = (at[0], slice(at[1].start, at[1].start + kept))
+                grid[-1].append(OpenBlock(qb.rows, cols, seen, at, empty))
         blocks = [block for row in grid for block in row]
         nominal = [kb.rows for kb in k_blocks]
-        self._open[key] = (blocks, _coalesced(grid, q_tile, k_tile, nominal))
+        self._open[key] = (blocks, coalesced(grid, q_tile, k_tile, nominal))
         return self._open[key]
-
-
-def _coalesced(grid: list[list], q_tile: Tile, k_tile: Tile, nominal: list[slice]) -> list:
-    """The blocks of an open pair as few kernel calls: the whole pair as one causal call if
-    its blocks are exactly the causal triangle of a pair on the diagonal (HF's mask is a
-    causal program), else each row's runs of unmasked blocks as one. ``nominal``: each block
-    column's key rows before padding keys were cut off."""
-    d, f, h = Visibility.DIAGONAL, Visibility.FULL, Visibility.HIDDEN
-    n = len(nominal)
-    shaped = [
-        grid[a][b][2] is (d if a == b else f if b < a else h)
-        and (grid[a][b][2] is h or b == n - 1 or grid[a][b][1] == nominal[b])
-        for a in range(len(grid))
-        for b in range(n)
-    ]
-    last = {grid[a][n - 1][1].stop for a in range(len(grid)) if grid[a][n - 1][2] is not h}
-    aligned = q_tile.start == k_tile.start and q_tile.length == k_tile.length
-    if aligned and all(shaped) and len(last) == 1:  # padding may cut the last column short
-        (stop,) = last
-        at = (_positions(q_tile, q_tile.length), slice(k_tile.start, k_tile.start + stop))
-        return [(q_tile.rows, slice(0, stop), d, at)]
-    merged = []
-    for row in grid:
-        for block in row:
-            prev = merged[-1] if merged else None
-            if (
-                prev
-                and block[2] is prev[2] is f
-                and prev[0] == block[0]
-                and prev[1].stop == block[1].start
-            ):
-                at = (prev[3][0], slice(prev[3][1].start, block[3][1].stop))
-                merged[-1] = (prev[0], slice(prev[1].start, block[1].stop), f, at)
-            else:
-                merged.append(block)
-    return merged
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
@@ -277,27 +261,6 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     q_part = rows if mask.shape[2] > 1 else slice(None)
     k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
     return mask[:, :, q_part, k_part]
-
-
-def _classify(mask: torch.Tensor) -> tuple[Visibility, int]:
-    """A block's mask, evaluated on the host and expanded to the block (a program of query
-    positions only has one key column): hidden, full, the causal triangle (top-left, as the
-    kernels' ``is_causal``), or masked; and how many of its leading key columns some query
-    sees (the columns after them, as padding keys, are left out of the block)."""
-    visible = mask if mask.dtype == torch.bool else mask == 0
-    hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
-    if bool(hidden.all()):
-        return Visibility.HIDDEN, 0
-    columns = (~hidden).reshape(-1, hidden.shape[-1]).any(0).nonzero()
-    kept = int(columns[-1]) + 1
-    visible, hidden = visible[..., :kept], hidden[..., :kept]
-    if bool(visible.all()):
-        return Visibility.FULL, kept
-    rows = mask.shape[-2]
-    tril = torch.ones(rows, kept, dtype=torch.bool).tril()
-    if bool((visible == tril).all() and (hidden == ~tril).all()):
-        return Visibility.DIAGONAL, kept
-    return Visibility.MASKED, kept
 
 
 def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):
@@ -320,10 +283,12 @@ def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):
     return tuple(x.expand(n, m).clone() for x in settled(lo, hi, program.dtype))
 
 
-def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, layout: str) -> int:
+def program_tiles_per_chunk(
+    program: str, inputs, rows: int, ring_size: int, layout: str, device_type: str = "cpu"
+) -> int:
     """Tiles per chunk for a program's mask: finer when each query sees a short span of
     keys (a sliding window, short documents), so that the work skipped grows with S."""
-    default = tiles_per_chunk(rows, layout)
+    default = tiles_per_chunk(rows, layout, device_type)
     chunk = rows // chunks_per_rank(layout)
     block = min(MIN_TILE_ROWS, chunk)
     total = rows * ring_size
@@ -332,8 +297,5 @@ def program_tiles_per_chunk(program: str, inputs, rows: int, ring_size: int, lay
     span = int((~hidden).sum(1).max()) * block
     if span * default >= chunk:
         return default
-    return min(MAX_BANDED_TILES_PER_CHUNK, max(default, chunk // max(span, MIN_TILE_ROWS)))
-
-
-def _positions(tile: Tile, rows: int) -> slice:
-    return slice(tile.start, tile.start + rows)
+    banded = chunk // max(span, tile_rows(device_type))
+    return min(MAX_BANDED_TILES_PER_CHUNK, max(default, banded))

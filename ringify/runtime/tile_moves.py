@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.p2p import buffers_like, start_exchange
+from ringify.runtime.courier import Courier, Parcel
 from ringify.runtime.ring import Ring
 from ringify.runtime.tiles import Tiling
-
-_MOVE_TAG = 2
 
 
 class ShardRows:
@@ -69,18 +67,17 @@ def _exchange(ring: Ring, tensors, src: Tiling, dst: Tiling):
     waited for (the sends too, so their slots may be written next)."""
     at_src = {t.key: (r, t.rows) for r in range(ring.size) for t in src(r)}
     at_dst = {t.key: r for r in range(ring.size) for t in dst(r)}
-    receives, slots = [], []
+    courier, slots = Courier(ring, Parcel.QUERY_ROWS), []
+    for t in sorted(src(ring.rank), key=lambda t: t.key):
+        if at_dst[t.key] != ring.rank:
+            courier.send(at_dst[t.key], [x[:, :, t.rows] for x in tensors])
     for t in sorted(dst(ring.rank), key=lambda t: t.key):
         peer, rows = at_src[t.key]
         if peer == ring.rank:
             assert rows == t.rows, "a tile that stays keeps its local rows"
             continue
-        receives.append((peer, buffers_like([x[:, :, t.rows] for x in tensors])))
+        courier.receive(str(len(slots)), peer, [x[:, :, t.rows] for x in tensors])
         slots.append(t.rows)
-    sends = [
-        (at_dst[t.key], [x[:, :, t.rows] for x in tensors])
-        for t in sorted(src(ring.rank), key=lambda t: t.key)
-        if at_dst[t.key] != ring.rank
-    ]
-    received = start_exchange(ring, sends, receives, tag=_MOVE_TAG).wait()
-    return slots, received
+    delivery = courier.start()
+    arrived = delivery.wait() if delivery is not None else {}
+    return slots, [arrived[str(i)] for i in range(len(slots))]

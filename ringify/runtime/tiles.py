@@ -31,6 +31,11 @@ from ringify.runtime.layout import chunks_per_rank, rank_chunks
 # buffers are worth. At 2 ranks, 512-row tiles ran 1.2-1.7x slower than
 # 1024-row ones for 1.1x instead of 1.25-1.4x memory (benchmarks/RESULTS.md).
 MIN_TILE_ROWS = 1024
+# On a GPU a tile pair costs the host about the same ~10 launches (~50 µs) at any size,
+# and an H100 runs a 1024 x 1024 block at Llama-8B's heads in ~60 µs forward: at 1024
+# rows the host would set the pace. A 4096-row pair is ~1 ms of kernel; the buffers it
+# keeps (K/V in flight, a pair's outputs) are still tens of MiB.
+DEVICE_TILE_ROWS = 4096
 # Tiles per chunk above which the buffers no longer shrink meaningfully.
 MAX_TILES_PER_CHUNK = 8
 # ... unless each query sees a short span of keys (a sliding window, short documents):
@@ -52,11 +57,20 @@ class Tile:
     def length(self) -> int:
         return self.rows.stop - self.rows.start
 
+    def positions(self, rows: int) -> slice:
+        """The global positions of the tile's first ``rows`` rows."""
+        return slice(self.start, self.start + rows)
 
-def tiles_per_chunk(rows: int, layout: str) -> int:
+
+def tile_rows(device_type: str) -> int:
+    """The fewest rows a tile has on ``device_type``: 1024 on the CPU, 4096 on accelerators."""
+    return MIN_TILE_ROWS if device_type == "cpu" else DEVICE_TILE_ROWS
+
+
+def tiles_per_chunk(rows: int, layout: str, device_type: str = "cpu") -> int:
     """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into."""
     chunk_rows = rows // chunks_per_rank(layout)
-    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_CHUNK))
+    return max(1, min(chunk_rows // tile_rows(device_type), MAX_TILES_PER_CHUNK))
 
 
 def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
