@@ -2,8 +2,9 @@
 
 On a GPU the ring op's kernels run asynchronously: what the host spends per call (planning,
 slicing, launching) is hidden behind them only if it is shorter. Here the block kernels
-(``block_forward``, ``block_backward``, ``merge_block``) are replaced by stubs that allocate
-their outputs, and ``start_exchange`` by one that moves nothing (it counts the bytes a real
+(``block_forward``, ``block_backward``, ``merge_block``, and ``additive_mask``, a mask's bias)
+are replaced by stubs that allocate their outputs (on this CPU, writing a block-sized bias
+evicts the host's caches, which a GPU's kernels never touch), and ``start_exchange`` by one that moves nothing (it counts the bytes a real
 exchange would send), so a call's time under ``torch.profiler`` is its host work alone.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
@@ -44,7 +45,9 @@ LAYERS, WINDOW, REPEATS = 4, 256, 3
 def _stubs(sent: list[int], gpu_tiles: bool = True):
     """The block kernels and the P2P exchange replaced, in every runtime module using them;
     with ``gpu_tiles``, the tiles a GPU would use (``tiles.tile_rows``) on these CPU tensors."""
-    from ringify.runtime import p2p, tile_masks, tiles
+    from ringify.runtime.collectives import p2p
+    from ringify.runtime.masks import tile_masks
+    from ringify.runtime.tiling import tiles
 
     def forward(q, k, v, **_):
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -56,10 +59,14 @@ def _stubs(sent: list[int], gpu_tiles: bool = True):
         sent[0] += sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
         return p2p.PendingStep([], [batch for _, batch in receives], [])
 
+    def bias(mask, dtype):  # a kernel: its output allocated, not written (2 launches on a GPU)
+        return torch.empty(mask.shape, dtype=dtype, device=mask.device)
+
     patches = [
         ("block_forward", forward),
         ("block_backward", backward),
         ("merge_block", lambda *a: None),
+        ("additive_mask", bias),
         ("start_exchange", exchange),
     ]
     stack = contextlib.ExitStack()
@@ -68,7 +75,7 @@ def _stubs(sent: list[int], gpu_tiles: bool = True):
             stack.enter_context(
                 mock.patch.object(module, "tile_rows", lambda _: tiles.DEVICE_TILE_ROWS)
             )
-    for name in ("ring_ops", "courier"):
+    for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:
             if hasattr(module, attribute):
@@ -252,7 +259,7 @@ def host_times(case: str, seq: int, fold: bool) -> dict[str, float]:
         return sum(c[i] for c in got) / max(1, len(got))
 
     # The step's first forward call evaluates the masks every later call of the step reuses
-    # (``step_masks.py``): a per-step cost, as the plan's, reported apart from the calls.
+    # (``masks/step_masks.py``): a per-step cost, as the plan's, reported apart from the calls.
     forward, backward = calls["ringify::ring_attention"], calls["ringify::ring_attention_backward"]
     later = forward[1:] or forward
     return {

@@ -1,5 +1,5 @@
 """How evenly packed documents of uneven length spread attention work over a ring, with and
-without the ring op's load balancing (``ringify/runtime/balance.py``).
+without the ring op's load balancing (``ringify/runtime/tiling/balance.py``).
 
     python benchmarks/packed_balance.py --seq 131072 --rings 2 4 8
     python benchmarks/packed_balance.py --seq 32768 --rings 2 --time
@@ -31,17 +31,17 @@ import sys
 import torch
 from tabulate import tabulate
 
-from ringify.runtime.balance import (
+from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
+from ringify.runtime.tiling.balance import (
     balanced_tiling,
     ring_time,
     tile_costs,
     tile_owners,
 )
-from ringify.runtime.layout import padded_length, rank_chunks
-from ringify.runtime.mask_program import parse
-from ringify.runtime.schedule import shard_tiles
-from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
-from ringify.runtime.tiles import Visibility, all_tiles, sub_ring_tiles
+from ringify.runtime.tiling.layout import padded_length, rank_chunks
+from ringify.runtime.tiling.schedule import shard_tiles
+from ringify.runtime.tiling.tiles import Visibility, all_tiles, sub_ring_tiles
 from ringify.testing import RankPool
 from ringify.testing.attention import document_causal_program, document_inputs
 
@@ -144,7 +144,7 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
     import torch.distributed as dist
 
     from ringify.runtime import shard
-    from ringify.runtime.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import sent_bytes
 
     seq = sum(lengths)
     g = torch.Generator().manual_seed(0)

@@ -11,8 +11,8 @@ Ranks that disagree raise together: ``ValueError`` naming what differs, or
 from ringify import runtime
 from ringify.module import RingifiedModule, ringify
 from ringify.passes.report import Report
-from ringify.runtime.agreement import RankFailed
-from ringify.runtime.dilation import Dilation
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.agreement import RankFailed
 from ringify.samplers import RingSampler
 
 __all__ = [

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ringify.runtime.dilation import Dilation
-from ringify.runtime.layout import check_layout
-from ringify.runtime.ring import Ring, resolve_ring
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.ring import Ring, resolve_ring
+from ringify.runtime.tiling.layout import check_layout
 
 MODES = ("full", "sharded")
 

@@ -19,8 +19,8 @@ from torch.utils import _pytree as pytree
 
 from ringify.config import Config
 from ringify.passes.digest import graph_digest
-from ringify.runtime.agreement import check_ranks_agree
-from ringify.runtime.ring import Ring
+from ringify.runtime.collectives.agreement import check_ranks_agree
+from ringify.runtime.collectives.ring import Ring
 
 _FIXES = {
     "input structure": "\nEvery rank of a ring must pass the same arguments (names and nesting).",

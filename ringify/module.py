@@ -31,8 +31,8 @@ from torch.utils import _pytree as pytree
 from ringify.config import Config
 from ringify.consistency import check_call, check_trace
 from ringify.passes.report import Report
-from ringify.runtime.agreement import digest
-from ringify.runtime.dilation import Dilation
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.agreement import digest
 from ringify.trace import Traced, dump, state_of, still_fits, trace
 
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ringify.runtime.ring import Ring
+from ringify.runtime.collectives.ring import Ring
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "

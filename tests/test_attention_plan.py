@@ -21,7 +21,7 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.attention_plan import plan_lookups, reset_plan_lookups
+    from ringify.runtime.masks.plan import plan_lookups, reset_plan_lookups
     from ringify.testing import hf_models
 
     torch.manual_seed(0)

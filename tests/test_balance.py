@@ -1,4 +1,4 @@
-"""Load balancing inside the ring op (``ringify/runtime/balance.py``).
+"""Load balancing inside the ring op (``ringify/runtime/tiling/balance.py``).
 
 Packed documents of uneven length give zigzag's ranks unequal work; the op deals its
 tiles to the ranks by work and runs on that plan, moving rows there and back. The
@@ -14,17 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import shard
-from ringify.runtime.balance import (
+from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.tile_masks import TileMasks
+from ringify.runtime.tiling.balance import (
     MIN_GAIN,
     balanced_tiling,
     ring_time,
     tile_costs,
     tile_owners,
 )
-from ringify.runtime.mask_program import parse
-from ringify.runtime.schedule import shard_tiles
-from ringify.runtime.tile_masks import TileMasks
-from ringify.runtime.tiles import all_tiles
+from ringify.runtime.tiling.schedule import shard_tiles
+from ringify.runtime.tiling.tiles import all_tiles
 from ringify.testing.attention import document_causal_program, document_inputs
 
 PER_CHUNK = 4
@@ -91,7 +91,7 @@ def balanced_ring(world, lengths, learned):
     sequence: forward, q/k/v gradients and (``learned``) the per-key bias's."""
     import torch.distributed as dist
 
-    from ringify.runtime.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import sent_bytes
 
     seq, (q_docs, k_docs) = sum(lengths), document_inputs(lengths)
     g = torch.Generator().manual_seed(0)
@@ -147,8 +147,8 @@ def moved_layout(world, lengths):
     tiles that change rank; ``move_home`` brings a plan-laid tensor home in place."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring import ring_by_name
-    from ringify.runtime.tile_moves import move_home, rows_in
+    from ringify.runtime.collectives.ring import ring_by_name
+    from ringify.runtime.tiling.moves import move_home, rows_in
 
     rank, seq = dist.get_rank(), sum(lengths)
     ring = ring_by_name(dist.group.WORLD.group_name)

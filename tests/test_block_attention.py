@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.block_attention import block_forward, math_backward, math_forward, merge_block
+from ringify.runtime.attention.blocks import block_forward, math_backward, math_forward, merge_block
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -72,7 +72,7 @@ def test_ddp_trains_as_one_process_on_the_global_batch(ranks, over):
 
 def _weight_copies(gm: torch.fx.GraphModule) -> Counter:
     """How many times each kind of weight crossing runs, in the graph and its regions."""
-    from ringify.runtime.ring_reduce import copy_averaged_outside, copy_to_ring
+    from ringify.runtime.collectives.reduce import copy_averaged_outside, copy_to_ring
 
     kinds = {copy_to_ring: "reduced by the ring", copy_averaged_outside: "averaged outside"}
     return Counter(
@@ -191,7 +191,7 @@ def _unscaled_for_fsdp():
     """A deliberate bug: weight gradients averaged outside the ring are not scaled by P."""
     from unittest import mock
 
-    from ringify.runtime.ring_reduce import _CopyToRing
+    from ringify.runtime.collectives.reduce import _CopyToRing
 
     backward = _CopyToRing.backward
 

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringify.runtime.block_attention import (
+from ringify.runtime.attention.blocks import (
     block_backward,
     block_forward,
     math_backward,
     math_forward,
 )
-from ringify.runtime.flash_kernel import top_left, top_left_backward
+from ringify.runtime.attention.flash import top_left, top_left_backward
 
 aten = torch.ops.aten
 FLASH = {

@@ -12,10 +12,10 @@ import torch
 from test_flash_contracts import FlashCalls
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringify.runtime.attention_plan import plan_lookups, reset_plan_lookups
-from ringify.runtime.mask_program import MaskProgram
-from ringify.runtime.ring_ops import ring_attention_backward_op, ring_attention_op
-from ringify.runtime.tiles import MIN_TILE_ROWS
+from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.masks.plan import plan_lookups, reset_plan_lookups
+from ringify.runtime.masks.program import MaskProgram
+from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
 from ringify.testing.attention import document_causal_program, document_inputs
 
 N = 3 * MIN_TILE_ROWS  # one tile of three 1024-row blocks: open pairs cut into blocks
@@ -178,7 +178,7 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     from unittest import mock
 
     from ringify import ringify
-    from ringify.runtime import attention_plan
+    from ringify.runtime.masks import plan as attention_plan
 
     model, inputs = _llama_case(case, N)
     ringified = ringify(model, ring_size=1)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from ringify.passes.mask_programs import read_program
 from ringify.runtime import shard
-from ringify.runtime.mask_program import MaskProgram
-from ringify.runtime.mask_program_grad import DIFFERENTIABLE
+from ringify.runtime.masks.grads import DIFFERENTIABLE
+from ringify.runtime.masks.program import MaskProgram
 
 HEADS, BUCKETS = 2, 5
 _CAUSAL = [
@@ -90,7 +90,7 @@ def learned_ring(world, name, layout):
     """The ring op's output and gradients (q, k, v, each program input) vs SDPA's."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring_reduce import copy_to_ring
+    from ringify.runtime.collectives.reduce import copy_to_ring
 
     program, make_inputs, bias = PROGRAMS[name]
     seq = 8 * world

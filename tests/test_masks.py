@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from ringify.passes.report import MaskKind
 from ringify.runtime import shard
-from ringify.runtime.mask_program import MaskProgram, parse
-from ringify.runtime.tiles import Visibility
+from ringify.runtime.masks.program import MaskProgram, parse
+from ringify.runtime.tiling.tiles import Visibility
 from ringify.testing.tolerance import relative_difference, rounding
 
 S = 24  # per rank; no other dim of the models has this size times the ring size
@@ -24,7 +24,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.balance import plan_counts, reset_plan_counts
+    from ringify.runtime.tiling.balance import plan_counts, reset_plan_counts
     from ringify.testing import hf_models
     from ringify.testing.graphs import quadratic_nodes
 
@@ -168,8 +168,8 @@ def windowed_ring(world, layout):
     skipped, ran causal, ran unmasked and ran with a bias; the bytes it sent."""
     import torch.distributed as dist
 
-    from ringify.runtime.p2p import sent_bytes
-    from ringify.runtime.tile_masks import reset_tile_counts, tile_counts
+    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.masks.tile_masks import reset_tile_counts, tile_counts
 
     seq, tiles = 16 * world, 2  # chunks of 16 (contiguous) or 8 (zigzag): tiles of 8 or 4
     g = torch.Generator().manual_seed(0)
@@ -277,7 +277,7 @@ def test_grouped_kv_heads_travel_unexpanded(ranks, world):
 def test_a_blocks_padding_keys_are_cut_off_and_its_causal_triangle_kept():
     """An evaluated block: keys no query sees at its end (padding) leave the block, and what
     remains is read as the kernel's top-left causal mask at any shape."""
-    from ringify.runtime.open_blocks import classify
+    from ringify.runtime.masks.open_blocks import classify
 
     tril = torch.ones(8, 8, dtype=torch.bool).tril()
     padded = tril.clone()
@@ -303,9 +303,9 @@ def test_an_open_pair_runs_as_few_kernel_calls():
     """HF's causal mask is a program, so a diagonal tile pair is open and cut into blocks: it
     still runs as one causal call, with padding keys at its end cut off; a pair that is not
     the causal triangle runs each row's unmasked blocks as one call."""
-    from ringify.runtime.mask_program import MaskProgram
-    from ringify.runtime.tile_masks import TileMasks
-    from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+    from ringify.runtime.masks.program import MaskProgram
+    from ringify.runtime.masks.tile_masks import TileMasks
+    from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile
 
     n = 4 * MIN_TILE_ROWS
     causal = MaskProgram(("q", "k"), (("le.Tensor", ({"in": 1}, {"in": 0}), "bool"),)).text()
@@ -341,9 +341,9 @@ def test_an_open_pair_runs_as_few_kernel_calls():
 def test_a_program_of_query_positions_only_keeps_every_key():
     """A program with no key input (a query-side padding mask) evaluates to one key column,
     broadcast: a block is never cut to that column (ViT's padded cls sequence)."""
-    from ringify.runtime.mask_program import MaskProgram
-    from ringify.runtime.tile_masks import TileMasks
-    from ringify.runtime.tiles import MIN_TILE_ROWS, Tile
+    from ringify.runtime.masks.program import MaskProgram
+    from ringify.runtime.masks.tile_masks import TileMasks
+    from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile
 
     n = 2 * MIN_TILE_ROWS
     program = MaskProgram(("q",), (("cast", ({"in": 0},), "bool"),)).text()

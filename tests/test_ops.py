@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import gather, ring_attention, shard
-from ringify.runtime.layout import unshard
+from ringify.runtime.tiling.layout import unshard
 from ringify.testing import RankPool
 
 
@@ -15,7 +15,7 @@ def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
     """q, k, v (requires_grad) of this rank's shard, and the group name the ops take."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring import resolve_ring
+    from ringify.runtime.collectives.ring import resolve_ring
 
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(2, h, seq, 8, generator=g, dtype=dtype) for h in (4, 2, 2)]
@@ -241,7 +241,7 @@ def ring_amax_matches_torch(layout):
     """ring_amax against torch.amax on the full tensor: ties shared across ranks, inf, NaN."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring_reduce import ring_amax
+    from ringify.runtime.collectives.reduce import ring_amax
 
     name = dist.group.WORLD.group_name
     world = dist.get_world_size()
@@ -277,7 +277,7 @@ def ring_argmax_matches_torch(layout):
     """ring_argmax against torch.argmax on the full tensor: the first of ties across ranks, NaN."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring_reduce import ring_argmax
+    from ringify.runtime.collectives.reduce import ring_argmax
 
     world = dist.get_world_size()
     g = torch.Generator().manual_seed(0)
@@ -306,7 +306,7 @@ def ring_shift_matches_shifted(layout):
     gradients, shifts both ways, scalar and start-token fills, a padded sequence."""
     import torch.distributed as dist
 
-    from ringify.runtime.ring_shift import ring_shift, shifted
+    from ringify.runtime.collectives.shift import ring_shift, shifted
 
     name = dist.group.WORLD.group_name
     world = dist.get_world_size()

@@ -168,7 +168,7 @@ def collectives_per_call():
 
     import torch.distributed as dist
 
-    from ringify.runtime import agreement
+    from ringify.runtime.collectives import agreement
 
     model = _nanogpt()  # two attention layers
     with mock.patch.object(

@@ -13,7 +13,8 @@ from ringify.testing.attention import make_inputs, ring_forward_backward
 
 def backward_events(world_inputs):
     """The order of the backward's block kernels, dK/dV exchanges started and waited for."""
-    from ringify.runtime import courier, ring_ops
+    from ringify.runtime.attention import ops as ring_ops
+    from ringify.runtime.collectives import courier
 
     events = []
     start, block = courier.start_exchange, ring_ops.block_backward

@@ -12,9 +12,9 @@ from rule_graphs import S, check_inferred, node_of, targets_after, x3
 
 from ringify.passes.placement import Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax
-from ringify.runtime.ring_scan import ring_cumsum
-from ringify.runtime.ring_shift import ring_shift, shifted
+from ringify.runtime.collectives.reduce import copy_to_ring, reduce_from_ring, ring_amax
+from ringify.runtime.collectives.scan import ring_cumsum
+from ringify.runtime.collectives.shift import ring_shift, shifted
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify

@@ -14,7 +14,7 @@ from rule_graphs import S, check_inferred, infer, node_of, targets_after, x3
 from ringify.passes.crossings import PassState
 from ringify.passes.placement import Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import copy_to_ring
+from ringify.runtime.collectives.reduce import copy_to_ring
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify

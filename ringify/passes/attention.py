@@ -29,8 +29,8 @@ from ringify.passes.mask_programs import MASK_NOTE, program_inputs
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
-from ringify.runtime.mask_program import program_mask
-from ringify.runtime.memory_attention import memory_attention_op
+from ringify.runtime.attention.memory import memory_attention_op
+from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify

@@ -18,8 +18,8 @@ from torch import fx
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Fallback, Geometry, Placement, Seq
 from ringify.passes.report import InsertedGather, ReportedAttention
-from ringify.runtime.dilation import Dilation
-from ringify.runtime.ring_reduce import copy_to_ring
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.reduce import copy_to_ring
 
 ringify_ops = torch.ops.ringify
 

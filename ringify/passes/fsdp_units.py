@@ -16,8 +16,8 @@ from torch import fx, nn
 
 from ringify.parallelized import unit_parameters
 from ringify.passes.regions import module_span, outline
+from ringify.runtime.collectives.reduce import copy_averaged_outside, copy_to_ring
 from ringify.runtime.fsdp_unit import FsdpUnitRegion
-from ringify.runtime.ring_reduce import copy_averaged_outside, copy_to_ring
 
 
 def keep_fsdp_units(

@@ -15,7 +15,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dim, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import ring_take
+from ringify.runtime.collectives.reduce import ring_take
 
 aten = torch.ops.aten
 

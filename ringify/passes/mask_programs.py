@@ -1,4 +1,4 @@
-"""Attention masks read as programs over O(S) vectors (``ringify/runtime/mask_program.py``).
+"""Attention masks read as programs over O(S) vectors (``ringify/runtime/masks/program.py``).
 
 ``fold_mask_programs`` runs on the exported graph before the plan. For each
 attention with a mask it walks the mask's subgraph back from the mask to where the
@@ -22,9 +22,9 @@ from torch import fx
 
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, is_tensor, shape, val
-from ringify.runtime.attention_plan import attention_plan
-from ringify.runtime.mask_program import ELEMENTWISE, MaskProgram, parse, program_mask
-from ringify.runtime.mask_program_grad import DIFFERENTIABLE
+from ringify.runtime.masks.grads import DIFFERENTIABLE
+from ringify.runtime.masks.plan import attention_plan
+from ringify.runtime.masks.program import ELEMENTWISE, MaskProgram, parse, program_mask
 
 aten = torch.ops.aten
 MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program

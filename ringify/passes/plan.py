@@ -27,8 +27,8 @@ from ringify.passes.attention import find_attention
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
-from ringify.runtime.layout import padded_length, split_multiple
-from ringify.runtime.ring_shift import shifted
+from ringify.runtime.collectives.shift import shifted
+from ringify.runtime.tiling.layout import padded_length, split_multiple
 
 _SEQUENCE_PRESERVING = frozenset({
     torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default,

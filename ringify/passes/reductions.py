@@ -19,7 +19,12 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import GatherReason
-from ringify.runtime.ring_reduce import copy_to_ring, reduce_from_ring, ring_amax, ring_argmax
+from ringify.runtime.collectives.reduce import (
+    copy_to_ring,
+    reduce_from_ring,
+    ring_amax,
+    ring_argmax,
+)
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from tabulate import tabulate
 
-from ringify.runtime.dilation import Dilation
+from ringify.runtime.attention.dilation import Dilation
 
 
 class MaskKind(enum.Enum):

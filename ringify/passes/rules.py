@@ -62,9 +62,9 @@ from ringify.passes.reductions import (
 )
 from ringify.passes.report import GatherReason
 from ringify.passes.shifts import infer_shift, rewrite_shift
-from ringify.runtime.mask_program import program_mask
-from ringify.runtime.ring_scan import ring_cumsum
-from ringify.runtime.ring_shift import shifted
+from ringify.runtime.collectives.scan import ring_cumsum
+from ringify.runtime.collectives.shift import shifted
+from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
 

@@ -29,7 +29,7 @@ from ringify.passes.placement import Fallback
 from ringify.passes.plan import Plan
 from ringify.passes.report import AttentionRun, Report
 from ringify.passes.rules import infer_placements, rule_for
-from ringify.runtime.dilation import Dilation
+from ringify.runtime.attention.dilation import Dilation
 
 
 def shard_sequence(

@@ -4,7 +4,7 @@ A model shifts a sequence by padding it and slicing the padding's length off the
 other end (HF's causal-LM loss: ``pad(labels, (0, 1), value=-100)[..., 1:]``), or
 by putting a start token in front of all but its last positions (a decoder's input:
 ``cat([start, ids[:, :-1]], 1)``). ``fold_shifts`` rewrites each such pair of
-nodes into one call of ``shifted`` (``ringify/runtime/ring_shift.py``), before the
+nodes into one call of ``shifted`` (``ringify/runtime/collectives/shift.py``), before the
 plan reads the graph. Off the sequence it stays local; along it, it becomes
 ``ring_shift``: a halo exchange of ``|shift|`` positions per chunk, not a gather.
 """
@@ -18,8 +18,8 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import norm_dim, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
-from ringify.runtime.layout import chunks_per_rank
-from ringify.runtime.ring_shift import ring_shift, shifted
+from ringify.runtime.collectives.shift import ring_shift, shifted
+from ringify.runtime.tiling.layout import chunks_per_rank
 
 aten = torch.ops.aten
 _PADS = (aten.pad.default, aten.constant_pad_nd.default)

@@ -8,9 +8,9 @@
 - ``dilated_attention(q, k, v, dilation=...)``: its single-device definition.
 """
 
-from ringify.runtime.dilation import Dilation, dilated_attention
-from ringify.runtime.layout import LAYOUTS
-from ringify.runtime.ring_attention import ring_attention
-from ringify.runtime.sharding import gather, shard
+from ringify.runtime.attention.api import ring_attention
+from ringify.runtime.attention.dilation import Dilation, dilated_attention
+from ringify.runtime.collectives.sharding import gather, shard
+from ringify.runtime.tiling.layout import LAYOUTS
 
 __all__ = ["LAYOUTS", "Dilation", "dilated_attention", "gather", "ring_attention", "shard"]

@@ -9,14 +9,14 @@ per rank, hence per position. A checkpoint's recompute restores the default gene
 and so redraws the same mask. The masks are not the unmodified model's bit for bit
 (that one stream draws the whole sequence), only equal in distribution.
 
-The rank is read when the op runs, never at trace time (see ``sharding.py``).
+The rank is read when the op runs, never at trace time (see ``collectives/sharding.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringify.runtime.ring import ring_by_name
+from ringify.runtime.collectives.ring import ring_by_name
 
 _SEEDS = 1 << 62
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
-from ringify.runtime.mask_program import MaskProgram
+from ringify.runtime.masks.program import MaskProgram
 
 
 def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):

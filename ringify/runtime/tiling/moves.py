@@ -1,4 +1,4 @@
-"""Rows of a shard between its own tiling and a balanced one (``balance.py``), with no
+"""Rows of a shard between its own tiling and a balanced one (``tiling/balance.py``), with no
 copy of the shard.
 
 A balanced plan leaves every tile that stays on a rank in its own local rows; only
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.courier import Courier, Parcel
-from ringify.runtime.ring import Ring
-from ringify.runtime.tiles import Tiling
+from ringify.runtime.collectives.courier import Courier, Parcel
+from ringify.runtime.collectives.ring import Ring
+from ringify.runtime.tiling.tiles import Tiling
 
 
 class ShardRows:

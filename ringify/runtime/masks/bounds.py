@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.mask_program import MaskProgram, resolve
+from ringify.runtime.masks.program import MaskProgram, resolve
 
 _INF = float("inf")
 

@@ -18,7 +18,7 @@ it changes:
 - only queries move: K/V tiles travel round the ring from their home rank (their
   gradients arrive there), as far as the farthest rank whose queries see them; a query
   tile that stays keeps its local rows, so that only the moved tiles' q rows travel,
-  and their outputs and dq back (``tile_moves.py``).
+  and their outputs and dq back (``tiling/moves.py``).
 
 The time model counts kernel work, not bytes: the K/V that a plan sends further (keys
 whose queries moved) are taken to hide behind the kernels, as they do for tiles of
@@ -34,9 +34,9 @@ from collections import Counter
 
 import torch
 
-from ringify.runtime.mask_program import MaskProgram
-from ringify.runtime.tile_masks import TileMasks, settled_pairs
-from ringify.runtime.tiles import MIN_TILE_ROWS, Tile, Tiling, all_tiles
+from ringify.runtime.masks.program import MaskProgram
+from ringify.runtime.masks.tile_masks import TileMasks, settled_pairs
+from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile, Tiling, all_tiles
 
 # A balanced plan moves rows between ranks (bytes, and their buffers): keep it only when
 # it shortens the modelled ring time by at least this fraction.
@@ -193,7 +193,7 @@ def _longest_first(work, home, sub_rings, ring_size) -> torch.Tensor:
 
 def _in_home_slots(home: list[Tile], mine: list[Tile]) -> list[Tile]:
     """``mine`` placed in the local rows of ``home``: a tile that stays keeps its own
-    rows (nothing to copy, ``tile_moves.py``); the others take the slots that the tiles
+    rows (nothing to copy, ``tiling/moves.py``); the others take the slots that the tiles
     leaving free, a slot of each sub-ring to a tile of that sub-ring, in global order."""
     staying = {t.key for t in mine} & {t.key for t in home}
     arriving: dict[int, list[Tile]] = {}

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ringify.runtime.ring import Ring, served_devices
+from ringify.runtime.collectives.ring import Ring, served_devices
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 

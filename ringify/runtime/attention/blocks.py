@@ -11,7 +11,7 @@ Kernel choice follows the device of the inputs:
   rounded to 8 mantissa bits (so the error does not grow with the ring), and on
   CPUs without AMX the float32 kernel is also the faster one (measured 3x in the
   backward on the reference machine);
-- CUDA: flash for fp16/bf16 (``flash_kernel.py`` keeps its contracts: a dense lse, and
+- CUDA: flash for fp16/bf16 (``attention/flash.py`` keeps its contracts: a dense lse, and
   causal blocks squared, since FA2 aligns a non-square causal mask bottom-right; GQA's
   K/V go in with their own heads, as SDPA's ``enable_gqa`` hands them to FA2),
   memory-efficient for fp32 (top-left causal, as SDPA); float64 (no fused CUDA kernel)
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.flash_kernel import flash_backward, flash_forward
+from ringify.runtime.attention.flash import flash_backward, flash_forward
 
 aten = torch.ops.aten
 

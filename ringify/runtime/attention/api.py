@@ -12,13 +12,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from ringify.runtime.agreement import check_ranks_agree
-from ringify.runtime.block_attention import DTYPES
-from ringify.runtime.dilated_ops import dilated_attention_op
-from ringify.runtime.dilation import Dilation
-from ringify.runtime.layout import check_layout
-from ringify.runtime.ring import check_backend_serves, resolve_ring
-from ringify.runtime.ring_ops import ring_attention_op
+from ringify.runtime.attention.blocks import DTYPES
+from ringify.runtime.attention.dilated_ops import dilated_attention_op
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.ops import ring_attention_op
+from ringify.runtime.collectives.agreement import check_ranks_agree
+from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring
+from ringify.runtime.tiling.layout import check_layout
 
 
 def ring_attention(

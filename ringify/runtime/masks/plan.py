@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ringify.runtime.balance import balanced_tiling, count_plan
-from ringify.runtime.ring import Ring, ring_by_name, served_devices
-from ringify.runtime.schedule import needs_positions, shard_tiles
-from ringify.runtime.tile_masks import TileMasks, program_tiles_per_chunk
-from ringify.runtime.tiles import Tiling
+from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
+from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
+from ringify.runtime.tiling.balance import balanced_tiling, count_plan
+from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
+from ringify.runtime.tiling.tiles import Tiling
 
 # Plans kept, most recently used last: a model has a few programs, each step one plan each.
 MAX_PLANS = 32

@@ -9,7 +9,7 @@ rank keeps (the ring's steps, and within a step the order of ``send`` and ``rece
 A ``Courier`` collects one exchange's sends and named receives and ``start``s them as
 one batch; its ``Delivery`` is waited for after the work it overlaps, and gives each
 receive by its name (torch's ``_RingRotater`` hides its transport the same way, behind
-``exchange_buffers`` and ``next_buffer``). The transport itself is ``p2p.py``.
+``exchange_buffers`` and ``next_buffer``). The transport itself is ``collectives/p2p.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import enum
 
 import torch
 
-from ringify.runtime.p2p import buffers_like, start_exchange
-from ringify.runtime.ring import Ring
+from ringify.runtime.collectives.p2p import buffers_like, start_exchange
+from ringify.runtime.collectives.ring import Ring
 
 
 class Parcel(enum.IntEnum):

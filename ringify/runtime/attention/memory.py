@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.block_attention import (
+from ringify.runtime.attention.blocks import (
     accumulation_dtype,
     additive_mask,
     bias_backward,
@@ -25,9 +25,9 @@ from ringify.runtime.block_attention import (
     block_forward,
     empty_attention_outputs,
 )
-from ringify.runtime.layout import shard_for_rank
-from ringify.runtime.ring import LOCAL, ring_by_name
-from ringify.runtime.ring_reduce import all_reduce, max_over_ring
+from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
+from ringify.runtime.collectives.ring import LOCAL, ring_by_name
+from ringify.runtime.tiling.layout import shard_for_rank
 
 
 def _bias(q, k, attn_mask, group_name: str, layout: str, key_len: int):

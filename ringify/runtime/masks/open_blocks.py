@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringify.runtime.tiles import DEVICE_TILE_ROWS, Tile, Visibility
+from ringify.runtime.tiling.tiles import DEVICE_TILE_ROWS, Tile, Visibility
 
 # The largest mask one call of a whole open pair evaluates (``_whole_pair``): a GPU tile pair.
 MAX_PAIR_MASK = DEVICE_TILE_ROWS * DEVICE_TILE_ROWS

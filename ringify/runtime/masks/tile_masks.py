@@ -1,8 +1,8 @@
 """What each (query tile, key tile) pair of one ring call sees, whatever the mask's form.
 
 A call has one of: the kernel's ``is_causal``; a mask tensor (sliced per pair); a
-mask program (``mask_program.py``), bounded for all pairs at once
-(``mask_bounds.py``) and evaluated only for the pairs the bounds leave open, at
+mask program (``masks/program.py``), bounded for all pairs at once
+(``masks/bounds.py``) and evaluated only for the pairs the bounds leave open, at
 one pair's size. Every pair ends up in one ``Visibility``: skipped, run with the
 kernel's causal mask, with no mask, or with its tile of the mask as a bias.
 
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.block_attention import additive_mask
-from ringify.runtime.layout import chunks_per_rank
-from ringify.runtime.mask_bounds import program_bounds, settled
-from ringify.runtime.mask_program import evaluate, parse, tile_bounds
-from ringify.runtime.open_blocks import OpenBlock, classify, coalesced
-from ringify.runtime.step_masks import KeptMasks
-from ringify.runtime.tiles import (
+from ringify.runtime.attention.blocks import additive_mask
+from ringify.runtime.masks.bounds import program_bounds, settled
+from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
+from ringify.runtime.masks.program import evaluate, parse, tile_bounds
+from ringify.runtime.masks.step_masks import KeptMasks
+from ringify.runtime.tiling.layout import chunks_per_rank
+from ringify.runtime.tiling.tiles import (
     MAX_BANDED_TILES_PER_CHUNK,
     MIN_TILE_ROWS,
     Tile,
@@ -67,10 +67,10 @@ class Block:
 class TileMasks:
     """The visibility of every tile pair of one call (the same on every rank). The key
     tiles of each rank are those of its shard, ``home(rank)``; so are its query tiles
-    unless ``working_on`` gives it others (a balanced plan, ``balance.py``).
+    unless ``working_on`` gives it others (a balanced plan, ``tiling/balance.py``).
 
     A program is bounded and its open blocks classified on the host, from ``inputs``:
-    host copies of its inputs (``attention_plan.py`` makes them once per model call), so
+    host copies of its inputs (``masks/plan.py`` makes them once per model call), so
     that nothing here reads a device tensor or mixes one with a host tensor. The blocks
     that need their mask evaluate it from the inputs of the call they run in, on its
     device (``bound_to``): device work, no host read."""
@@ -104,7 +104,7 @@ class TileMasks:
     ) -> TileMasks:
         """These masks, evaluating the blocks that need their mask from ``inputs`` (the
         program's inputs as the running call holds them) on ``device``; ``kept``: the
-        step's masks evaluated by an earlier call (``step_masks.py``), to reuse and add to."""
+        step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to."""
         bound = copy.copy(self)
         bound._run_inputs, bound._device = [x.detach() for x in inputs], device
         bound._kept = kept

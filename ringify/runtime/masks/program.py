@@ -9,7 +9,7 @@ role ``q`` varies along the queries, ``k`` along the keys, ``c`` along neither;
 role ``p`` is a small table read whole (T5's relative-position bias embedding).
 Its *code* is the elementwise ops that combine them into the mask, plus ``embed``:
 a table looked up at a queries x keys index (the bias of a learned program, whose
-gradient ``mask_program_grad.py`` returns).
+gradient ``masks/grads.py`` returns).
 
 The ring op cannot take a Python callable, so the program travels as canonical JSON
 text: a string argument, identified by its content, which keeps the op opaque to

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.ring import LOCAL
-from ringify.runtime.sharding import take_shard_op
+from ringify.runtime.collectives.ring import LOCAL
+from ringify.runtime.collectives.sharding import take_shard_op
 
 _c10d = torch.ops._c10d_functional
 

@@ -15,13 +15,13 @@ Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 
 ``key_len``: keys at global positions >= key_len are padding and are cut off.
-``mask_program`` / ``mask_inputs``: a mask as a program (``mask_program.py``, its text, or
-"" for none) and its O(S) inputs; the op bounds it per tile pair (``tile_masks.py``).
-``tiles_per_chunk``: 0 lets the op choose (``schedule.py``); tests and benchmarks
+``mask_program`` / ``mask_inputs``: a mask as a program (``masks/program.py``, its text, or
+"" for none) and its O(S) inputs; the op bounds it per tile pair (``masks/tile_masks.py``).
+``tiles_per_chunk``: 0 lets the op choose (``tiling/schedule.py``); tests and benchmarks
 force a tiling with it. ``plan``: a handle from ``ringify::attention_plan`` (the graph's
-one plan per program and model call, ``attention_plan.py``), or None: made here.
+one plan per program and model call, ``masks/plan.py``), or None: made here.
 
-Forward, P ranks: the K/V tiles of each sub-ring (see ``tiles.py``) travel round
+Forward, P ranks: the K/V tiles of each sub-ring (see ``tiling/tiles.py``) travel round
 the ring for P-1 steps; at step i this rank holds the tiles of rank
 (rank - i) mod P, attends to them from each of its query tiles with a fused
 kernel while the next tiles are already in flight, and merges the results into
@@ -29,8 +29,8 @@ float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home.
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
-length), both run on a balanced plan (``balance.py``): some query tiles change rank,
-their rows move there first and their results move back (``tile_moves.py``), while
+length), both run on a balanced plan (``tiling/balance.py``): some query tiles change rank,
+their rows move there first and their results move back (``tiling/moves.py``), while
 K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling
 (tests and benchmarks compare the two).
 """
@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention_plan import count_call, plan_for
-from ringify.runtime.block_attention import (
+from ringify.runtime.attention.blocks import (
     accumulation_dtype,
     bias_backward,
     block_backward,
@@ -50,14 +49,15 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
-from ringify.runtime.courier import Courier, Parcel
-from ringify.runtime.mask_program_grad import add_program_grads
-from ringify.runtime.ring import Ring, ring_by_name
-from ringify.runtime.schedule import ring_visits, tile_views
-from ringify.runtime.step_masks import kept_masks
-from ringify.runtime.tile_masks import tile_of
-from ringify.runtime.tile_moves import move_home, rows_in
-from ringify.runtime.tiles import Visibility
+from ringify.runtime.collectives.courier import Courier, Parcel
+from ringify.runtime.collectives.ring import Ring, ring_by_name
+from ringify.runtime.masks.grads import add_program_grads
+from ringify.runtime.masks.plan import count_call, plan_for
+from ringify.runtime.masks.step_masks import kept_masks
+from ringify.runtime.masks.tile_masks import tile_of
+from ringify.runtime.tiling.moves import move_home, rows_in
+from ringify.runtime.tiling.schedule import ring_visits, tile_views
+from ringify.runtime.tiling.tiles import Visibility
 
 
 @torch.library.custom_op("ringify::ring_attention", mutates_args=())
@@ -214,7 +214,7 @@ def _planned(
     ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
     handle,
 ):  # fmt: skip
-    """``(home, queries, TileMasks)`` of this call from its plan (``attention_plan.py``):
+    """``(home, queries, TileMasks)`` of this call from its plan (``masks/plan.py``):
     the one ``handle`` names, made once per model call, else made here."""
     args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
     plan = plan_for(ring, q.shape[2], *args, handle=handle, device_type=q.device.type)

@@ -6,7 +6,7 @@ and recompute, though every layer of the step asks for the same mask (the same p
 and inputs: one plan handle). FlexAttention evaluates its ``mask_mod`` inside the kernel;
 the kernels here take a bias, so the first call of a step keeps each mask it evaluates,
 on its device, for the later calls of the step: the kept masks live as long as the plan
-handle (``attention_plan.py``), which the graph frees after the step's backward.
+handle (``masks/plan.py``), which the graph frees after the step's backward.
 
 Kept masks are the program's own output (bool for HF's masks), at most ``KEPT_BYTES_PER_ROW``
 bytes per query row of the rank: O(S x block) per rank, as a sliding window's or a document

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringify.runtime.ring import Ring
+from ringify.runtime.collectives.ring import Ring
 
 _sent_bytes = 0  # every byte this process has sent round a ring (benchmarks read it)
 

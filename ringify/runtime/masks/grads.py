@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.mask_program import (
+from ringify.runtime.masks.program import (
     MaskProgram,
     as_4d,
     input_tiles,

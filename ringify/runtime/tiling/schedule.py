@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ringify.runtime.courier import Courier, Parcel
-from ringify.runtime.ring import Ring
-from ringify.runtime.tiles import Tile, rank_tiles, sub_ring_tiles, tiles_per_chunk
+from ringify.runtime.collectives.courier import Courier, Parcel
+from ringify.runtime.collectives.ring import Ring
+from ringify.runtime.tiling.tiles import Tile, rank_tiles, sub_ring_tiles, tiles_per_chunk
 
 
 def needs_positions(masked: bool, is_causal: bool, key_len: int, total_rows: int) -> bool:

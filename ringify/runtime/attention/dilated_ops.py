@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.block_attention import (
+from ringify.runtime.attention.blocks import (
     accumulation_dtype,
     block_backward,
     block_forward,
@@ -30,9 +30,9 @@ from ringify.runtime.block_attention import (
     in_dim_order_of,
     merge_block,
 )
-from ringify.runtime.dilation import Dilation
-from ringify.runtime.ring import ring_by_name, sub_ring_name
-from ringify.runtime.ring_ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.collectives.ring import ring_by_name, sub_ring_name
 
 
 def _pieces(rows: int, heads: int, ring_size: int, segments, rates):

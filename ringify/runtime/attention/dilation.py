@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.block_attention import accumulation_dtype
+from ringify.runtime.attention.blocks import accumulation_dtype
 
 
 @dataclass(frozen=True)
