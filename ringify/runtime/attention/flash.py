@@ -84,8 +84,8 @@ def top_left_backward(kernel: Callable, dout, q, k, v, out, lse, *, is_causal: b
         part = (dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows])
         dq_part, dk_part, dv_part = kernel(*part, lse[:, :, rows].contiguous(), causal, scale)
         dq.append(dq_part)
-        dk[:, :, keys] += dk_part
-        dv[:, :, keys] += dv_part
+        dk[:, :, keys].add_(dk_part)
+        dv[:, :, keys].add_(dv_part)
     return torch.cat(dq, 2), dk, dv
 
 

@@ -55,7 +55,7 @@ from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import count_call, plan_for
 from ringify.runtime.masks.step_masks import kept_masks
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.moves import move_home, rows_in
+from ringify.runtime.tiling.moves import ShardRows, move_home, rows_in
 from ringify.runtime.tiling.schedule import ring_visits, tile_views
 from ringify.runtime.tiling.tiles import Visibility
 
@@ -92,6 +92,7 @@ def ring_attention_op(
     mine = queries(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    out_rows, lse_rows = ShardRows(out_acc), ShardRows(lse_acc)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
@@ -99,12 +100,12 @@ def ring_attention_op(
             masks.skip(mine, len(own))
             continue
         for b in masks.pairs(mine, held, acc, count=True):
-            k_blk, v_blk = kv[b.held][:, :, b.cols], kv[len(own) + b.held][:, :, b.cols]
+            k_blk, v_blk = _keys(kv[b.held], b.cols), _keys(kv[len(own) + b.held], b.cols)
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                 scale=scale, bias=b.bias, empty_rows=b.empty_rows,
             )  # fmt: skip
-            merge_block(out_acc[:, :, b.rows], lse_acc[:, :, b.rows], out_blk, lse_blk)
+            merge_block(out_rows[b.rows], lse_rows[b.rows], out_blk, lse_blk)
     out = out_acc.to(q.dtype)
     del q_at  # free the moved-in rows before the results move home
     move_home(ring, [out, lse_acc], queries, home)
@@ -161,6 +162,7 @@ def ring_attention_backward_op(
     saved = rows_in(ring, [grad_out, q, out, lse], home, queries)
     mine = queries(ring.rank)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq_rows = ShardRows(dq_acc)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     dinputs = [
@@ -174,7 +176,7 @@ def ring_attention_backward_op(
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, own, mine, masks, saved, dq_acc, dmask, learned, scale=scale, acc=acc
+                held, kv, own, mine, masks, saved, dq_rows, dmask, learned, scale=scale, acc=acc
             )
         arrived, delivery = delivery.wait() if delivery is not None else {}, None
         if "home" in arrived:
@@ -230,16 +232,16 @@ def _store_home(own, totals, dk, dv) -> None:
         dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
 
 
-def _tiles_backward(held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *, scale, acc):
+def _tiles_backward(held, kv, own, mine, masks, saved, dq_rows, dmask, learned, *, scale, acc):
     """This rank's share of the held tiles' dK/dV (per tile, None where no query here sees
-    it); its queries' share is added into ``dq_acc``, the mask's into ``dmask`` (a learned
+    it); its queries' share is added into ``dq_rows`` (dq's ``ShardRows``), the mask's into ``dmask`` (a learned
     bias) or, with ``learned`` = (program, inputs, their gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(kv)
     for b in masks.pairs(mine, held, acc, biased=learned is not None):
         i, r, cols = b.held, b.rows, b.cols
         block = (
-            grad_out[r], q[r], kv[i][:, :, cols], kv[len(own) + i][:, :, cols], out[r], lse[r],
+            grad_out[r], q[r], _keys(kv[i], cols), _keys(kv[len(own) + i], cols), out[r], lse[r],
         )  # fmt: skip
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(
@@ -253,10 +255,15 @@ def _tiles_backward(held, kv, own, mine, masks, saved, dq_acc, dmask, learned, *
                 tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
             if learned is not None:
                 add_program_grads(*learned, *b.at, dbias)
-        dq_acc[:, :, r] += dq_blk
+        dq_rows[r].add_(dq_blk)
         _accumulate(here, i, dk_blk, kv[i], cols, acc)
         _accumulate(here, len(own) + i, dv_blk, kv[len(own) + i], cols, acc)
     return here
+
+
+def _keys(tile: torch.Tensor, cols: slice) -> torch.Tensor:
+    """A held K or V tile's key rows ``cols``: the tile itself when they are all of it."""
+    return tile if cols.start == 0 and cols.stop == tile.shape[2] else tile[:, :, cols]
 
 
 def _added(dkv, here, kv, acc):
@@ -282,7 +289,7 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, 
         return
     if grads[slot] is None:
         grads[slot] = torch.zeros(tile.shape, dtype=acc, device=tile.device)
-    grads[slot][:, :, cols] += grad
+    grads[slot][:, :, cols].add_(grad)
 
 
 @ring_attention_backward_op.register_fake

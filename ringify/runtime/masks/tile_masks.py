@@ -104,9 +104,10 @@ class TileMasks:
     ) -> TileMasks:
         """These masks, evaluating the blocks that need their mask from ``inputs`` (the
         program's inputs as the running call holds them) on ``device``; ``kept``: the
-        step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to."""
+        step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to.
+        (An op's body runs below autograd: nothing it computes from ``inputs`` is recorded.)"""
         bound = copy.copy(self)
-        bound._run_inputs, bound._device = [x.detach() for x in inputs], device
+        bound._run_inputs, bound._device = inputs, device
         bound._kept = kept
         return bound
 

@@ -21,13 +21,21 @@ from ringify.runtime.tiling.tiles import Tiling
 class ShardRows:
     """A shard tensor (rows on dim 2) laid out by another tiling: ``rows[r]`` is local rows
     ``r`` (within one tile), from the tensor for a tile that stayed, else from the buffer
-    its rows were received into."""
+    its rows were received into. Each view is made once (every held tile's blocks read the
+    same query rows: one slice each, not one per block)."""
 
     def __init__(self, tensor: torch.Tensor, moved_in: list[tuple[slice, torch.Tensor]] = ()):
         self.tensor = tensor
         self._moved_in = list(moved_in)  # (slot rows, buffer)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
+        key = (rows.start, rows.stop)
+        if key not in self._views:
+            self._views[key] = self._view(rows)
+        return self._views[key]
+
+    def _view(self, rows: slice) -> torch.Tensor:
         for slot, buffer in self._moved_in:
             if slot.start <= rows.start < slot.stop:
                 assert rows.stop <= slot.stop, (rows, slot)
