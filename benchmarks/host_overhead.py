@@ -44,9 +44,10 @@ LAYERS, WINDOW, REPEATS = 4, 256, 3
 
 def _stubs(sent: list[int], gpu_tiles: bool = True):
     """The block kernels and the P2P exchange replaced, in every runtime module using them;
-    with ``gpu_tiles``, the tiles a GPU would use (``tiles.tile_rows``) on these CPU tensors."""
+    with ``gpu_tiles``, the tiles a GPU would use (``tiles.tile_rows``) and the masks it would
+    keep for a step (``step_masks.kept_bytes_per_row``), on these CPU tensors."""
     from ringify.runtime.collectives import p2p
-    from ringify.runtime.masks import tile_masks
+    from ringify.runtime.masks import step_masks, tile_masks
     from ringify.runtime.tiling import tiles
 
     def forward(q, k, v, **_):
@@ -70,11 +71,13 @@ def _stubs(sent: list[int], gpu_tiles: bool = True):
         ("start_exchange", exchange),
     ]
     stack = contextlib.ExitStack()
-    if gpu_tiles:
+    if gpu_tiles:  # and the masks a GPU keeps for a step
         for module in (tiles, tile_masks):
             stack.enter_context(
                 mock.patch.object(module, "tile_rows", lambda _: tiles.DEVICE_TILE_ROWS)
             )
+        kept = step_masks.KEPT_BYTES_PER_ROW
+        stack.enter_context(mock.patch.object(step_masks, "kept_bytes_per_row", lambda _: kept))
     for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:

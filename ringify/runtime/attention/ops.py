@@ -56,7 +56,7 @@ from ringify.runtime.masks.plan import count_call, plan_for
 from ringify.runtime.masks.step_masks import kept_masks
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.moves import ShardRows, move_home, rows_in
-from ringify.runtime.tiling.schedule import ring_visits, tile_views
+from ringify.runtime.tiling.schedule import ring_visits, tile_buffers
 from ringify.runtime.tiling.tiles import Visibility
 
 
@@ -99,8 +99,8 @@ def ring_attention_op(
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own))
             continue
-        for b in masks.pairs(mine, held, acc, count=True):
-            k_blk, v_blk = _keys(kv[b.held], b.cols), _keys(kv[len(own) + b.held], b.cols)
+        for b in masks.pairs(mine, held, acc, count=True, joinable=kv.joined):
+            k_blk, v_blk = _held_keys(kv, b, len(own))
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                 scale=scale, bias=b.bias, empty_rows=b.empty_rows,
@@ -193,9 +193,9 @@ def ring_attention_backward_op(
         elif held is not None and step == last[src] > 0:
             courier.send(src, dkv)
         if step + 1 <= last[courier.peer(-step - 1)]:
-            courier.receive("travel", courier.peer(-1), tile_views(own, k, v), acc)
+            courier.receive_into("travel", courier.peer(-1), tile_buffers(own, k, v, acc))
         if step == last[ring.rank] > 0:
-            courier.receive("home", courier.peer(step), tile_views(own, k, v), acc)
+            courier.receive_into("home", courier.peer(step), tile_buffers(own, k, v, acc))
         delivery = courier.start()
         if step == ring.size - 1 and delivery is not None:  # the sub-ring's trip ends here
             arrived, delivery = delivery.wait(), None
@@ -238,11 +238,9 @@ def _tiles_backward(held, kv, own, mine, masks, saved, dq_rows, dmask, learned, 
     bias) or, with ``learned`` = (program, inputs, their gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(kv)
-    for b in masks.pairs(mine, held, acc, biased=learned is not None):
+    for b in masks.pairs(mine, held, acc, biased=learned is not None, joinable=kv.joined):
         i, r, cols = b.held, b.rows, b.cols
-        block = (
-            grad_out[r], q[r], _keys(kv[i], cols), _keys(kv[len(own) + i], cols), out[r], lse[r],
-        )  # fmt: skip
+        block = (grad_out[r], q[r], *_held_keys(kv, b, len(own)), out[r], lse[r])
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(
             *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
@@ -256,14 +254,41 @@ def _tiles_backward(held, kv, own, mine, masks, saved, dq_rows, dmask, learned, 
             if learned is not None:
                 add_program_grads(*learned, *b.at, dbias)
         dq_rows[r].add_(dq_blk)
-        _accumulate(here, i, dk_blk, kv[i], cols, acc)
-        _accumulate(here, len(own) + i, dv_blk, kv[len(own) + i], cols, acc)
+        for t, part, tile_cols in _tile_parts(kv, b):  # joined tiles: each tile's share
+            dk_t, dv_t = (
+                (dk_blk, dv_blk) if part is None else (dk_blk[:, :, part], dv_blk[:, :, part])
+            )
+            _accumulate(here, t, dk_t, kv[t], tile_cols, acc)
+            _accumulate(here, len(own) + t, dv_t, kv[len(own) + t], tile_cols, acc)
     return here
+
+
+def _tile_parts(kv, b):
+    """``(held tile, its rows of the block's keys or None for all, its key rows)`` per tile."""
+    if b.tiles == 1:
+        return [(b.held, None, b.cols)]
+    parts, start = [], 0
+    for t in range(b.held, b.held + b.tiles):
+        length = kv[t].shape[2]
+        parts.append((t, slice(start, start + length), slice(0, length)))
+        start += length
+    return parts
+
+
+def _held_keys(kv, b, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of block ``b`` from the held tiles ``kv`` (``n`` K tiles, then V)."""
+    if b.tiles > 1:
+        return kv.span(b.held, b.cols)
+    return _keys(kv[b.held], b.cols), _keys(kv[n + b.held], b.cols)
 
 
 def _keys(tile: torch.Tensor, cols: slice) -> torch.Tensor:
     """A held K or V tile's key rows ``cols``: the tile itself when they are all of it."""
-    return tile if cols.start == 0 and cols.stop == tile.shape[2] else tile[:, :, cols]
+    return tile if cols.start == 0 and cols.stop == tile.shape[2] else _rows(tile, cols)
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    return x.narrow(2, rows.start, rows.stop - rows.start)  # one view op, where [:, :, r] is two
 
 
 def _added(dkv, here, kv, acc):

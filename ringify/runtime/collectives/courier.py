@@ -59,7 +59,11 @@ class Courier:
         self, name: str, peer: int, like: list[torch.Tensor], dtype: torch.dtype | None = None
     ) -> Courier:
         """Receive into new buffers shaped as ``like`` (in ``dtype``, else theirs)."""
-        self._receives.append((peer, buffers_like(like, dtype)))
+        return self.receive_into(name, peer, buffers_like(like, dtype))
+
+    def receive_into(self, name: str, peer: int, buffers: list[torch.Tensor]) -> Courier:
+        """Receive into the given dense ``buffers``."""
+        self._receives.append((peer, buffers))
         self._names.append(name)
         return self
 

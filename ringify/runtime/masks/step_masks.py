@@ -10,7 +10,8 @@ handle (``masks/plan.py``), which the graph frees after the step's backward.
 
 Kept masks are the program's own output (bool for HF's masks), at most ``KEPT_BYTES_PER_ROW``
 bytes per query row of the rank: O(S x block) per rank, as a sliding window's or a document
-boundary's masked blocks need; blocks beyond the budget are evaluated in each call.
+boundary's masked blocks need; blocks beyond the budget are evaluated in each call. On the
+CPU none are kept (``kept_bytes_per_row``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Two 1024-key blocks of float32 per query row: a window's or a document's edge blocks.
+# Per query row: a bool mask 8192 keys wide (a window's or a document's edge blocks).
 KEPT_BYTES_PER_ROW = 8 * 1024
+
+
+def kept_bytes_per_row(device_type: str) -> int:
+    """On the CPU nothing is kept: a block's kernel there costs far more than evaluating its
+    mask, and memory is what a CPU run is short of. On accelerators, ``KEPT_BYTES_PER_ROW``."""
+    return 0 if device_type == "cpu" else KEPT_BYTES_PER_ROW
+
 
 _by_handle: WeakIdKeyDictionary = WeakIdKeyDictionary()  # plan handle -> {device: KeptMasks}
 
@@ -46,10 +54,12 @@ class KeptMasks:
 
 def kept_masks(handle: torch.Tensor | None, device: torch.device, rows: int) -> KeptMasks | None:
     """The masks kept for the step of plan ``handle`` on ``device`` (a rank of ``rows`` query
-    rows), or None where there is no handle (a call made outside a ringified graph)."""
-    if handle is None:
+    rows), or None where there is no handle (a call made outside a ringified graph) or
+    nothing is kept on the device (``kept_bytes_per_row``)."""
+    budget = kept_bytes_per_row(device.type) * rows
+    if handle is None or budget == 0:
         return None
     per_device = _by_handle.setdefault(handle, {})
     if device not in per_device:
-        per_device[device] = KeptMasks(KEPT_BYTES_PER_ROW * rows)
+        per_device[device] = KeptMasks(budget)
     return per_device[device]

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
 from ringify.runtime.attention.blocks import additive_mask
 from ringify.runtime.masks.bounds import program_bounds, settled
+from ringify.runtime.masks.calls import Block, joined
 from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
 from ringify.runtime.masks.program import evaluate, parse, tile_bounds
 from ringify.runtime.masks.step_masks import KeptMasks
@@ -49,19 +49,6 @@ def tile_counts() -> dict[Visibility, int]:
 
 def reset_tile_counts() -> None:
     _counts.clear()
-
-
-@dataclass(frozen=True)
-class Block:
-    """One kernel call of a step: query rows of this rank's shard x key rows of a held tile."""
-
-    held: int  # index into the held tiles
-    rows: slice  # local query rows
-    cols: slice  # key rows of the held tile
-    seen: Visibility
-    bias: torch.Tensor | None
-    at: tuple[slice, slice]  # the block's global query and key positions
-    empty_rows: bool = True  # may a query row see no key of the block (False: surely not)
 
 
 class TileMasks:
@@ -150,23 +137,31 @@ class TileMasks:
         """Count the pairs of a step at which the held tiles did not come: all hidden."""
         _counts[Visibility.HIDDEN] += len(mine) * held
 
-    def pairs(self, mine, held, acc: torch.dtype, count: bool = False, biased: bool = False):
+    def pairs(
+        self, mine, held, acc: torch.dtype, count: bool = False, biased: bool = False,
+        joinable: bool = False,
+    ):  # fmt: skip
         """Every ``Block`` with work. A pair is one block, except a pair of a program its
         bounds leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
         evaluated block by block, so that most run with no mask or are skipped and no
         evaluation or bias is larger than a block. ``biased``: every block that is not
-        hidden carries its bias, even a zero one (a learned program's gradient needs it)."""
+        hidden carries its bias, even a zero one (a learned program's gradient needs it).
+        The step's unmasked whole pairs come last, joined into few calls (``calls.py``;
+        ``joinable``: the held tiles lie side by side in memory)."""
+        whole: dict[tuple[int, int], Block] = {}
         for i, k_tile in enumerate(held):
             keys = self.keys(k_tile)
             if keys <= 0:
                 continue
-            for q_tile in mine:
+            for a, q_tile in enumerate(mine):
                 seen, bias = self._settled_pair(q_tile, k_tile, keys, acc, biased)
                 if seen is None:  # open: block by block, each bias freed after its use
                     seen_blocks = set()
                     for block in self._blocks(i, q_tile, k_tile, keys, acc, biased):
                         seen_blocks.add(block.seen)
-                        if block.seen is not Visibility.HIDDEN:
+                        if _whole(block, q_tile, k_tile):
+                            whole[a, i] = block
+                        elif block.seen is not Visibility.HIDDEN:
                             yield block
                     if count:  # the pair's: its blocks' if they agree, else masked
                         one = len(seen_blocks) == 1
@@ -176,7 +171,13 @@ class TileMasks:
                     _counts[seen] += 1
                 if seen is not Visibility.HIDDEN:
                     at = (q_tile.positions(q_tile.length), k_tile.positions(keys))
-                    yield Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
+                    block = Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
+                    if _whole(block, q_tile, k_tile):
+                        whole[a, i] = block
+                    else:
+                        yield block
+        if whole:
+            yield from joined(whole, mine, held, self._queries is self.home, joinable)
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype, biased):
         """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
@@ -253,6 +254,13 @@ class TileMasks:
         nominal = [kb.rows for kb in k_blocks]
         self._open[key] = (blocks, coalesced(grid, q_tile, k_tile, nominal))
         return self._open[key]
+
+
+def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
+    """Whether ``block`` is its whole pair, run with no mask (so it may join others)."""
+    unmasked = block.bias is None and block.seen in (Visibility.FULL, Visibility.DIAGONAL)
+    keys = block.cols.start == 0 and block.cols.stop == k_tile.length
+    return unmasked and keys and block.rows == q_tile.rows
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:

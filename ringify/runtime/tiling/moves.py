@@ -39,8 +39,8 @@ class ShardRows:
         for slot, buffer in self._moved_in:
             if slot.start <= rows.start < slot.stop:
                 assert rows.stop <= slot.stop, (rows, slot)
-                return buffer[:, :, rows.start - slot.start : rows.stop - slot.start]
-        return self.tensor[:, :, rows]
+                return buffer.narrow(2, rows.start - slot.start, rows.stop - rows.start)
+        return self.tensor.narrow(2, rows.start, rows.stop - rows.start)
 
     def moved_rows(self) -> int:
         return sum(slot.stop - slot.start for slot, _ in self._moved_in)

@@ -8,7 +8,10 @@ same arguments, so the sub-rings line up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
 
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring
@@ -36,29 +39,109 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
     ``tiling(rank)`` gives a rank's tiles; ``last_steps(sub_ring)`` the last step at
     which each rank's tiles of that sub-ring are seen (``TileMasks.last_steps``): they
     travel no further. ``own``: this rank's tiles of the sub-ring; ``held``: the tiles
-    of rank ``src`` = (rank - step) held at this step, and ``kv`` their K tiles, then
-    their V tiles (both None at a step where nothing is held). The sends of the next
-    step start before yielding, so they are in flight while the caller computes.
+    of rank ``src`` = (rank - step) held at this step, and ``kv`` their ``HeldKV`` (both
+    None at a step where nothing is held). The sends of the next step start before
+    yielding, so they are in flight while the caller computes.
+
+    Tiles travel sequence-major, (rows, B, K, D), and arrive side by side in one buffer
+    for K and one for V: the held tiles then join into one view (``HeldKV.span``), and a
+    tile passed on is sent as it arrived, without a copy.
     """
     mine = tiling(ring.rank)
     for j in sorted({t.sub_ring for t in mine}):
         own = sub_ring_tiles(mine, j)
         last = last_steps(j)
-        kv = like = tile_views(own, k, v)  # every rank's tiles of a sub-ring have one shape
+        kv = _own_kv(own, k, v)
         for step in range(ring.size):
             src, nxt = (ring.rank - step) % ring.size, (ring.rank - step - 1) % ring.size
             courier = Courier(ring, Parcel.KV)
             if step + 1 <= last[src]:
-                courier.send(courier.peer(1), kv)
+                courier.send(courier.peer(1), kv.wire())
+            received = None
             if step + 1 <= last[nxt]:
-                courier.receive("kv", courier.peer(-1), like)
+                received = HeldKV(own, *(_sequence_major(x, own) for x in (k, v)))
+                courier.receive_into("kv", courier.peer(-1), received.wire())
             delivery = courier.start()
             held = sub_ring_tiles(tiling(src), j) if step <= last[src] else None
             yield own, step, src, held, kv if held is not None else None
-            # the sends are waited for too: their buffers must outlive them
-            kv = delivery.wait().get("kv") if delivery is not None else None
+            if delivery is not None:  # the sends are waited for too: their buffers outlive them
+                delivery.wait()
+            kv = received
 
 
-def tile_views(own: list[Tile], k, v) -> list:
-    """The K tiles, then the V tiles, of this rank's tiles ``own`` (views)."""
-    return [x[:, :, t.rows] for x in (k, v) for t in own]
+class HeldKV(Sequence):
+    """The K tiles, then the V tiles, held at a step: views (B, K, rows, D) made when first
+    asked for. Tiles that lie side by side in memory
+    (``joined``: received into one buffer, or own tiles of adjacent rows) also give
+    ``span(first, cols)``, the keys ``cols`` of the held tiles from ``first`` on as one K
+    and one V view, and travel as one tensor each (``wire``)."""
+
+    def __init__(self, own: list[Tile], k_rows, v_rows, k=None, v=None):
+        # received: (rows, B, K, D) buffers; own: k and v themselves (adjacent rows, or not)
+        self._own, self._rows, self._kv, self._views = own, (k_rows, v_rows), (k, v), {}
+        starts = [0]
+        for t in own:
+            starts.append(starts[-1] + t.length)
+        self.starts = starts
+
+    @property
+    def joined(self) -> bool:
+        return self._rows[0] is not None or _adjacent(self._own)
+
+    def __len__(self) -> int:
+        return 2 * len(self._own)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self._views:
+            n, tile = len(self._own), self._own[i % len(self._own)]
+            if self._rows[0] is None:  # own: the tile's rows of k or v
+                self._views[i] = self._kv[i // n].narrow(2, tile.rows.start, tile.length)
+            else:
+                self._views[i] = self._keys(i // n, self.starts[i % n], tile.length)
+        return self._views[i]
+
+    def span(self, first: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.starts[first] + cols.start
+        return self._keys(0, start, cols.stop - cols.start), self._keys(
+            1, start, cols.stop - cols.start
+        )
+
+    def _keys(self, which: int, start: int, length: int) -> torch.Tensor:
+        """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D)."""
+        if self._rows[which] is not None:
+            return self._rows[which].narrow(0, start, length).permute(1, 2, 0, 3)
+        own_start = self._own[0].rows.start  # own adjacent tiles: rows of k and v themselves
+        return self._kv[which].narrow(2, own_start + start, length)
+
+    def wire(self) -> list[torch.Tensor]:
+        """What travels: K then V, sequence-major: one tensor each where the sub-ring's tiles
+        are adjacent rows (so on every rank), else one per tile (received side by side)."""
+        if _adjacent(self._own):
+            return [self._keys(x, 0, self.starts[-1]).permute(2, 0, 1, 3) for x in (0, 1)]
+        if self._rows[0] is not None:
+            return [x[a:b] for x in self._rows for a, b in itertools.pairwise(self.starts)]
+        return [self[i].permute(2, 0, 1, 3) for i in range(len(self))]
+
+
+def _own_kv(own: list[Tile], k, v) -> HeldKV:
+    """This rank's own tiles, views of ``k`` and ``v``."""
+    return HeldKV(own, None, None, k, v)
+
+
+def _adjacent(own: list[Tile]) -> bool:
+    return all(a.rows.stop == b.rows.start for a, b in itertools.pairwise(own))
+
+
+def _sequence_major(x: torch.Tensor, own: list[Tile]) -> torch.Tensor:
+    """A receive buffer (rows, B, K, D) for the sub-ring's tiles of ``x``, side by side."""
+    b, heads, _, d = x.shape
+    return torch.empty(sum(t.length for t in own), b, heads, d, dtype=x.dtype, device=x.device)
+
+
+def tile_buffers(own: list[Tile], k, v, dtype: torch.dtype) -> list[torch.Tensor]:
+    """New dense buffers for the K tiles, then the V tiles, of ``own``, in ``dtype``."""
+    return [
+        torch.empty(x.shape[0], x.shape[1], t.length, x.shape[3], dtype=dtype, device=x.device)
+        for x in (k, v)
+        for t in own
+    ]

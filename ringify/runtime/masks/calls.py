@@ -1,0 +1,83 @@
+"""The kernel calls of one ring step, and whole tile pairs joined into fewer of them.
+
+Each call costs the host the same launches (slices, the kernel, the merge) whatever its
+size. So the pairs of a step that run unmasked as whole pairs (fully visible, or the
+kernels' causal triangle on the diagonal) join where their rows allow, as PyTorch's ring
+runs one call per step:
+
+- the shard's own tiles at the first step, each seeing the tiles before it whole and its
+  own causally, are one causal call over the shard's rows (their local order is global);
+- a query tile's fully visible key tiles side by side are one call, and adjacent query
+  tiles with the same run of key tiles are one call.
+
+Key tiles join only where they lie side by side in memory (``HeldKV.joined``), query
+tiles only where their rows are the shard's own (no balanced plan moved them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ringify.runtime.tiling.tiles import Tile, Visibility
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kernel call of a step: query rows of this rank's shard x key rows of the held
+    tiles ``held`` to ``held + tiles - 1``, side by side."""
+
+    held: int  # index into the held tiles of the first
+    rows: slice  # local query rows
+    cols: slice  # key rows of the held tiles, side by side
+    seen: Visibility
+    bias: torch.Tensor | None
+    at: tuple[slice, slice] | None  # global query and key positions (None: joined pairs)
+    empty_rows: bool = True  # may a query row see no key of the block (False: surely not)
+    tiles: int = 1
+
+
+def joined(whole: dict[tuple[int, int], Block], mine: list[Tile], held: list[Tile],
+           rows_joined: bool, keys_joined: bool) -> list[Block]:  # fmt: skip
+    """The whole-pair blocks of a step, ``whole[query tile index, held tile index]``, as few
+    calls: ``rows_joined``, adjacent query tiles may join; ``keys_joined``, held tiles may."""
+    d, f = Visibility.DIAGONAL, Visibility.FULL
+    n = len(held)
+    rows_adjacent = rows_joined and all(
+        a.rows.stop == b.rows.start for a, b in itertools.pairwise(mine)
+    )
+    if rows_adjacent and keys_joined and [t.key for t in mine] == [t.key for t in held]:
+        want = {(a, i): d if a == i else f for a in range(n) for i in range(a + 1)}
+        if {key: b.seen for key, b in whole.items()} == want:
+            rows = slice(mine[0].rows.start, mine[-1].rows.stop)
+            keys = slice(0, sum(t.length for t in held))
+            return [Block(0, rows, keys, d, None, None, False, n)]
+    calls = [b for b in whole.values() if b.seen is not f]
+    runs: list[tuple[int, int, int]] = []  # (query tile, first held tile, held tiles)
+    for a in range(len(mine)):
+        full = sorted(i for (q, i), b in whole.items() if q == a and b.seen is f)
+        for _, group in itertools.groupby(enumerate(full), lambda x: x[1] - x[0]):
+            group = [i for _, i in group]
+            spans = [group] if keys_joined else [[i] for i in group]
+            runs += [(a, span[0], len(span)) for span in spans]
+    runs.sort(key=lambda r: (r[1], r[2], r[0]))
+    for (first, count), group in itertools.groupby(runs, lambda r: (r[1], r[2])):
+        queries = [a for a, _, _ in group]
+        for rows in _adjacent_rows(queries, mine, rows_joined):
+            keys = slice(0, sum(t.length for t in held[first : first + count]))
+            calls.append(Block(first, rows, keys, f, None, None, False, count))
+    return calls
+
+
+def _adjacent_rows(queries: list[int], mine: list[Tile], join: bool) -> list[slice]:
+    """The local rows of query tiles ``queries`` (ascending), adjacent ones joined if ``join``."""
+    spans: list[slice] = []
+    for a in queries:
+        rows = mine[a].rows
+        if join and spans and spans[-1].stop == rows.start:
+            spans[-1] = slice(spans[-1].start, rows.stop)
+        else:
+            spans.append(rows)
+    return spans
