@@ -8,8 +8,8 @@ evicts the host's caches, which a GPU's kernels never touch), and ``start_exchan
 exchange would send), so a call's time under ``torch.profiler`` is its host work alone.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
-stubs (``torch_ring_times``). Tiles are a GPU's (``tiles.tile_rows``), patched onto these CPU
-tensors: what a GPU run's host would do.
+stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a GPU
+(``tiles.on_accelerator``, patched for these CPU tensors): what a GPU run's host would do.
 
 Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
@@ -44,10 +44,9 @@ LAYERS, WINDOW, REPEATS = 4, 256, 3
 
 def _stubs(sent: list[int], gpu_tiles: bool = True):
     """The block kernels and the P2P exchange replaced, in every runtime module using them;
-    with ``gpu_tiles``, the tiles a GPU would use (``tiles.tile_rows``) and the masks it would
-    keep for a step (``step_masks.kept_bytes_per_row``), on these CPU tensors."""
+    with ``gpu_tiles``, the tiles a GPU would use and the masks it would keep for a step
+    (``tiles.on_accelerator``), on these CPU tensors."""
     from ringify.runtime.collectives import p2p
-    from ringify.runtime.masks import step_masks, tile_masks
     from ringify.runtime.tiling import tiles
 
     def forward(q, k, v, **_):
@@ -71,13 +70,8 @@ def _stubs(sent: list[int], gpu_tiles: bool = True):
         ("start_exchange", exchange),
     ]
     stack = contextlib.ExitStack()
-    if gpu_tiles:  # and the masks a GPU keeps for a step
-        for module in (tiles, tile_masks):
-            stack.enter_context(
-                mock.patch.object(module, "tile_rows", lambda _: tiles.DEVICE_TILE_ROWS)
-            )
-        kept = step_masks.KEPT_BYTES_PER_ROW
-        stack.enter_context(mock.patch.object(step_masks, "kept_bytes_per_row", lambda _: kept))
+    if gpu_tiles:  # tiles sized, and masks kept, as on an accelerator
+        stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
     for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:

@@ -64,7 +64,7 @@ def plan_for(
     program: str, inputs: list[torch.Tensor], per_chunk: int, balance: bool,
     handle: torch.Tensor | None = None, device_type: str = "cpu",
 ) -> Plan:  # fmt: skip
-    """The plan of a call on ``device_type`` (its tile size, ``tiles.tile_rows``): the one
+    """The plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``): the one
     ``handle`` names, if it is still kept and was made for this geometry; else the kept
     plan of the same content; else a new one."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)

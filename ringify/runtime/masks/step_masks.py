@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ringify.runtime.tiling import tiles
+
 # Per query row: a bool mask 8192 keys wide (a window's or a document's edge blocks).
 KEPT_BYTES_PER_ROW = 8 * 1024
 
@@ -26,7 +28,7 @@ KEPT_BYTES_PER_ROW = 8 * 1024
 def kept_bytes_per_row(device_type: str) -> int:
     """On the CPU nothing is kept: a block's kernel there costs far more than evaluating its
     mask, and memory is what a CPU run is short of. On accelerators, ``KEPT_BYTES_PER_ROW``."""
-    return 0 if device_type == "cpu" else KEPT_BYTES_PER_ROW
+    return KEPT_BYTES_PER_ROW if tiles.on_accelerator(device_type) else 0
 
 
 _by_handle: WeakIdKeyDictionary = WeakIdKeyDictionary()  # plan handle -> {device: KeptMasks}

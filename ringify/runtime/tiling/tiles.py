@@ -31,11 +31,13 @@ from ringify.runtime.tiling.layout import chunks_per_rank, rank_chunks
 # buffers are worth. At 2 ranks, 512-row tiles ran 1.2-1.7x slower than
 # 1024-row ones for 1.1x instead of 1.25-1.4x memory (benchmarks/RESULTS.md).
 MIN_TILE_ROWS = 1024
-# On a GPU a tile pair costs the host about the same ~10 launches (~50 µs) at any size,
-# and an H100 runs a 1024 x 1024 block at Llama-8B's heads in ~60 µs forward: at 1024
-# rows the host would set the pace. A 4096-row pair is ~1 ms of kernel; the buffers it
-# keeps (K/V in flight, a pair's outputs) are still tens of MiB.
+# On an accelerator a tile pair costs the host about the same ~10 launches (~50 µs) at any
+# size, and an H100 runs a 1024 x 1024 block at Llama-8B's heads in ~60 µs forward: at
+# 1024 rows the host would set the pace. There a chunk is cut into as few tiles as keep
+# each under DEVICE_MAX_TILE_ROWS (K/V in flight and a pair's outputs stay tens of MiB,
+# small beside the model's own activations), and a tile has at least DEVICE_TILE_ROWS.
 DEVICE_TILE_ROWS = 4096
+DEVICE_MAX_TILE_ROWS = 16384
 # Tiles per chunk above which the buffers no longer shrink meaningfully.
 MAX_TILES_PER_CHUNK = 8
 # ... unless each query sees a short span of keys (a sliding window, short documents):
@@ -62,15 +64,25 @@ class Tile:
         return slice(self.start, self.start + rows)
 
 
+def on_accelerator(device_type: str) -> bool:
+    """Whether tiles (and the masks a step keeps) are sized for the host's cost per call, as
+    on an accelerator, or for memory, as on the CPU. The one place that decides it."""
+    return device_type != "cpu"
+
+
 def tile_rows(device_type: str) -> int:
     """The fewest rows a tile has on ``device_type``: 1024 on the CPU, 4096 on accelerators."""
-    return MIN_TILE_ROWS if device_type == "cpu" else DEVICE_TILE_ROWS
+    return DEVICE_TILE_ROWS if on_accelerator(device_type) else MIN_TILE_ROWS
 
 
 def tiles_per_chunk(rows: int, layout: str, device_type: str = "cpu") -> int:
-    """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into."""
+    """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into: on the
+    CPU as many as keep tiles over ``MIN_TILE_ROWS``, on accelerators as few as keep them
+    under ``DEVICE_MAX_TILE_ROWS``; at most ``MAX_TILES_PER_CHUNK``."""
     chunk_rows = rows // chunks_per_rank(layout)
-    return max(1, min(chunk_rows // tile_rows(device_type), MAX_TILES_PER_CHUNK))
+    if on_accelerator(device_type):
+        return max(1, min(-(-chunk_rows // DEVICE_MAX_TILE_ROWS), MAX_TILES_PER_CHUNK))
+    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_CHUNK))
 
 
 def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
