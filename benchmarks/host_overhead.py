@@ -42,17 +42,23 @@ CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
 
 
-def _stubs(sent: list[int], gpu_tiles: bool = True):
-    """The block kernels and the P2P exchange replaced, in every runtime module using them;
-    with ``gpu_tiles``, the tiles a GPU would use and the masks it would keep for a step
+def _stubs(sent: list[float], gpu_tiles: bool = True):
+    """The block kernels and the P2P exchange replaced, in every runtime module using them
+    (``sent``: the bytes they would send, the FLOPs they would run); with ``gpu_tiles``, the tiles a GPU would use and the masks it would keep for a step
     (``tiles.on_accelerator``), on these CPU tensors."""
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
-    def forward(q, k, v, **_):
+    def work(q, k, is_causal=False, **_):  # the FLOPs the kernel would run (a product: 2)
+        b, h, s, d = q.shape
+        return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
+
+    def forward(q, k, v, **kwargs):
+        sent[1] += work(q, k, **kwargs)
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    def backward(dout, q, k, v, out, lse, **_):
+    def backward(dout, q, k, v, out, lse, **kwargs):
+        sent[1] += 2.5 * work(q, k, **kwargs)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def exchange(ring, sends, receives, *, tag=0):
@@ -227,14 +233,14 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
     K/V bytes sent per layer and step (stubbed exchanges count them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sent = [0]
+    sent = [0, 0.0]
     calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
     plan_us = []
     with _stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
         for _ in range(repeats):  # this machine's noise: each call's median over the steps
-            sent[0] = 0
+            sent[:] = [0, 0.0]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
             got = {name: [] for name in calls}
@@ -267,6 +273,7 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
         "masks_us": forward[0][0] - mean(later, 0) if forward else 0.0,
         "plan_us": plan_us,
         "bytes": sent[0] / LAYERS,
+        "flops": sent[1] / LAYERS,  # one layer's, forward and backward, on this rank
     }
 
 
@@ -294,21 +301,20 @@ def _host_cost(event) -> tuple[float, int]:
 # A Llama-3-8B attention layer on H100s: the paper model's constants (the per-step plan and
 # masks are shared by its 32 layers).
 H, K, D, MODEL_LAYERS = 32, 8, 128, 32
+BENCH_HEADS, BENCH_HEAD_DIM = 4, 32  # the benchmark's model: hidden 128 in 4 heads
 BF16_FLOPS = 400e12  # attention kernels achieved on an H100 in bf16 (FA2-class), not the peak
 NVLINK_BYTES_S = 450e9  # one direction of an H100's NVLink 4
 
 
-def paper_model(seq: int, ring: int, host_us: float, causal: bool = True) -> dict[str, float]:
+def paper_model(seq: int, ring: int, host_us: float, flops: float) -> dict[str, float]:
     """A modelled GPU step of one attention layer, forward + backward, per rank: kernel time
-    from FLOPs (forward 4 S^2 D H, backward 2.5x, causal half) over ``ring`` ranks; K/V
-    bytes per ring step in bf16 (K heads), hidden behind a step's kernels if shorter; the
-    host time measured here, hidden behind the kernels if shorter. Efficiency: the kernel
-    time over the modelled time."""
-    flops = 4 * seq * seq * D * H * 3.5 * (0.5 if causal else 1.0) / ring
-    kernels = flops / BF16_FLOPS
-    step_kernels = kernels / ring
+    from the FLOPs its kernels run here (``flops``: the blocks each call computes, masked
+    blocks whole), scaled to Llama-3-8B's heads, at ``BF16_FLOPS``; K/V bytes per ring step
+    in bf16 (K heads), hidden behind a step's kernels if shorter; the host time measured
+    here, hidden behind the kernels if shorter. Efficiency: kernel time over modelled time."""
+    kernels = flops * (H * D) / (BENCH_HEADS * BENCH_HEAD_DIM) / BF16_FLOPS
     step_bytes = 2 * (seq // ring) * K * D * 2 * 2  # k and v forward, k/v + dk/dv backward
-    step = max(step_kernels, step_bytes / NVLINK_BYTES_S)
+    step = max(kernels / ring, step_bytes / NVLINK_BYTES_S)
     modelled = max(step * ring, host_us * 1e-6)
     return {"kernel_ms": kernels * 1e3, "modelled_ms": modelled * 1e3, "eff": kernels / modelled}
 
@@ -342,7 +348,7 @@ def main() -> None:
                     ])  # fmt: skip
                     per_step = got["plan_us"] + got["masks_us"]
                     host = got["fwd_us"] + got["bwd_us"] + per_step / MODEL_LAYERS
-                    m = paper_model(seq, ring, host)
+                    m = paper_model(seq, ring, host, got["flops"])
                     model_rows.append([
                         ring, seq, case, f"{host:.0f}", f"{m['kernel_ms']:.2f}",
                         f"{m['modelled_ms']:.2f}", f"{m['eff']:.2f}",
