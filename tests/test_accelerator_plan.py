@@ -1,0 +1,83 @@
+"""An accelerator's plan, exact on the CPU. On a GPU the op cuts a chunk into as few tiles as
+keep each under 16384 rows, keeps a step's masks on the device for every later layer, runs a
+mostly visible open pair as one masked call and joins a step's whole pairs; on the CPU none of
+it runs (``tiles.on_accelerator``). Here it is switched on for CPU tensors, and two layers
+sharing one plan handle are compared with SDPA on the full sequence in float64, forward and
+backward: the second layer runs on the masks the first one kept."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringify.runtime import shard
+from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.tolerance import EXACT, relative_difference
+
+SEQ = 8192  # ring of 2, zigzag: chunks of 2048 rows, one tile each, cut into 1024-row blocks
+
+
+def _case(name: str):
+    """(program text, its inputs, the full (S, S) bool mask it stands for)."""
+    from ringify.runtime.masks.program import MaskProgram
+
+    pos = torch.arange(SEQ)
+    causal = pos[None, :] <= pos[:, None]
+    if name == "packed":
+        lengths = [1500, 2600, SEQ - 4100]
+        docs = document_inputs(lengths)
+        return document_causal_program(), docs, causal & (docs[0] == docs[1])
+    window = 1100  # edges inside blocks
+    program = MaskProgram(
+        roles=(),
+        code=(
+            ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+            ("ge.Scalar", ({"op": 0}, 0), "bool"),
+            ("lt.Scalar", ({"op": 0}, window), "bool"),
+            ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
+        ),
+    )
+    return program.text(), [], causal & (pos[:, None] - pos[None, :] < window)
+
+
+def two_layers_on_an_accelerator_plan(name: str):
+    """On every rank: the largest relative difference from SDPA of two layers' outputs and
+    q/k/v gradients, and how many masks the step kept."""
+    import torch.distributed as dist
+
+    from ringify.runtime.masks import step_masks
+    from ringify.runtime.tiling import tiles
+
+    program, inputs, mask = _case(name)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 2, SEQ, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    want.backward(full[3])
+    expected = [want.detach(), *(x.grad for x in leaves)]
+    group, rows = dist.group.WORLD.group_name, SEQ // 2
+    worst = 0.0
+    with mock.patch.object(tiles, "on_accelerator", lambda _: True):
+        handle = torch.ops.ringify.attention_plan(
+            program, inputs, rows, False, group, "zigzag", SEQ
+        )
+        for _ in range(2):  # two layers of one step: the second reuses the kept masks
+            q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
+            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, handle)
+            out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+            out.backward(shard(full[3], 2, layout="zigzag"))
+            for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
+                ref = shard(ref, 2, layout="zigzag")
+                worst = max(worst, relative_difference(got.detach(), ref))
+        kept = len(step_masks.kept_masks(handle, torch.device("cpu"), rows))
+    return worst, kept
+
+
+@pytest.mark.parametrize("name", ["packed", "window"])
+def test_an_accelerators_plan_is_exact(ranks, name):
+    for worst, kept in ranks(2).run(two_layers_on_an_accelerator_plan, name):
+        assert worst <= EXACT, worst
+        assert kept > 0  # the masks were kept by the first layer and read by the second
