@@ -56,7 +56,7 @@ from ringify.runtime.masks.plan import count_call, plan_for
 from ringify.runtime.masks.step_masks import kept_masks
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.moves import ShardRows, move_home, rows_in
-from ringify.runtime.tiling.schedule import ring_visits, tile_buffers
+from ringify.runtime.tiling.schedule import GradSlots, ring_visits
 from ringify.runtime.tiling.tiles import Visibility
 
 
@@ -173,19 +173,20 @@ def ring_attention_backward_op(
     delivery = None  # the previous step's exchange: dK/dV travelling on, and arriving home
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         last = masks.last_steps(own[0].sub_ring)
+        slots = GradSlots(own, k, v)
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, own, mine, masks, saved, dq_rows, dmask, learned, scale=scale, acc=acc
+                held, kv, slots, mine, masks, saved, dq_rows, dmask, learned, scale=scale, acc=acc
             )
         arrived, delivery = delivery.wait() if delivery is not None else {}, None
         if "home" in arrived:
-            _store_home(own, arrived["home"], dk, dv)
+            slots.store_home(arrived["home"], dk, dv)
         dkv = arrived.get("travel") if step > 0 else None
         if held is not None:
-            dkv = _added(dkv, here, kv, acc)
+            dkv = _added(dkv, here, slots, acc, q.device)
             if step == last[src] == 0:
-                _store_home(own, dkv, dk, dv)
+                slots.store_home(dkv, dk, dv)
         # The gradients go on with the tiles while they travel, then straight home.
         courier = Courier(ring, Parcel.DKV)
         if held is not None and step < last[src]:
@@ -193,14 +194,14 @@ def ring_attention_backward_op(
         elif held is not None and step == last[src] > 0:
             courier.send(src, dkv)
         if step + 1 <= last[courier.peer(-step - 1)]:
-            courier.receive_into("travel", courier.peer(-1), tile_buffers(own, k, v, acc))
+            courier.receive_into("travel", courier.peer(-1), slots.buffers(acc))
         if step == last[ring.rank] > 0:
-            courier.receive_into("home", courier.peer(step), tile_buffers(own, k, v, acc))
+            courier.receive_into("home", courier.peer(step), slots.buffers(acc))
         delivery = courier.start()
         if step == ring.size - 1 and delivery is not None:  # the sub-ring's trip ends here
             arrived, delivery = delivery.wait(), None
             if "home" in arrived:
-                _store_home(own, arrived["home"], dk, dv)
+                slots.store_home(arrived["home"], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     dinputs = [
         q.new_empty(0) if d is None else d.to(x.dtype)  # outputs never alias each other
@@ -225,22 +226,16 @@ def _planned(
     return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
 
 
-def _store_home(own, totals, dk, dv) -> None:
-    """This rank's own tiles' dK and dV, complete: into ``dk`` and ``dv``."""
-    n = len(own)
-    for t, dk_home, dv_home in zip(own, totals[:n], totals[n:], strict=True):
-        dk[:, :, t.rows], dv[:, :, t.rows] = dk_home, dv_home
-
-
-def _tiles_backward(held, kv, own, mine, masks, saved, dq_rows, dmask, learned, *, scale, acc):
-    """This rank's share of the held tiles' dK/dV (per tile, None where no query here sees
-    it); its queries' share is added into ``dq_rows`` (dq's ``ShardRows``), the mask's into ``dmask`` (a learned
-    bias) or, with ``learned`` = (program, inputs, their gradients), into the program's."""
+def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned, *, scale, acc):
+    """This rank's share of the held tiles' dK/dV (per slot of ``slots``, None where no query
+    here sees it); its queries' share is added into ``dq_rows`` (dq's ``ShardRows``), the
+    mask's into ``dmask`` (a learned bias) or, with ``learned`` = (program, inputs, their
+    gradients), into the program's."""
     grad_out, q, out, lse = saved
-    here = [None] * len(kv)
+    here = [None] * len(slots.shapes)
     for b in masks.pairs(mine, held, acc, biased=learned is not None, joinable=kv.joined):
         i, r, cols = b.held, b.rows, b.cols
-        block = (grad_out[r], q[r], *_held_keys(kv, b, len(own)), out[r], lse[r])
+        block = (grad_out[r], q[r], *_held_keys(kv, b, len(held)), out[r], lse[r])
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(
             *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
@@ -254,23 +249,22 @@ def _tiles_backward(held, kv, own, mine, masks, saved, dq_rows, dmask, learned, 
             if learned is not None:
                 add_program_grads(*learned, *b.at, dbias)
         dq_rows[r].add_(dq_blk)
-        for t, part, tile_cols in _tile_parts(kv, b):  # joined tiles: each tile's share
-            dk_t, dv_t = (
-                (dk_blk, dv_blk) if part is None else (dk_blk[:, :, part], dv_blk[:, :, part])
-            )
-            _accumulate(here, t, dk_t, kv[t], tile_cols, acc)
-            _accumulate(here, len(own) + t, dv_t, kv[len(own) + t], tile_cols, acc)
+        for which, grad in enumerate((dk_blk, dv_blk)):
+            for slot, rows, part in _slot_parts(slots, which, b):
+                _accumulate(here, slot, _rows(grad, part) if part else grad, slots, rows, acc)
     return here
 
 
-def _tile_parts(kv, b):
-    """``(held tile, its rows of the block's keys or None for all, its key rows)`` per tile."""
-    if b.tiles == 1:
-        return [(b.held, None, b.cols)]
+def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice | None]]:
+    """``(slot, its key rows, the block's key rows or None for all)`` for K (0) or V (1) of
+    block ``b``: one slot where the tiles are joined, else one per tile the block spans."""
+    if slots.joined or b.tiles == 1:
+        return [(*slots.at(which, b.held, b.cols), None)]
     parts, start = [], 0
     for t in range(b.held, b.held + b.tiles):
-        length = kv[t].shape[2]
-        parts.append((t, slice(start, start + length), slice(0, length)))
+        length = slots.starts[t + 1] - slots.starts[t]
+        slot, rows = slots.at(which, t, slice(0, length))
+        parts.append((slot, rows, slice(start, start + length)))
         start += length
     return parts
 
@@ -291,13 +285,13 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x.narrow(2, rows.start, rows.stop - rows.start)  # one view op, where [:, :, r] is two
 
 
-def _added(dkv, here, kv, acc):
+def _added(dkv, here, slots: GradSlots, acc, device):
     """``here`` (this rank's share) added into the arriving ``dkv``, or, at the first step
     (None), the start of it."""
-    if dkv is None:  # zero for a tile no query here sees (all padding, masked)
+    if dkv is None:  # zero for a slot no query here sees (all padding, masked)
         return [
-            torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g
-            for g, t in zip(here, kv, strict=True)
+            torch.zeros(shape, dtype=acc, device=device) if g is None else g
+            for g, shape in zip(here, slots.shapes, strict=True)
         ]
     for total, g in zip(dkv, here, strict=True):
         if g is not None:
@@ -305,16 +299,17 @@ def _added(dkv, here, kv, acc):
     return dkv
 
 
-def _accumulate(grads: list, slot: int, grad: torch.Tensor, tile: torch.Tensor, cols, acc) -> None:
-    """Add one block's dK or dV (over the tile's key rows ``cols``: padding keys and keys
-    no query of the block sees are left out) into ``grads[slot]``, kept contiguous so
-    that it can be sent as it is."""
-    if grads[slot] is None and grad.shape[2] == tile.shape[2]:
+def _accumulate(grads: list, slot: int, grad: torch.Tensor, slots: GradSlots, rows, acc) -> None:
+    """Add one block's dK or dV (over the slot's key rows ``rows``: padding keys and keys no
+    query of the block sees are left out) into ``grads[slot]``, kept contiguous so that it
+    can be sent as it is."""
+    shape = slots.shapes[slot]
+    if grads[slot] is None and rows.start == 0 and rows.stop == shape[2]:
         grads[slot] = grad.to(acc, memory_format=torch.contiguous_format)
         return
     if grads[slot] is None:
-        grads[slot] = torch.zeros(tile.shape, dtype=acc, device=tile.device)
-    grads[slot][:, :, cols].add_(grad)
+        grads[slot] = torch.zeros(shape, dtype=acc, device=grad.device)
+    _rows(grads[slot], rows).add_(grad)
 
 
 @ring_attention_backward_op.register_fake

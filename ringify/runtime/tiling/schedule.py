@@ -138,10 +138,42 @@ def _sequence_major(x: torch.Tensor, own: list[Tile]) -> torch.Tensor:
     return torch.empty(sum(t.length for t in own), b, heads, d, dtype=x.dtype, device=x.device)
 
 
-def tile_buffers(own: list[Tile], k, v, dtype: torch.dtype) -> list[torch.Tensor]:
-    """New dense buffers for the K tiles, then the V tiles, of ``own``, in ``dtype``."""
-    return [
-        torch.empty(x.shape[0], x.shape[1], t.length, x.shape[3], dtype=dtype, device=x.device)
-        for x in (k, v)
-        for t in own
-    ]
+class GradSlots:
+    """Where the dK/dV of a sub-ring's tiles accumulate, and so how they travel: one slot for
+    K and one for V, every tile side by side, where the tiles are adjacent rows (as K/V then
+    travel, on every rank); else one slot per tile, K tiles then V tiles."""
+
+    def __init__(self, own: list[Tile], k, v):
+        self.joined, self._own, self._kv = _adjacent(own), own, (k, v)
+        starts = [0]
+        for t in own:
+            starts.append(starts[-1] + t.length)
+        self.starts = starts
+        rows = [starts[-1]] if self.joined else [t.length for t in own]
+        self.shapes = [(*x.shape[:2], r, x.shape[3]) for x in (k, v) for r in rows]
+
+    def at(self, which: int, tile: int, cols: slice) -> tuple[int, slice]:
+        """The slot and its key rows of K (0) or V (1) at ``cols`` of held tile ``tile``'s keys
+        (``cols`` may run on into the tiles after it, where they are side by side)."""
+        if not self.joined:
+            return which * len(self._own) + tile, cols
+        start = self.starts[tile]
+        return which, slice(start + cols.start, start + cols.stop)
+
+    def buffers(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """New dense receive buffers, one per slot."""
+        device = self._kv[0].device
+        return [torch.empty(shape, dtype=dtype, device=device) for shape in self.shapes]
+
+    def store_home(self, totals: list[torch.Tensor], dk, dv) -> None:
+        """This rank's own tiles' dK and dV, complete (``totals``, one per slot): into ``dk``
+        and ``dv``."""
+        if self.joined:
+            first, rows = self._own[0].rows.start, self.starts[-1]
+            dk.narrow(2, first, rows).copy_(totals[0])
+            dv.narrow(2, first, rows).copy_(totals[1])
+            return
+        n = len(self._own)
+        for t, dk_home, dv_home in zip(self._own, totals[:n], totals[n:], strict=True):
+            dk.narrow(2, t.rows.start, t.length).copy_(dk_home)
+            dv.narrow(2, t.rows.start, t.length).copy_(dv_home)
