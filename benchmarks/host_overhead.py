@@ -42,10 +42,11 @@ CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
 
 
-def _stubs(sent: list[float], gpu_tiles: bool = True):
+def _stubs(sent: list[float]):
     """The block kernels and the P2P exchange replaced, in every runtime module using them
-    (``sent``: the bytes they would send, the FLOPs they would run); with ``gpu_tiles``, the tiles a GPU would use and the masks it would keep for a step
-    (``tiles.on_accelerator``), on these CPU tensors."""
+    (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
+    would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
+    CPU tensors."""
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
@@ -76,8 +77,7 @@ def _stubs(sent: list[float], gpu_tiles: bool = True):
         ("start_exchange", exchange),
     ]
     stack = contextlib.ExitStack()
-    if gpu_tiles:  # tiles sized, and masks kept, as on an accelerator
-        stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
+    stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
     for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:

@@ -225,8 +225,8 @@ def _cuda_bias(bias, q_BHsD, k_BHtD):
     b, h, s, _ = q_BHsD.shape
     t = k_BHtD.shape[2]
     own = (*bias.shape[:2], s, t)
-    aligned = bias.stride(-1) == 1 and bias.stride(-2) % 8 == 0 and bias.data_ptr() % 16 == 0
-    if bias.dtype == q_BHsD.dtype and aligned:
+    fits = bias.stride(-1) == 1 and bias.stride(-2) % 8 == 0 and bias.data_ptr() % 16 == 0
+    if bias.dtype == q_BHsD.dtype and fits:
         aligned = bias.expand(own)
     else:
         padded = torch.empty(*own[:3], t + (-t % 8), dtype=q_BHsD.dtype, device=q_BHsD.device)

@@ -100,7 +100,7 @@ def ring_attention_op(
             masks.skip(mine, len(own))
             continue
         for b in masks.pairs(mine, held, acc, count=True, joinable=kv.joined):
-            k_blk, v_blk = _held_keys(kv, b, len(own))
+            k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                 scale=scale, bias=b.bias, empty_rows=b.empty_rows,
@@ -173,7 +173,8 @@ def ring_attention_backward_op(
     delivery = None  # the previous step's exchange: dK/dV travelling on, and arriving home
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         last = masks.last_steps(own[0].sub_ring)
-        slots = GradSlots(own, k, v)
+        if step == 0:  # a sub-ring's trip begins
+            slots = GradSlots(own, k, v)
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
@@ -235,7 +236,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
     here = [None] * len(slots.shapes)
     for b in masks.pairs(mine, held, acc, biased=learned is not None, joinable=kv.joined):
         i, r, cols = b.held, b.rows, b.cols
-        block = (grad_out[r], q[r], *_held_keys(kv, b, len(held)), out[r], lse[r])
+        block = (grad_out[r], q[r], *kv.keys(b.held, b.tiles, cols), out[r], lse[r])
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(
             *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
@@ -267,18 +268,6 @@ def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice
         parts.append((slot, rows, slice(start, start + length)))
         start += length
     return parts
-
-
-def _held_keys(kv, b, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V of block ``b`` from the held tiles ``kv`` (``n`` K tiles, then V)."""
-    if b.tiles > 1:
-        return kv.span(b.held, b.cols)
-    return _keys(kv[b.held], b.cols), _keys(kv[n + b.held], b.cols)
-
-
-def _keys(tile: torch.Tensor, cols: slice) -> torch.Tensor:
-    """A held K or V tile's key rows ``cols``: the tile itself when they are all of it."""
-    return tile if cols.start == 0 and cols.stop == tile.shape[2] else _rows(tile, cols)
 
 
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -38,12 +38,12 @@ def coalesced(grid: list[list], q_tile: Tile, k_tile: Tile, nominal: list[slice]
     d, f, h = Visibility.DIAGONAL, Visibility.FULL, Visibility.HIDDEN
     n = len(nominal)
     shaped = [
-        grid[a][b][2] is (d if a == b else f if b < a else h)
-        and (grid[a][b][2] is h or b == n - 1 or grid[a][b][1] == nominal[b])
+        grid[a][b].seen is (d if a == b else f if b < a else h)
+        and (grid[a][b].seen is h or b == n - 1 or grid[a][b].cols == nominal[b])
         for a in range(len(grid))
         for b in range(n)
     ]
-    last = {grid[a][n - 1][1].stop for a in range(len(grid)) if grid[a][n - 1][2] is not h}
+    last = {row[n - 1].cols.stop for row in grid if row[n - 1].seen is not h}
     aligned = q_tile.start == k_tile.start and q_tile.length == k_tile.length
     if aligned and all(shaped) and len(last) == 1:  # padding may cut the last column short
         (stop,) = last

@@ -23,6 +23,7 @@ FlexAttention answers it once per step with one ``BlockMask``. So does this:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from ringify.runtime.tiling.tiles import Tiling
 MAX_PLANS = 32
 
 _lookups: Counter = Counter()  # how calls found their plans (``plan_lookups``)
-_plans: OrderedDict[int, Plan] = OrderedDict()  # by content
+_plans: OrderedDict[int | tuple, Plan] = OrderedDict()  # by content, or by geometry alone
 _handles: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by the handle an attention_plan made
 
 
@@ -74,12 +75,11 @@ def plan_for(
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, [])
         return Plan(home, home, masks, None, geometry, 0)
     if not program:  # nothing to read: kept by geometry alone
-        key = hash(geometry) >> 1
-        if key not in _plans:
+        if geometry not in _plans:
             home = _home(ring, geometry, None, "")
             masks = TileMasks(home, ring.size, None, is_causal, key_len, "", [])
-            _keep(key, Plan(home, home, masks, None, geometry, key))
-        return _used(key)
+            _keep(geometry, Plan(home, home, masks, None, geometry, 0))
+        return _used(geometry)
     if handle is not None:
         kept = _handles.get(handle)  # the handle tensor itself is the key: nothing is read
         # made for this geometry (a plan made for another device's tile size is still exact)
@@ -95,13 +95,13 @@ def plan_for(
     return _used(key)
 
 
-def _keep(key: int, plan: Plan) -> None:
+def _keep(key: int | tuple, plan: Plan) -> None:
     _plans[key] = plan
     while len(_plans) > MAX_PLANS:
         _plans.popitem(last=False)
 
 
-def _used(key: int) -> Plan:
+def _used(key: int | tuple) -> Plan:
     _plans.move_to_end(key)
     return _plans[key]
 
@@ -135,6 +135,7 @@ def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
     masked = attn_mask is not None or bool(program)
     positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
 
+    @functools.cache  # asked at every step of every call: the same tiles each time
     def home(rank: int):
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk, device_type)
 

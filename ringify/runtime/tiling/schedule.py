@@ -44,14 +44,14 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
     yielding, so they are in flight while the caller computes.
 
     Tiles travel sequence-major, (rows, B, K, D), and arrive side by side in one buffer
-    for K and one for V: the held tiles then join into one view (``HeldKV.span``), and a
+    for K and one for V: the held tiles then join into one view (``HeldKV.keys``), and a
     tile passed on is sent as it arrived, without a copy.
     """
     mine = tiling(ring.rank)
     for j in sorted({t.sub_ring for t in mine}):
         own = sub_ring_tiles(mine, j)
         last = last_steps(j)
-        kv = _own_kv(own, k, v)
+        kv = HeldKV(own, None, None, k, v)
         for step in range(ring.size):
             src, nxt = (ring.rank - step) % ring.size, (ring.rank - step - 1) % ring.size
             courier = Courier(ring, Parcel.KV)
@@ -71,18 +71,14 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
 
 class HeldKV(Sequence):
     """The K tiles, then the V tiles, held at a step: views (B, K, rows, D) made when first
-    asked for. Tiles that lie side by side in memory
-    (``joined``: received into one buffer, or own tiles of adjacent rows) also give
-    ``span(first, cols)``, the keys ``cols`` of the held tiles from ``first`` on as one K
-    and one V view, and travel as one tensor each (``wire``)."""
+    asked for. Tiles that lie side by side in memory (``joined``: received into one buffer,
+    or own tiles of adjacent rows) give the keys of several tiles as one view (``keys``),
+    and travel as one tensor each (``wire``)."""
 
     def __init__(self, own: list[Tile], k_rows, v_rows, k=None, v=None):
         # received: (rows, B, K, D) buffers; own: k and v themselves (adjacent rows, or not)
         self._own, self._rows, self._kv, self._views = own, (k_rows, v_rows), (k, v), {}
-        starts = [0]
-        for t in own:
-            starts.append(starts[-1] + t.length)
-        self.starts = starts
+        self.starts = _starts(own)
 
     @property
     def joined(self) -> bool:
@@ -97,16 +93,22 @@ class HeldKV(Sequence):
             if self._rows[0] is None:  # own: the tile's rows of k or v
                 self._views[i] = self._kv[i // n].narrow(2, tile.rows.start, tile.length)
             else:
-                self._views[i] = self._keys(i // n, self.starts[i % n], tile.length)
+                self._views[i] = self._span(i // n, self.starts[i % n], tile.length)
         return self._views[i]
 
-    def span(self, first: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.starts[first] + cols.start
-        return self._keys(0, start, cols.stop - cols.start), self._keys(
-            1, start, cols.stop - cols.start
-        )
+    def keys(self, first: int, tiles: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at key rows ``cols`` of held tile ``first`` (running on into the ``tiles``
+        after it, side by side, where ``tiles`` > 1): the tile itself when that is all of it."""
+        length = cols.stop - cols.start
+        if tiles > 1:
+            start = self.starts[first] + cols.start
+            return self._span(0, start, length), self._span(1, start, length)
+        k, v = self[first], self[len(self._own) + first]
+        if cols.start == 0 and length == k.shape[2]:
+            return k, v
+        return k.narrow(2, cols.start, length), v.narrow(2, cols.start, length)
 
-    def _keys(self, which: int, start: int, length: int) -> torch.Tensor:
+    def _span(self, which: int, start: int, length: int) -> torch.Tensor:
         """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D)."""
         if self._rows[which] is not None:
             return self._rows[which].narrow(0, start, length).permute(1, 2, 0, 3)
@@ -117,25 +119,25 @@ class HeldKV(Sequence):
         """What travels: K then V, sequence-major: one tensor each where the sub-ring's tiles
         are adjacent rows (so on every rank), else one per tile (received side by side)."""
         if _adjacent(self._own):
-            return [self._keys(x, 0, self.starts[-1]).permute(2, 0, 1, 3) for x in (0, 1)]
+            return [self._span(x, 0, self.starts[-1]).permute(2, 0, 1, 3) for x in (0, 1)]
         if self._rows[0] is not None:
             return [x[a:b] for x in self._rows for a, b in itertools.pairwise(self.starts)]
         return [self[i].permute(2, 0, 1, 3) for i in range(len(self))]
-
-
-def _own_kv(own: list[Tile], k, v) -> HeldKV:
-    """This rank's own tiles, views of ``k`` and ``v``."""
-    return HeldKV(own, None, None, k, v)
 
 
 def _adjacent(own: list[Tile]) -> bool:
     return all(a.rows.stop == b.rows.start for a, b in itertools.pairwise(own))
 
 
+def _starts(own: list[Tile]) -> list[int]:
+    """Where each tile of ``own`` starts, and the last ends, with the tiles side by side."""
+    return [0, *itertools.accumulate(t.length for t in own)]
+
+
 def _sequence_major(x: torch.Tensor, own: list[Tile]) -> torch.Tensor:
     """A receive buffer (rows, B, K, D) for the sub-ring's tiles of ``x``, side by side."""
     b, heads, _, d = x.shape
-    return torch.empty(sum(t.length for t in own), b, heads, d, dtype=x.dtype, device=x.device)
+    return torch.empty(_starts(own)[-1], b, heads, d, dtype=x.dtype, device=x.device)
 
 
 class GradSlots:
@@ -145,11 +147,8 @@ class GradSlots:
 
     def __init__(self, own: list[Tile], k, v):
         self.joined, self._own, self._kv = _adjacent(own), own, (k, v)
-        starts = [0]
-        for t in own:
-            starts.append(starts[-1] + t.length)
-        self.starts = starts
-        rows = [starts[-1]] if self.joined else [t.length for t in own]
+        self.starts = _starts(own)
+        rows = [self.starts[-1]] if self.joined else [t.length for t in own]
         self.shapes = [(*x.shape[:2], r, x.shape[3]) for x in (k, v) for r in rows]
 
     def at(self, which: int, tile: int, cols: slice) -> tuple[int, slice]:
