@@ -38,6 +38,7 @@ from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.gqa import fold_repeated_kv
+from ringify.passes.handwritten import fold_handwritten_attention
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
@@ -308,6 +309,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
     fold_shifts(gm.graph)
+    fold_handwritten_attention(gm.graph)
     fold_repeated_kv(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm

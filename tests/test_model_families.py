@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify import ringify
 from ringify.passes.report import AttentionRun
+from ringify.testing.runs import ringified_run
 
 TOL = 1e-10
 
@@ -76,16 +76,11 @@ def _run(model, fn, args, kwargs, pick):
 
 def compare(name: str, length: int, backend: str | None = None):
     """On every rank: the largest differences, the report's attention runs and gathers."""
-    import torch.distributed as dist
 
     model, args, kwargs, pick = _case(name, length)
     model = model.double()
     want = _run(model, model, args, kwargs, pick)
-    ringified = ringify(model, ring_size=dist.get_world_size())
-    run = ringified
-    if backend:
-        torch._dynamo.reset()
-        run = torch.compile(ringified, backend=backend, fullgraph=True)
+    ringified, run = ringified_run(model, backend)
     got = _run(model, run, args, kwargs, pick)
     assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
     report = ringified.report()

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
+from ringify.passes.handwritten import FORM_NOTE
 from ringify.passes.mask_programs import MASK_NOTE, program_inputs
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
@@ -238,6 +239,7 @@ def reported(
     return ReportedAttention(
         node=att.node.name,
         run=run,
+        form=att.node.meta.get(FORM_NOTE, att.node.target._opname if att.returns_tuple else "sdpa"),
         global_shape=q_shape,
         local_shape=tuple(state.geo.local_shape(q_shape, Seq(2))) if sharded else q_shape,
         mask=mask,

@@ -24,6 +24,7 @@ from torch import fx
 
 from ringify.config import Config
 from ringify.passes.attention import find_attention
+from ringify.passes.handwritten import FORM_NOTE
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
@@ -96,16 +97,39 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
     v of self-attentions."""
     attentions = find_attention(graph)
     if not attentions:
-        raise ValueError(
-            "ringify found no attention in the model's graph: it shards the sequence through "
-            "F.scaled_dot_product_attention; a model that computes attention by hand "
-            "(softmax(q @ k^T) @ v) must call F.scaled_dot_product_attention instead"
-        )
+        raise ValueError(_no_attention(graph))
     _check_attention_shapes(attentions, config)
     length = _sequence_length(attentions)
     attentions = [a for a in attentions if len(shape(a.q)) == 4 and shape(a.q)[2] == length]
     self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
     return [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+
+
+def _no_attention(graph: fx.Graph) -> str:
+    """What to tell a user whose graph has no attention: why each softmax was not read as
+    one, and the one-line fixes; or, with no softmax at all, that ringify is for attention."""
+    unread = [
+        f"{n.name}: {n.meta[FORM_NOTE]}"
+        for n in graph.nodes
+        if n.meta.get(FORM_NOTE, "")[:3] == "not"
+    ]
+    if not unread:
+        return (
+            "ringify found no attention in the model's graph, and no softmax: ringify shards "
+            "the sequence of attention models through their attention, and this model has "
+            "none (a state-space model such as Mamba scans its sequence instead). Run it "
+            "without ringify."
+        )
+    return (
+        "ringify found no attention in the model's graph. It reads "
+        "F.scaled_dot_product_attention, and attention written by hand as "
+        "softmax(q @ k^T * scale + mask) @ v; these softmaxes were not read as attention: "
+        + "; ".join(unread)
+        + '. One-line fixes: for an HF model, attn_implementation="sdpa" in from_pretrained '
+        "or its config; for nn.MultiheadAttention, need_weights=False; otherwise, call "
+        "F.scaled_dot_product_attention, or scale the scores before masking them and hide "
+        "scores with -inf or torch.finfo(dtype).min."
+    )
 
 
 def _sequence_length(attentions: list) -> int:

@@ -34,6 +34,7 @@ class GatherReason(enum.Enum):
     UNREADABLE = "could not read its arguments"
     FEATURE_DIM = "the sequence is a feature dim"
     PRODUCT = "a product over the sequence"
+    WHOLE_FACTOR = "a product's second factor, sharded along its columns: used whole"
     MIXED_DIMS = "its inputs are sharded along different dims"
     MISALIGNED = "a replicated input does not line up with the sequence"
     REPLICATED_FIRST = "its first input is replicated but another is sharded"
@@ -55,6 +56,7 @@ class ReportedAttention:
 
     node: str
     run: AttentionRun
+    form: str  # how the model wrote it: "sdpa", a fused kernel's name, "by hand", ...
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     mask: MaskKind

@@ -46,6 +46,7 @@ from ringify.passes.placement import (
     sharded_first,
     view_placement,
 )
+from ringify.passes.products import infer_addmm, infer_baddbmm, infer_matmul, rewrite_product
 from ringify.passes.reductions import (
     EXTREMA,
     LOSSES,
@@ -146,20 +147,6 @@ def _infer_per_position(node, place: Placements):
     if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - features:
         return place[x]
     return Fallback(GatherReason.FEATURE_DIM)
-
-
-def _infer_matmul(node, place: Placements):
-    x = node.args[0]
-    if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - 1:
-        return Seq(place[x].dim + val(node).dim() - len(shape(x)), place[x].inner)
-    return Fallback(GatherReason.PRODUCT)
-
-
-def _infer_addmm(node, place: Placements):
-    bias, x, w = node.args[:3]
-    if place.sharded(x) and not place.sharded(w) and place[x].dim == 0:
-        return place.line_up(node, [bias], place[x])
-    return Fallback(GatherReason.PRODUCT)
 
 
 def _infer_cat(node, place: Placements):
@@ -274,12 +261,14 @@ RULES: dict[object, Rule] = {
         Rule(_infer_per_position, _fit_whole),
     ),
     **dict.fromkeys(
-        (aten.mm.default, aten.matmul.default, aten.bmm.default), Rule(_infer_matmul, _fit_whole)
+        (aten.mm.default, aten.matmul.default, aten.bmm.default),
+        Rule(infer_matmul, rewrite_product),
     ),
     # addmm's bias broadcasts against the output
     aten.addmm.default: Rule(
-        _infer_addmm, lambda n, out, s: s.fit_replicated_inputs(n, out, aligned=[n.args[0]])
+        infer_addmm, lambda n, out, s: s.fit_replicated_inputs(n, out, aligned=[n.args[0]])
     ),
+    aten.baddbmm.default: Rule(infer_baddbmm, rewrite_product),
     aten.embedding.default: Rule(_infer_embedding, _fit_whole),
     **dict.fromkeys(VIEWS, Rule(_infer_view, _local_size)),
     **dict.fromkeys(

@@ -6,7 +6,8 @@
   ``measured_step``: the time and peak memory of one step; ``saved_for_backward_bytes``:
   what autograd keeps for the backward (``memory.py``);
 - ``ringify.testing.attention``: ring attention against SDPA on the full sequence;
-- ``ringify.testing.models``: small models written as users write them.
+- ``ringify.testing.models``: small models written as users write them;
+- ``ringify.testing.runs``: a model ringified over the current group, eager or compiled.
 """
 
 from ringify.testing.memory import (

@@ -4,7 +4,7 @@ use them (SDPA attention, no dropout, no cache)."""
 from __future__ import annotations
 
 
-def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
+def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128, attn_implementation="sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -20,15 +20,16 @@ def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128):
         bos_token_id=0,
         eos_token_id=0,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn_implementation
     return GPT2LMHeadModel(config)
 
 
-def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128):
+def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128, attn_implementation="sdpa"):
     """HF Llama: RoPE tables from positions, grouped-query attention, RMSNorm, SwiGLU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _decoder(LlamaConfig, LlamaForCausalLM, layers, dim, heads, kv_heads, vocab, max_len)
+    shape = (layers, dim, heads, kv_heads, vocab, max_len)
+    return _decoder(LlamaConfig, LlamaForCausalLM, *shape, attn_implementation=attn_implementation)
 
 
 def mistral(window: int, layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=1 << 20):
@@ -39,8 +40,19 @@ def mistral(window: int, layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_le
     return _decoder(MistralConfig, MistralForCausalLM, *shape, sliding_window=window)
 
 
-def _decoder(config_class, model_class, layers, dim, heads, kv_heads, vocab, max_len, **extra):
-    """A Llama-family causal LM (SDPA, no cache) of the given shape."""
+def _decoder(
+    config_class,
+    model_class,
+    layers,
+    dim,
+    heads,
+    kv_heads,
+    vocab,
+    max_len,
+    attn_implementation="sdpa",
+    **extra,
+):
+    """A Llama-family causal LM (no cache) of the given shape, SDPA unless told."""
     config = config_class(
         hidden_size=dim,
         intermediate_size=2 * dim,
@@ -56,7 +68,7 @@ def _decoder(config_class, model_class, layers, dim, heads, kv_heads, vocab, max
         pad_token_id=0,
         **extra,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn_implementation
     return model_class(config)
 
 

@@ -27,6 +27,25 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
 
+class AttentionByHand(nn.Module):
+    """nanoGPT's attention without flash: ``softmax(q k^T / sqrt(d))`` under a causal
+    buffer of ones, then times v (``attend`` for ``Block``)."""
+
+    def __init__(self, max_len=128):
+        super().__init__()
+        self.register_buffer(
+            "bias", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len)
+        )
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, q, k, v, is_causal=True):
+        t = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return self.drop(att) @ v
+
+
 class NanoGPT(nn.Module):
     """nanoGPT's shape: learned positions, tied embeddings, the loss inside forward.
 

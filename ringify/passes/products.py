@@ -1,0 +1,64 @@
+"""Products whose rows carry the sequence: ``mm``/``matmul``/``bmm``, ``baddbmm``, ``addmm``.
+
+The rows of ``x @ w`` are computed from the rows of ``x``: a sharded x gives a sharded
+output, its weights used whole. A ``w`` sharded along its columns (k transposed, when an
+attention map is itself an output) is gathered whole on every rank, reported, so that
+each rank computes its rows of the map from the whole keys: O(S) gathered, never S x S.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import shape, val
+from ringify.passes.placement import Fallback, Placements, Seq
+from ringify.passes.report import GatherReason, InsertedGather
+
+aten = torch.ops.aten
+
+
+def infer_matmul(node, place: Placements):
+    return _product_rows(node, *node.args[:2], place)
+
+
+def infer_baddbmm(node, place: Placements):
+    """``bias + x @ w``: the product's rows, the bias sharded like them or lined up."""
+    bias, x, w = node.args[:3]
+    rows = _product_rows(node, x, w, place)
+    if isinstance(rows, Fallback) or not place.sharded(bias):
+        return rows if isinstance(rows, Fallback) else place.line_up(node, [bias], rows)
+    aligned = place[bias].dim + val(node).dim() - len(shape(bias))
+    return rows if Seq(aligned, place[bias].inner) == rows else Fallback(GatherReason.MIXED_DIMS)
+
+
+def _product_rows(node, x, w, place: Placements):
+    """Rows of x times w: x's sequence rows give the output's. A w sharded along its
+    columns (k transposed, for the rows of an attention map) is gathered whole."""
+    whole_w = place.sharded(w) and len(shape(w)) >= 2 and place[w].dim == len(shape(w)) - 1
+    rows = place.sharded(x) and place[x].dim < len(shape(x)) - 1
+    if rows and (whole_w or not place.sharded(w)):
+        return Seq(place[x].dim + val(node).dim() - len(shape(x)), place[x].inner)
+    return Fallback(GatherReason.PRODUCT)
+
+
+def rewrite_product(node, out, state: PassState) -> None:
+    """A sharded w is gathered (reported); replicated weights are used whole, and
+    baddbmm's bias is sliced where it lines up with the rows."""
+    w = node.args[2] if node.target is aten.baddbmm.default else node.args[1]
+    if state.sharded(w):
+        node.replace_input_with(w, state.gather(w))
+        state.gathers.append(
+            InsertedGather(node.name, str(node.target), GatherReason.WHOLE_FACTOR, f"({w.name})")
+        )
+    if node.target is aten.baddbmm.default:
+        state.fit_replicated_inputs(node, out, aligned=[node.args[0]])
+    else:
+        state.fit_replicated_inputs(node, None)
+
+
+def infer_addmm(node, place: Placements):
+    bias, x, w = node.args[:3]
+    if place.sharded(x) and not place.sharded(w) and place[x].dim == 0:
+        return place.line_up(node, [bias], place[x])
+    return Fallback(GatherReason.PRODUCT)

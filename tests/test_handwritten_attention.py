@@ -1,0 +1,291 @@
+"""Attention written by hand (``softmax(q @ k^T * scale + mask) @ v``) runs on the ring.
+
+HF Llama and GPT-2 with ``attn_implementation="eager"``, nanoGPT's path without flash
+(a causal buffer and ``masked_fill``), and ``nn.MultiheadAttention`` with its default
+``need_weights=True`` (the weights are an output: every rank computes its query rows of
+them against the whole keys). Against the unmodified model on 2 and 4 ranks, float64,
+eager and compiled: outputs, every parameter gradient, and the report (every attention a
+ring, the gathers expected).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ringify import ringify
+from ringify.passes.handwritten import FORM_NOTE, fold_handwritten_attention
+from ringify.passes.report import AttentionRun, GatherReason
+from ringify.testing.runs import ringified_run
+
+TOL = 1e-10
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` as torch.nn users call it: weights returned (averaged over
+    heads), a causal float mask given as an input, batch first."""
+
+    def __init__(self, dim=32, heads=4, return_weights=True):
+        super().__init__()
+        self.return_weights = return_weights
+        self.norm = nn.LayerNorm(dim)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x, mask):
+        y = self.norm(x)
+        out, weights = self.attention(y, y, y, attn_mask=mask)
+        return (x + out, weights) if self.return_weights else (x + out,)
+
+
+def _case(name: str, length: int):
+    """(model, args, kwargs, the outputs to compare)."""
+    from ringify.testing import hf_models, models
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (2, length), generator=g)
+    if name in ("llama", "llama_padded", "gpt2", "gpt2_attentions"):
+        build = hf_models.gpt2 if name.startswith("gpt2") else hf_models.llama
+        kwargs = {"input_ids": ids}  # (HF's loss runs in float32: not this test's subject)
+        if name == "llama_padded":  # right padding of the second sequence
+            mask = torch.ones(2, length, dtype=torch.long)
+            mask[1, length - 3 :] = 0
+            kwargs["attention_mask"] = mask
+        if name == "gpt2_attentions":  # output_attentions=True: the maps are outputs
+            kwargs["output_attentions"] = True
+            return (
+                build(attn_implementation="eager"),
+                (),
+                kwargs,
+                lambda o: (o.logits, *o.attentions),
+            )
+        return build(attn_implementation="eager"), (), kwargs, lambda o: (o.logits,)
+    if name == "nanogpt":
+        model = models.NanoGPT(attend=models.AttentionByHand())
+        return model, (ids, ids), {}, None
+    if name == "mha_discarded":  # the weights computed (need_weights=True), then dropped
+        x = torch.randn(2, length, 32, generator=g, dtype=torch.float64)
+        return SelfAttention(return_weights=False), (x, None), {}, None
+    if name == "mha":
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+        x = torch.randn(2, length, 32, generator=g, dtype=torch.float64)
+        return SelfAttention(), (x, mask), {}, None
+    raise ValueError(name)
+
+
+def _run(model, fn, args, kwargs, pick):
+    """Outputs and parameter gradients of a fixed random projection of the outputs."""
+    model.zero_grad(set_to_none=True)
+    outs = fn(*args, **kwargs)
+    outs = pick(outs) if pick else outs
+    g = torch.Generator().manual_seed(2)
+    total = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+    total.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return [o.detach() for o in outs], grads
+
+
+def compare(name: str, length: int, backend: str | None = None):
+    """On every rank: the largest differences from the unmodified model (and, for HF, from
+    its SDPA spelling), how each attention ran, the gathers."""
+
+    model, args, kwargs, pick = _case(name, length)
+    model = model.double()
+    want = _run(model, model, args, kwargs, pick)
+    exact = want
+    if hasattr(model, "config"):  # HF's eager softmax runs in float32 even in a float64 model
+        model.config._attn_implementation = _exact_implementation(name)
+        exact = _run(model, model, args, kwargs, pick)
+        model.config._attn_implementation = "eager"
+    ringified, run = ringified_run(model, backend)
+    got = _run(model, run, args, kwargs, pick)
+    assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
+    report = ringified.report()
+    return {
+        "exact": _largest(got, exact),
+        "unmodified": _largest(got, want),
+        "own": _largest(exact, want),  # the unmodified model's own eager / SDPA difference
+        "runs": [a.run for a in report.attentions],
+        "forms": [a.form for a in report.attentions],
+        "gathers": [x.reason for x in report.gathers],
+    }
+
+
+def _exact_implementation(name: str) -> str:
+    """What an HF model's hand-written attention means in the model's dtype: SDPA; GPT-2's
+    own eager path for its maps (SDPA gives none; its softmax runs in the model's dtype,
+    where Llama's runs in float32)."""
+    return "eager" if name == "gpt2_attentions" else "sdpa"
+
+
+def _largest(got, want) -> float:
+    outs = [(a - b).abs().max().item() for a, b in zip(got[0], want[0], strict=True)]
+    return max(outs + [(got[1][n] - want[1][n]).abs().max().item() for n in want[1]])
+
+
+def _matches(r) -> bool:
+    """Exact against the SDPA reading, and no farther from the unmodified model than its
+    own SDPA spelling is."""
+    return r["exact"] <= TOL and r["unmodified"] <= 2 * r["own"] + TOL
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("name", "length"), [("llama", 16), ("llama_padded", 13), ("gpt2", 16), ("nanogpt", 12)]
+)
+def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
+    for r in ranks(world).run(compare, name, length):
+        assert r["runs"] == [AttentionRun.RING] * 2, r
+        assert r["forms"] == ["by hand"] * 2
+        assert r["gathers"] == [], r["gathers"]
+        assert _matches(r), r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("name", "attentions"), [("mha", 1), ("gpt2_attentions", 2)])
+def test_weights_are_an_output(ranks, world, name, attentions):
+    """need_weights=True, output_attentions=True: the output on the ring, each rank's query
+    rows of the weights from the whole keys (a gather of k per attention, reported)."""
+    for r in ranks(world).run(compare, name, 12):
+        assert r["runs"] == [AttentionRun.RING] * attentions, r
+        assert r["forms"] == ["by hand, probabilities an output"] * attentions
+        assert r["gathers"] == [GatherReason.WHOLE_FACTOR] * attentions, r["gathers"]
+        assert _matches(r), r
+
+
+def test_weights_computed_and_dropped(ranks):
+    for r in ranks(2).run(compare, "mha_discarded", 12):
+        assert r["forms"] == ["by hand"], r
+        assert r["gathers"] == [], r["gathers"]
+        assert _matches(r), r
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"), [("llama", "aot_eager"), ("nanogpt", "inductor"), ("mha", "aot_eager")]
+)
+def test_compiled_matches_unmodified_model(ranks, name, backend):
+    for r in ranks(2).run(compare, name, 12, backend):
+        assert AttentionRun.RING in r["runs"], r
+        assert _matches(r), r
+
+
+class _Function(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _fold(fn, *shapes, dtype=torch.float64):
+    """The exported graph of ``fn`` on inputs of ``shapes``, after the fold; the new SDPA nodes."""
+    inputs = [torch.randn(s, dtype=dtype) for s in shapes]
+    gm = torch.export.export(_Function(fn), tuple(inputs), strict=False).module()
+    return gm, inputs, fold_handwritten_attention(gm.graph)
+
+
+def _tril(q, k):
+    return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+
+
+sdpa = torch.nn.functional.scaled_dot_product_attention
+# spelling -> (the hand-written attention, what it means in SDPA's terms)
+SPELLINGS = {
+    "scale after": (
+        lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "scale before": (
+        lambda q, k, v: torch.softmax((q * 0.5) @ k.transpose(2, 3), -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "divided": (
+        lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / 3.0, dim=-1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=1 / 3.0),
+    ),
+    "upcast": (  # the model's softmax in float32 (below float64): SDPA's is in q's dtype
+        lambda q, k, v: (
+            torch.softmax((q @ k.transpose(-2, -1)).float(), -1, dtype=torch.float32).to(q.dtype)
+            @ v
+        ),
+        lambda q, k, v: sdpa(q, k, v, scale=1.0),
+    ),
+    "hidden by -inf": (
+        lambda q, k, v: (
+            torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~_tril(q, k), float("-inf")), -1)
+            @ v
+        ),
+        lambda q, k, v: sdpa(q, k, v, attn_mask=_tril(q, k), scale=1.0),
+    ),
+    "kept by where, the dtype's minimum": (
+        lambda q, k, v: (
+            torch.softmax(
+                torch.where(_tril(q, k), q @ k.transpose(-2, -1), torch.finfo(q.dtype).min), -1
+            )
+            @ v
+        ),
+        lambda q, k, v: sdpa(q, k, v, attn_mask=_tril(q, k), scale=1.0),
+    ),
+    "3-D bmm": (
+        lambda q, k, v: torch.bmm(
+            torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)), -1),
+            v.flatten(0, 1),
+        ),
+        lambda q, k, v: sdpa(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_spellings_become_one_sdpa_with_the_same_meaning(spelling):
+    fn, meaning = SPELLINGS[spelling]
+    gm, inputs, folded = _fold(fn, (2, 3, 8, 4), (2, 3, 8, 4), (2, 3, 8, 4))
+    assert len(folded) == 1
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes}
+    assert not targets & {torch.ops.aten.softmax.int, torch.ops.aten.matmul.default}
+    torch.testing.assert_close(gm(*inputs), meaning(*inputs), rtol=0, atol=1e-14)
+    torch.testing.assert_close(gm(*inputs), fn(*inputs), rtol=0, atol=1e-6)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_what_is_not_attention_stays_and_says_why():
+    """A mask filled with a finite value other than the dtype's minimum would change rows
+    with nothing kept; scores scaled after their mask would scale the mask."""
+
+    def finite_fill(q, k, v):
+        hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
+        return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(hidden, -1e4), -1) @ v
+
+    def scaled_mask(q, k, v):
+        return torch.softmax(((q @ k.transpose(-2, -1)) + q.sum()) * 0.5, -1) @ v
+
+    for fn, why in ((finite_fill, "filled with"), (scaled_mask, "scaled after")):
+        gm, _, folded = _fold(fn, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4))
+        assert folded == []
+        (softmax,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.softmax.int]
+        assert why in softmax.meta[FORM_NOTE]
+
+
+class FiniteFill(nn.Module):
+    def forward(self, q):
+        hidden = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).triu(1)
+        return torch.softmax((q @ q.transpose(-2, -1)).masked_fill(hidden, -1e4), -1) @ q
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1)
+    return MambaForCausalLM(config)
+
+
+def test_errors_name_the_way_out():
+    """No attention read: the error says why each softmax was not, and the one-line fixes;
+    a model with no attention at all is told that ringify is for attention models."""
+    with pytest.raises(ValueError, match=r"filled with -10000.*attn_implementation=\"sdpa\""):
+        ringify(FiniteFill(), ring_size=1)(torch.randn(1, 2, 8, 4))
+    with pytest.raises(ValueError, match=r"no softmax.*Mamba"):
+        ringify(_mamba(), ring_size=1)(torch.randint(0, 64, (1, 8)), use_cache=False)
