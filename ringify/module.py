@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
+from ringify.caches import cache_kwargs
 from ringify.config import Config
 from ringify.consistency import check_call, check_trace
 from ringify.passes.report import Report
@@ -89,6 +90,7 @@ class RingifiedModule(nn.Module):
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
+        self._warned: set[str] = set()  # warnings given once per module
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
         # Code that picks inputs by the forward's parameters (HF Trainer keeps the dataset
         # columns named there) sees the model's.
@@ -141,7 +143,8 @@ class RingifiedModule(nn.Module):
 
 
 @torch.compiler.disable
-def _prepare(module: RingifiedModule, args, kwargs) -> None:
+def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
+    kwargs = cache_kwargs(module.model, kwargs, module._warned)
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module.model, flat, spec)
     traced = module._traced.get(key)
@@ -174,6 +177,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> None:
         dump(traced, key)
     module._traced.move_to_end(key)
     module._active = traced
+    return args, kwargs
 
 
 def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:

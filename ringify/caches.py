@@ -1,0 +1,57 @@
+"""HF KV caches in a ringified call: left out in training, returned in eval.
+
+HF decoders default to ``use_cache=True`` and return a ``DynamicCache``, which
+``torch.export`` cannot flatten unless it is registered as a pytree node.
+
+- In training nothing reads the cache, and gathering every layer's K/V onto every rank
+  would spend the memory the ring saves: the call runs with ``use_cache=False`` (as HF
+  does under gradient checkpointing), and says so once.
+- In eval, HF's own ``register_dynamic_cache_export_support`` makes ``DynamicCache`` a
+  pytree node: its K/V are outputs like any other, gathered with ``outputs="full"``
+  or this rank's part with ``outputs="sharded"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from torch import nn
+
+log = logging.getLogger("ringify")
+
+
+def cache_kwargs(model: nn.Module, kwargs: dict, warned: set) -> dict:
+    """``kwargs`` for this call: ``use_cache=False`` in training where the model would build
+    a cache; in eval, the cache made exportable. ``warned`` remembers the warning."""
+    if not _takes_use_cache(model):
+        return kwargs
+    wants = kwargs.get("use_cache")
+    wants = getattr(getattr(model, "config", None), "use_cache", False) if wants is None else wants
+    if not wants:
+        return kwargs
+    if model.training:
+        if "use_cache" not in warned:
+            warned.add("use_cache")
+            log.warning(
+                "ringify: use_cache=True ignored in training: the call runs with "
+                "use_cache=False and returns no past_key_values (nothing trains on a cache, "
+                "and gathering it would cost every layer's K/V on every rank). Pass "
+                "use_cache=False, or set model.config.use_cache = False, to silence this."
+            )
+        return kwargs | {"use_cache": False}
+    _exportable_dynamic_cache()
+    return kwargs
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _exportable_dynamic_cache() -> None:
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    register_dynamic_cache_export_support()  # idempotent

@@ -1,0 +1,103 @@
+"""HF's default ``use_cache=True``: ignored in training (said once), returned in eval.
+
+HF Llama built with its default config (``use_cache=True``) on 2 and 4 ranks, float64,
+against the unmodified model: in training the logits and every parameter gradient, with
+no cache returned; in eval the cache itself, gathered whole with ``outputs="full"`` and
+this rank's part with ``outputs="sharded"``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringify.testing.runs import ringified_run
+
+TOL = 1e-10
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    assert config.use_cache, "HF's default"
+    return LlamaForCausalLM(config).double()
+
+
+def _ids(length: int) -> torch.Tensor:
+    return torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def training(length: int, backend: str | None):
+    model = _llama().train()
+    ids = _ids(length)
+    weights = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(input_ids=ids)
+        (out.logits * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return out, grads
+
+    want, want_grads = step(model)
+    assert want.past_key_values is not None, "the unmodified model builds a cache"
+    ringified, run = ringified_run(model, backend)
+    got, got_grads = None, None
+    for _ in range(2):  # warned once, not per call
+        got, got_grads = step(run)
+    return {
+        "logits": (got.logits - want.logits).abs().max().item(),
+        "grads": max((got_grads[n] - want_grads[n]).abs().max().item() for n in want_grads),
+        "cache": got.past_key_values,
+        "warned": sorted(ringified._warned),
+    }
+
+
+@pytest.mark.parametrize(("world", "backend"), [(2, None), (4, None), (2, "aot_eager")])
+def test_training_ignores_the_cache(ranks, world, backend):
+    for r in ranks(world).run(training, 12, backend):
+        assert r["logits"] <= TOL and r["grads"] <= TOL, r
+        assert r["cache"] is None
+        assert r["warned"] == ["use_cache"]
+
+
+def evaluation(length: int, outputs: str):
+    import torch.distributed as dist
+
+    from ringify.runtime import shard
+
+    model = _llama().eval()
+    ids = _ids(length)
+    with torch.no_grad():
+        want = model(input_ids=ids).past_key_values
+        got = ringified_run(model, outputs=outputs)[1](input_ids=ids).past_key_values
+    diffs, shapes = [], []
+    for layer in range(len(want.layers)):
+        for name in ("keys", "values"):
+            full = getattr(want.layers[layer], name)
+            if outputs == "sharded":
+                full = shard(full, 2, group=dist.group.WORLD, layout="zigzag")
+            part = getattr(got.layers[layer], name)
+            shapes.append(tuple(part.shape))
+            diffs.append((part - full).abs().max().item())
+    return {"diff": max(diffs), "shapes": set(shapes), "type": type(got).__name__}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("outputs", ["full", "sharded"])
+def test_evaluation_returns_the_cache(ranks, world, outputs):
+    length = 16
+    for r in ranks(world).run(evaluation, length, outputs):
+        assert r["type"] == "DynamicCache"
+        assert r["diff"] <= TOL, r
+        part = length if outputs == "full" else length // world
+        assert r["shapes"] == {(2, 2, part, 8)}
