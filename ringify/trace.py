@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import linecache
 import logging
 import os
+import sysconfig
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +41,13 @@ from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
+from ringify.passes.loss_shift import fold_sliced_loss
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
 from ringify.passes.report import Report
 from ringify.passes.shard_sequence import shard_sequence
 from ringify.passes.shifts import fold_shifts
+from ringify.passes.values import record_local_values
 
 log = logging.getLogger("ringify")
 
@@ -130,6 +134,7 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
     )
+    record_local_values(gm, flat)
     state_names = _lift_state(gm.graph, model)
     checkpointed = keep_checkpoints(gm, checkpoints)
     averaged = units_averaging_over_ring(units, outer, ring)
@@ -279,9 +284,9 @@ def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, l
             f"ringify could not trace {type(model).__name__} with torch.export ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
             "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
-            "Python control flow in forward, and return plain tensors/tuples/dicts (for HF "
-            f"models, build them with use_cache=False).{_known_cause(e)} The full error is "
-            "chained above."
+            "Python control flow in forward (a branch on a tensor's value, a size read with "
+            "tolist() or item()), and return plain tensors, tuples, dicts or HF outputs."
+            f"{_known_cause(e)}{_model_line(e)} The full error is chained above."
         ) from e
     recorder.check()
     return exported, recorder.regions
@@ -297,6 +302,38 @@ _KNOWN_CAUSES = {
 }
 
 
+def _model_line(error: Exception) -> str:
+    """Where in the model's own code export failed: the innermost frame outside torch,
+    ringify and Python's standard library (a data-dependent ``tolist()``, a branch on a
+    value)."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    frames = [
+        frame
+        for e in reversed(chain)  # the innermost error's frames reach deepest into the model
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+        if _in_model(frame.f_code.co_filename)
+    ]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return f" It failed in the model at {where}: {code}."
+
+
+def _in_model(filename: str) -> bool:
+    """Whether a frame's file is the model's (or a library's it uses, e.g. transformers)."""
+    paths = sysconfig.get_paths()
+    libraries = (paths["purelib"], paths["platlib"])
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    if filename.startswith("<") or filename.startswith(tuple(p + os.sep for p in ours)):
+        return False  # "<string>": generated code
+    return filename.startswith(libraries) or not filename.startswith(paths["stdlib"])
+
+
 def _known_cause(error: Exception) -> str:
     frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
     return "".join(f" Here: {fix}." for name, fix in _KNOWN_CAUSES.items() if name in frames)
@@ -309,6 +346,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
     fold_shifts(gm.graph)
+    fold_sliced_loss(gm.graph)
     fold_handwritten_attention(gm.graph)
     fold_repeated_kv(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))

@@ -281,6 +281,12 @@ class Attention(nn.Module):
     [
         (NoAttention(), (2, 8, 4), ValueError, "found no attention"),
         (DataDependent(), (1, 2, 8, 4), RuntimeError, "could not trace DataDependent"),
+        (
+            DataDependent(),
+            (1, 2, 8, 4),
+            RuntimeError,
+            r"failed in the model at .*: if q.sum\(\) > 0",
+        ),
         (AttentionDropout(), (1, 2, 8, 4), ValueError, "dropout_p=0.1.*eval mode"),
         (Attention(), (2, 8, 4), ValueError, r"\[3\]-D q, k and v; ringify shards 4-D"),
         (Attention(), (2, 3, 2, 8, 4), ValueError, r"\[5\]-D q, k and v"),

@@ -1,9 +1,11 @@
 """Reading the nodes of an ATen graph: their values, shapes and dims, and new nodes with values.
 
-Every node of the graph carries ``meta["val"]``: a fake tensor at the *global*
-shapes (the pass rewrites sizes, never the metadata). ``call`` inserts a node and
-fills its value by running the op on the fake values of its arguments, so that a
-new node's shape and dtype are decided by the op itself (its fake kernel), once.
+While the pass runs, every node it reads carries ``meta["val"]``: a fake tensor at
+the *global* shapes (the pass rewrites sizes, never the metadata). ``call`` inserts a
+node and fills its value by running the op on the fake values of its arguments, so
+that a new node's shape and dtype are decided by the op itself (its fake kernel), once.
+Once the rewrite is done, ``values.py`` records every node's value on a rank: the
+rewritten graph's convention is local.
 """
 
 from __future__ import annotations
@@ -45,10 +47,15 @@ def slice_bounds(node: fx.Node, length: int) -> tuple[int, int, int]:
 def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with its ``meta["val"]``."""
     node = graph.call_function(target, args, kwargs or {})
-    values = fx.node.map_arg((args, kwargs or {}), val)
+    node.meta["val"] = evaluate(node)
+    return node
+
+
+def evaluate(node: fx.Node):
+    """``node``'s value: its op run on the fake values of its arguments."""
+    values = fx.node.map_arg((node.args, node.kwargs), val)
     mode = detect_fake_mode(pytree.tree_leaves(values))
     if mode is None:
-        raise RuntimeError(f"no fake value among the arguments of {target}")
+        raise RuntimeError(f"no fake value among the arguments of {node.target}")
     with mode:
-        node.meta["val"] = target(*values[0], **values[1])
-    return node
+        return node.target(*values[0], **values[1])

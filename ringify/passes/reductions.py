@@ -190,7 +190,7 @@ def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
     return g.call_function(aten.where.ScalarOther, (valid, x, fill))
 
 
-def _loss_arg(node: fx.Node, which: int, default):
+def loss_arg(node: fx.Node, which: int, default):
     pos = LOSSES[node.target][which]
     name = ("reduction", "ignore_index")[which]
     return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
@@ -209,7 +209,7 @@ def infer_loss(node: fx.Node, place: Placements) -> Placement | Fallback:
         return Fallback(GatherReason.LOSS_TARGET)
     if not place.sharded(target):
         place.meetings.append((target, p))
-    reduction = _loss_arg(node, 0, _MEAN)
+    reduction = loss_arg(node, 0, _MEAN)
     if _weight(node) is not None and reduction == _MEAN:
         return Fallback(GatherReason.WEIGHTED_MEAN)
     return p if reduction == _NONE else None
@@ -217,8 +217,8 @@ def infer_loss(node: fx.Node, place: Placements) -> Placement | Fallback:
 
 def rewrite_loss(node: fx.Node, out: Placement, state: PassState) -> None:
     x, target = node.args[:2]
-    reduction = _loss_arg(node, 0, _MEAN)
-    ignore = _loss_arg(node, 1, -100)
+    reduction = loss_arg(node, 0, _MEAN)
+    ignore = loss_arg(node, 1, -100)
     g = state.graph
     if not state.sharded(target):
         target = state.slice(target, state.place[x], ignore)

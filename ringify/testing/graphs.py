@@ -8,13 +8,21 @@ from torch import fx
 
 def quadratic_nodes(ringified, length: int) -> list[str]:
     """Nodes of the last call's rewritten graph (and of the regions it outlined) whose value
-    has two dims of the sequence's global ``length`` (an S x S tensor or a slice of one), by
-    ``meta["val"]``."""
+    on a rank (``meta["val"]``) is S x S or a rank's rows of it: two dims of the sequence's
+    global (or padded) ``length``, or last two dims of a rank's rows by the whole length."""
+    traced = ringified._last()
+    whole = {length, traced.report.padded}
+    rows = whole | {traced.report.padded // traced.report.ring_size}
     found = []
-    graphs = [m.graph for m in ringified._last().module.modules() if isinstance(m, fx.GraphModule)]
+    graphs = [m.graph for m in traced.module.modules() if isinstance(m, fx.GraphModule)]
     for node in (n for graph in graphs for n in graph.nodes):
         vals = node.meta.get("val")
         for v in vals if isinstance(vals, (list, tuple)) else [vals]:
-            if isinstance(v, torch.Tensor) and list(v.shape).count(length) >= 2:
+            if not isinstance(v, torch.Tensor):
+                continue
+            dims = list(v.shape)
+            if sum(d in whole for d in dims) >= 2 or (
+                dims[-2:-1] and dims[-2] in rows and dims[-1] in whole
+            ):
                 found.append(node.name)
     return found
