@@ -38,6 +38,7 @@ from ringify.parallelized import (
 )
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
+from ringify.passes.convs import fold_sequence_convs
 from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
@@ -347,6 +348,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     _check_no_attention_without_grad(gm)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)
+    fold_sequence_convs(gm.graph)
     fold_handwritten_attention(gm.graph)
     fold_repeated_kv(gm.graph)
     fold_mask_programs(gm.graph, find_attention(gm.graph))

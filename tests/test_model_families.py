@@ -31,6 +31,9 @@ def _case(name: str, length: int):
     if name == "whisper":  # the second conv halves the frames
         model = hf_models.whisper_encoder(frames=2 * length)
         return model, (), {"input_features": randn(2, 8, 2 * length)}, _hidden
+    if name == "wav2vec2":  # a frame per 4 samples; a positional convolution of 8 frames
+        model = hf_models.wav2vec2()
+        return model, (), {"input_values": randn(2, 4 * length)}, _hidden
     if name == "dit":  # latent video: 2 frames of (length / 2) patches of 2 x 2
         model = models.DiTBlock()
         side = int((length // 2) ** 0.5)
@@ -101,6 +104,7 @@ REPLICATED = AttentionRun.REPLICATED
 EXPECTED = {
     "vit": [RING, RING],
     "whisper": [RING, RING],
+    "wav2vec2": [RING, RING],
     "dit": [RING, LOCAL],
     "decoder": [RING, LOCAL, RING, LOCAL],
 }
@@ -108,13 +112,21 @@ EXPECTED = {
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
-    ("name", "length"), [("vit", 17), ("whisper", 16), ("dit", 32), ("decoder", 12)]
+    ("name", "length"),
+    [
+        ("vit", 17),
+        ("whisper", 16),
+        ("wav2vec2", 16),
+        ("wav2vec2", 13),
+        ("dit", 32),
+        ("decoder", 12),
+    ],
 )
 def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
     for r in ranks(world).run(compare, name, length):
         assert r["gathers"] == [], r["gathers"]
         assert r["runs"] == EXPECTED[name]
-        assert bool(r["births"]) == (name in ("vit", "whisper", "dit"))
+        assert bool(r["births"]) == (name in ("vit", "whisper", "wav2vec2", "dit"))
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)
 
@@ -124,6 +136,7 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
     [
         ("vit", 17, "aot_eager"),
         ("whisper", 16, "aot_eager"),
+        ("wav2vec2", 16, "inductor"),
         ("decoder", 12, "aot_eager"),
         ("dit", 32, "inductor"),
     ],

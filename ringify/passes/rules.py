@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
+from ringify.passes.convs import infer_conv, rewrite_conv
 from ringify.passes.crossings import PassState
 from ringify.passes.dropout import rewrite_dropout
 from ringify.passes.indexing import (
@@ -63,6 +64,7 @@ from ringify.passes.reductions import (
 )
 from ringify.passes.report import GatherReason
 from ringify.passes.shifts import infer_shift, rewrite_shift
+from ringify.runtime.collectives.halo import same_conv1d
 from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.collectives.shift import shifted
 from ringify.runtime.masks.program import program_mask
@@ -291,6 +293,7 @@ RULES: dict[object, Rule] = {
     aten.gather.default: Rule(infer_gather, _fit_broadcast),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
     shifted: Rule(infer_shift, rewrite_shift),
+    same_conv1d: Rule(infer_conv, rewrite_conv),
     program_mask: Rule(lambda node, place: None, rewrite_program_mask),
     **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, lambda node, out, state: None)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),

@@ -205,3 +205,31 @@ def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
     )
     config._attn_implementation = "sdpa"
     return Gemma3ForCausalLM(config)
+
+
+def wav2vec2(layers=2, dim=32, heads=4, kernel=8, groups=4):
+    """HF Wav2Vec2: strided convolutions over raw audio (a frame per 4 samples here), then a
+    positional convolution of ``kernel`` frames along the sequence (its last output cut when
+    ``kernel`` is even) before the encoder."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * dim,
+        conv_dim=(16, 16),
+        conv_stride=(2, 2),
+        conv_kernel=(2, 2),
+        num_conv_pos_embeddings=kernel,
+        num_conv_pos_embedding_groups=groups,
+        feat_extract_norm="group",
+        apply_spec_augment=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        layerdrop=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    return Wav2Vec2Model(config)

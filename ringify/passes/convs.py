@@ -1,0 +1,91 @@
+"""Convolutions along the sequence, folded into one node; and their sharding rule.
+
+A model convolves along its sequence keeping its length: a stride-1 ``conv1d`` padded
+by ``(kernel - 1) / 2`` on each side, or by ``kernel / 2`` with the last position cut off
+(Wav2Vec2's positional convolution and its ``SamePad``). ``fold_sequence_convs``
+rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/halo.py``)
+before the plan reads the graph. Along the sharded sequence it becomes ``ring_conv1d``:
+a halo exchange of kernel-width rows per chunk, not a gather; along the batch, local.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import shape, slice_bounds, val
+from ringify.passes.placement import Fallback, Seq, sharded_first
+from ringify.passes.report import GatherReason
+from ringify.runtime.collectives.halo import ring_conv1d, same_conv1d
+
+aten = torch.ops.aten
+
+
+def fold_sequence_convs(graph: fx.Graph) -> int:
+    """Replace every length-keeping stride-1 ``conv1d`` (and its cut) by ``same_conv1d``."""
+    folded = 0
+    for node in list(graph.nodes):
+        found = _same_conv(node)
+        if found is None:
+            continue
+        last, args = found
+        with graph.inserting_before(last):
+            conv = graph.call_function(same_conv1d, args)
+        conv.meta["val"] = val(last)
+        last.replace_all_uses_with(conv)
+        for dead in (last, node) if last is not node else (node,):
+            graph.erase_node(dead)
+        folded += 1
+    return folded
+
+
+def _same_conv(node: fx.Node) -> tuple[fx.Node, tuple] | None:
+    """``(the node whose value is the same-length convolution, same_conv1d's arguments)``."""
+    if node.op != "call_function" or node.target is not aten.conv1d.default:
+        return None
+    x, weight, bias, stride, padding, dilation, groups = (
+        list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2 :]
+    )
+    if len(shape(x)) != 3 or list(stride) != [1] or list(dilation) != [1]:
+        return None
+    if isinstance(padding, str) or len(padding) != 1:
+        return None
+    kernel, pad = shape(weight)[-1], padding[0]
+    if 2 * pad == kernel - 1:
+        return node, (x, weight, bias, pad, pad, groups)
+    cut = next(iter(node.users)) if len(node.users) == 1 else None
+    length = shape(node)[-1]
+    if (
+        2 * pad == kernel
+        and cut is not None
+        and cut.target is aten.slice.Tensor
+        and cut.args[1] in (2, -1)
+        and slice_bounds(cut, length) == (0, length - 1, 1)
+    ):
+        return cut, (x, weight, bias, pad, pad - 1, groups)
+    return None
+
+
+@sharded_first
+def infer_conv(node, place, p: Seq, ndim: int):
+    """Along the sequence: a halo each side; along the batch: local."""
+    x, weight, bias = node.args[:3]
+    if any(place.sharded(w) for w in (weight, bias)):
+        return Fallback(GatherReason.PRODUCT, "(a sharded kernel)")
+    if p.dim == 0:
+        return p
+    geometry = place.geometry
+    if p.dim != ndim - 1 or geometry.split(shape(x)[p.dim], p) != (1, 1):
+        return Fallback(GatherReason.FEATURE_DIM)
+    return p
+
+
+def rewrite_conv(node: fx.Node, out: Seq, state: PassState) -> None:
+    """Along the sequence: the halo exchange; the kernel used whole on every rank."""
+    state.fit_replicated_inputs(node, None)
+    if out.dim == 0:
+        return
+    geo = state.geo
+    node.target = ring_conv1d
+    node.args = (*node.args, geo.padded, geo.length, state.group_name, geo.layout)
