@@ -1,5 +1,6 @@
 """Model families whose sequence is born inside the model, or that attend across sequences:
-ViT, Whisper's encoder, a video DiT block, nn.TransformerDecoder, T5. Against the unmodified
+ViT, Whisper's encoder, Wav2Vec2 (a convolution along the sequence), SigLIP (attention
+pooling by hand), a video DiT block, nn.TransformerDecoder, T5. Against the unmodified
 model on 2 and 4 ranks, float64, eager and compiled: outputs, every parameter gradient, the
 inputs' gradients, and the report (every attention accounted for, no gathers)."""
 
@@ -31,6 +32,10 @@ def _case(name: str, length: int):
     if name == "whisper":  # the second conv halves the frames
         model = hf_models.whisper_encoder(frames=2 * length)
         return model, (), {"input_features": randn(2, 8, 2 * length)}, _hidden
+    if name == "siglip":  # (length) patches of 4 x 4 pixels, pooled by a probe's attention
+        side = int(length**0.5)
+        model = hf_models.siglip_vision(image_size=4 * side)
+        return model, (), {"pixel_values": randn(2, 3, 4 * side, 4 * side)}, _hidden_and_pooled
     if name == "wav2vec2":  # a frame per 4 samples; a positional convolution of 8 frames
         model = hf_models.wav2vec2()
         return model, (), {"input_values": randn(2, 4 * length)}, _hidden
@@ -105,6 +110,7 @@ EXPECTED = {
     "vit": [RING, RING],
     "whisper": [RING, RING],
     "wav2vec2": [RING, RING],
+    "siglip": [RING, RING, MEMORY],
     "dit": [RING, LOCAL],
     "decoder": [RING, LOCAL, RING, LOCAL],
 }
@@ -118,6 +124,7 @@ EXPECTED = {
         ("whisper", 16),
         ("wav2vec2", 16),
         ("wav2vec2", 13),
+        ("siglip", 16),
         ("dit", 32),
         ("decoder", 12),
     ],
@@ -126,7 +133,7 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
     for r in ranks(world).run(compare, name, length):
         assert r["gathers"] == [], r["gathers"]
         assert r["runs"] == EXPECTED[name]
-        assert bool(r["births"]) == (name in ("vit", "whisper", "wav2vec2", "dit"))
+        assert bool(r["births"]) == (name in ("vit", "whisper", "wav2vec2", "siglip", "dit"))
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)
 

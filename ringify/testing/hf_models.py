@@ -233,3 +233,22 @@ def wav2vec2(layers=2, dim=32, heads=4, kernel=8, groups=4):
     )
     config._attn_implementation = "sdpa"
     return Wav2Vec2Model(config)
+
+
+def siglip_vision(layers=2, dim=32, heads=4, image_size=16, patch_size=4):
+    """HF SigLIP's vision tower with its attention-pooling head: one learned probe attends to
+    every patch through ``nn.MultiheadAttention`` (its weights computed, then dropped)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        num_channels=3,
+        vision_use_head=True,
+    )
+    config._attn_implementation = "sdpa"
+    return SiglipVisionModel(config)
