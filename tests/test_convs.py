@@ -71,19 +71,26 @@ def test_ring_conv_is_the_convolution_of_the_full_sequence(ranks, world, layout)
 
 
 class _Convs(nn.Module):
-    def __init__(self, kernel: int):
+    """``same``: padded by half the kernel (its last output cut when the kernel is even);
+    ``causal``: padded by kernel - 1, the first S outputs kept (Mamba's)."""
+
+    def __init__(self, kernel: int, kind: str):
         super().__init__()
-        self.conv = nn.Conv1d(8, 8, kernel, padding=kernel // 2, groups=2)
+        self.kind = kind
+        padding = kernel - 1 if kind == "causal" else kernel // 2
+        self.conv = nn.Conv1d(8, 8, kernel, padding=padding, groups=2)
 
     def forward(self, x):
         y = self.conv(x)
+        if self.kind == "causal":
+            return y[..., : x.shape[-1]]
         return y[:, :, :-1] if self.conv.kernel_size[0] % 2 == 0 else y
 
 
-@pytest.mark.parametrize("kernel", [3, 4])
-def test_a_same_convolution_is_folded_into_one_node(kernel):
+@pytest.mark.parametrize(("kernel", "kind"), [(3, "same"), (4, "same"), (4, "causal")])
+def test_a_length_keeping_convolution_is_folded_into_one_node(kernel, kind):
     x = torch.randn(2, 8, 10, dtype=torch.float64)
-    model = _Convs(kernel).double()
+    model = _Convs(kernel, kind).double()
     gm = torch.export.export(model, (x,), strict=False).module()
     assert fold_sequence_convs(gm.graph) == 1
     gm.recompile()

@@ -1,8 +1,10 @@
 """Convolutions along the sequence, folded into one node; and their sharding rule.
 
 A model convolves along its sequence keeping its length: a stride-1 ``conv1d`` padded
-by ``(kernel - 1) / 2`` on each side, or by ``kernel / 2`` with the last position cut off
-(Wav2Vec2's positional convolution and its ``SamePad``). ``fold_sequence_convs``
+by ``(kernel - 1) / 2`` on each side, or padded more and its output cut back to the
+sequence's length: by ``kernel / 2`` with the last position cut off (Wav2Vec2's positional
+convolution and its ``SamePad``), by ``kernel - 1`` with the first ``S`` kept (a causal
+convolution: Mamba's, in hybrids such as Bamba and Jamba). ``fold_sequence_convs``
 rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/halo.py``)
 before the plan reads the graph. Along the sharded sequence it becomes ``ring_conv1d``:
 a halo exchange of kernel-width rows per chunk, not a gather; along the batch, local.
@@ -51,20 +53,18 @@ def _same_conv(node: fx.Node) -> tuple[fx.Node, tuple] | None:
         return None
     if isinstance(padding, str) or len(padding) != 1:
         return None
-    kernel, pad = shape(weight)[-1], padding[0]
+    kernel, pad, length = shape(weight)[-1], padding[0], shape(x)[-1]
     if 2 * pad == kernel - 1:
         return node, (x, weight, bias, pad, pad, groups)
     cut = next(iter(node.users)) if len(node.users) == 1 else None
-    length = shape(node)[-1]
-    if (
-        2 * pad == kernel
-        and cut is not None
-        and cut.target is aten.slice.Tensor
-        and cut.args[1] in (2, -1)
-        and slice_bounds(cut, length) == (0, length - 1, 1)
-    ):
-        return cut, (x, weight, bias, pad, pad - 1, groups)
-    return None
+    if cut is None or cut.target is not aten.slice.Tensor or cut.args[1] not in (2, -1):
+        return None
+    start, end, step = slice_bounds(cut, shape(node)[-1])
+    left = pad - start  # the cut's first output reads ``left`` positions before the first
+    right = kernel - 1 - left
+    if step != 1 or end - start != length or not (0 <= left <= pad and 0 <= right <= pad):
+        return None
+    return cut, (x, weight, bias, left, right, groups)
 
 
 @sharded_first

@@ -1,0 +1,113 @@
+"""Per-rank peak memory and step time of a hybrid (attention + Mamba2) model, ringified.
+
+    python benchmarks/hybrid.py --seqs 4096 16384
+
+HF Bamba (``BambaForCausalLM``, its torch path: no CUDA kernels here), 4 layers, hidden
+256: ``hybrid`` has attention in layers 1 and 3 and Mamba2 mixers in layers 0 and 2;
+``attention only`` is the same model with attention in every layer (the SDPA spelling of
+every mixer), as a reference for what sharding does when nothing is gathered. ringify
+shards the attention, the MLPs, the norms and the Mamba's causal convolution (a halo
+exchange); the SSM's chunked scan has no sequence rule, so its inputs are gathered and
+it runs on the full sequence on every rank (``report().gathers``). float32, batch 1; one
+step is forward + backward of the mean logit, from the full ids on every rank. Rows in
+one run, round-robin, minimum over repeats: the unmodified model (one process) and
+ringify on 2 gloo ranks (time is the slowest rank's).
+
+Memory: a rank's peak resident set during the step minus its resident set just before
+(model and inputs built): activations, gradients, buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tabulate import tabulate
+
+from ringify.testing import RankPool, measured_step
+
+
+def step(impl: str, kind: str, seq: int) -> dict:
+    """On every rank: one warm-up step, then one timed and measured."""
+    import torch
+    import torch.distributed as dist
+    from transformers import BambaConfig, BambaForCausalLM
+
+    from ringify import ringify
+
+    torch.manual_seed(0)
+    config = BambaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_indices=[1, 3] if kind == "hybrid" else [0, 1, 2, 3],
+        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+        mamba_chunk_size=256, mamba_expand=2, use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = BambaForCausalLM(config)
+    run = model if impl == "unmodified" else ringify(model, ring_size=dist.get_world_size())
+    ids = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
+
+    def once() -> tuple[float, int, float]:
+        model.zero_grad(set_to_none=True)
+
+        def step() -> float:
+            loss = run(input_ids=ids).logits.mean()
+            loss.backward()
+            return loss.item()
+
+        return measured_step(step)
+
+    once()  # warm-up: trace, allocator, communicators
+    seconds, peak, loss = once()
+    gathers = 0 if impl == "unmodified" else len(run.report().gathers)
+    return {"s": seconds, "peak": peak, "loss": loss, "gathers": gathers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+
+    pools = {p: RankPool(p) for p in (1, 2)}
+    configs = [
+        (kind, impl, p, seq)
+        for seq in args.seqs
+        for kind in ("hybrid", "attention only")
+        for impl, p in (("unmodified", 1), ("ringify", 2))
+    ]
+    best: dict[int, dict] = {}
+    try:
+        for _ in range(args.repeats):
+            for i, (kind, impl, p, seq) in enumerate(configs):
+                per_rank = pools[p].run(step, impl, kind, seq, timeout=3600)
+                r = {k: max(x[k] for x in per_rank) for k in ("s", "peak")}
+                r["loss"], r["gathers"] = per_rank[0]["loss"], per_rank[0]["gathers"]
+                best[i] = {k: min(r[k], best.get(i, r)[k]) for k in r}
+    finally:
+        for pool in pools.values():
+            pool.close()
+    rows = []
+    for i, (kind, impl, p, seq) in enumerate(configs):
+        r, base = best[i], best[i - (impl != "unmodified")]
+        rows.append({
+            "S": seq,
+            "model": kind,
+            "run": impl if impl == "unmodified" else f"ringify P={p}",
+            "gathers": r["gathers"],
+            "step s": round(r["s"], 2),
+            "time / unmodified": round(r["s"] / base["s"], 3),
+            "peak MiB / rank": round(r["peak"] / 2**20, 1),
+            "memory / unmodified": round(r["peak"] / base["peak"], 3),
+            "memory / (unmodified / P)": round(r["peak"] * p / base["peak"], 3),
+            "|loss - unmodified|": f"{abs(r['loss'] - base['loss']):.1e}",
+        })  # fmt: skip
+    print(f"Command: python {' '.join(sys.argv)}")
+    print(tabulate(rows, headers="keys", tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""A hybrid of attention and Mamba2 (HF Bamba) on the ring: exact, its SSM scan gathered.
+
+The attention layers are rings; the Mamba mixer's causal depthwise convolution is a halo
+exchange (``ring_conv1d``); its chunked SSM scan has no sequence rule, so its inputs are
+gathered and it runs whole on every rank, reported (``benchmarks/hybrid.py`` measures what
+that costs). Against the unmodified model on 2 and 4 ranks, float64: logits and every
+parameter gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringify.passes.report import AttentionRun
+from ringify.testing.runs import ringified_run
+
+TOL = 1e-10
+
+
+def compare(length: int, backend: str | None):
+    from transformers import BambaConfig, BambaForCausalLM
+
+    torch.manual_seed(0)
+    config = BambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
+        mamba_expand=2, mamba_d_conv=4, use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = BambaForCausalLM(config).double()
+    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        logits = fn(input_ids=ids).logits
+        (logits * weights).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = step(model)
+    ringified, run = ringified_run(model, backend)
+    got = step(run)
+    report = ringified.report()
+    return {
+        "logits": (got[0] - want[0]).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "runs": [a.run for a in report.attentions],
+        "gathered": {x.op for x in report.gathers},
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "length", "backend"), [(2, 64, None), (4, 61, None), (2, 64, "aot_eager")]
+)
+def test_bamba_matches_unmodified_model(ranks, world, length, backend):
+    for r in ranks(world).run(compare, length, backend):
+        assert r["logits"] <= TOL and r["grads"] <= TOL, r
+        assert r["runs"] == [AttentionRun.RING]
+        assert r["gathered"] and "aten.conv1d.default" not in r["gathered"], r["gathered"]
