@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import logging
 from collections import OrderedDict
 
 import torch
@@ -36,6 +37,7 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
 from ringify.trace import Traced, dump, state_of, still_fits, trace
 
+log = logging.getLogger("ringify")
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
 _PREFIX = "model."
 
@@ -112,6 +114,20 @@ class RingifiedModule(nn.Module):
         flat = tree_flatten_spec((args, kwargs), traced.in_spec)
         out = traced.module(*state_of(self.model, traced.state_names), *flat)
         return pytree.tree_unflatten(out, traced.out_spec)
+
+    def generate(self, *args, **kwargs):
+        """The unmodified model's ``generate``, said once: it runs replicated on every rank, with
+        no ring and the whole cache on each. For a long prompt, prefill with the ringified
+        model and hand its cache to ``model.generate`` (README, "Long prompts")."""
+        if "generate" not in self._warned:
+            self._warned.add("generate")
+            log.warning(
+                "ringify: generate() runs the unmodified model's generate on every rank, "
+                "replicated: no ring, and the whole KV cache on each rank. For a long prompt, "
+                "prefill with the ringified model (eval, use_cache=True, logits_to_keep=1) and "
+                "continue with model.generate(ids, past_key_values=...)."
+            )
+        return self.model.generate(*args, **kwargs)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

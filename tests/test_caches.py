@@ -101,3 +101,31 @@ def test_evaluation_returns_the_cache(ranks, world, outputs):
         assert r["diff"] <= TOL, r
         part = length if outputs == "full" else length // world
         assert r["shapes"] == {(2, 2, part, 8)}
+
+
+def handoff(length: int, new: int):
+    """The long-prompt workflow of the README: the ringified prefill of all but the prompt's
+    last token, then the unmodified model's ``generate`` from that cache."""
+    model = _llama().eval()
+    ids = _ids(length)[:1]
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=new, do_sample=False)
+        ringified = ringified_run(model)[0]
+        prefill = ringified(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)
+        got = model.generate(
+            ids, past_key_values=prefill.past_key_values, max_new_tokens=new, do_sample=False
+        )
+        replicated = ringified.generate(ids, max_new_tokens=new, do_sample=False)
+    return {
+        "equal": torch.equal(got, want) and torch.equal(replicated, want),
+        "logits": tuple(prefill.logits.shape),
+        "warned": sorted(ringified._warned),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_prefill_hands_its_cache_to_generate(ranks, world):
+    for r in ranks(world).run(handoff, 16, 6):
+        assert r["equal"], r
+        assert r["logits"] == (1, 1, 64)
+        assert r["warned"] == ["generate"]
