@@ -24,6 +24,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
@@ -148,7 +149,10 @@ class _OutsideModules(TorchFunctionMode):
         self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.recorder.operation(func)
+        # what Dynamo compiles inside the model (flex_attention's wrapper) runs no module:
+        # nothing to note, and Dynamo cannot trace the recorder's frame walk
+        if not torch.compiler.is_dynamo_compiling():
+            self.recorder.operation(func)
         return func(*args, **(kwargs or {}))
 
 
