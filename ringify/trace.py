@@ -39,6 +39,7 @@ from ringify.parallelized import (
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.convs import fold_sequence_convs
+from ringify.passes.flex import fold_flex_attention
 from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
@@ -346,6 +347,7 @@ def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
+    fold_flex_attention(gm)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)
     fold_sequence_convs(gm.graph)

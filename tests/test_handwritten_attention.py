@@ -275,18 +275,13 @@ class FiniteFill(nn.Module):
         return torch.softmax((q @ q.transpose(-2, -1)).masked_fill(hidden, -1e4), -1) @ q
 
 
-class Flex(nn.Module):
-    """FlexAttention with a document mask, as torchtitan writes it."""
+class ScoreModFlex(nn.Module):
+    """FlexAttention with a ``score_mod`` (a tanh soft cap), which ringify does not read yet."""
 
-    def forward(self, q, docs):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    def forward(self, q):
+        from torch.nn.attention.flex_attention import flex_attention
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-
-        length = q.shape[-2]
-        block_mask = create_block_mask(mask_mod, q.shape[0], None, length, length, device="cpu")
-        return flex_attention(q, q, q, block_mask=block_mask)
+        return flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))
 
 
 def _mamba():
@@ -301,8 +296,7 @@ def test_errors_name_the_way_out():
     a model with no attention at all is told that ringify is for attention models."""
     with pytest.raises(ValueError, match=r"filled with -10000.*attn_implementation=\"sdpa\""):
         ringify(FiniteFill(), ring_size=1)(torch.randn(1, 2, 8, 4))
-    docs = torch.arange(256).div(100, rounding_mode="floor").expand(1, 256)
-    with pytest.raises(ValueError, match=r"FlexAttention.*attn_implementation=\"sdpa\""):
-        ringify(Flex(), ring_size=1)(torch.randn(1, 2, 256, 8), docs)  # (no grad: CPU flex)
+    with pytest.raises(ValueError, match=r"FlexAttention.*score_mod.*attn_implementation"):
+        ringify(ScoreModFlex(), ring_size=1)(torch.randn(1, 2, 256, 8))  # (no grad: CPU flex)
     with pytest.raises(ValueError, match=r"no softmax.*Mamba"):
         ringify(_mamba(), ring_size=1)(torch.randint(0, 64, (1, 8)), use_cache=False)

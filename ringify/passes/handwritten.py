@@ -30,7 +30,7 @@ import math
 import torch
 from torch import fx
 
-from ringify.passes.nodes import call, shape, val
+from ringify.passes.nodes import call, erase_unused, shape, uses, val
 
 aten = torch.ops.aten
 FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how it was spelled
@@ -38,7 +38,6 @@ FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how
 _SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 _CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
 _PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
-_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 _WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 
 
@@ -72,10 +71,10 @@ def _fold(graph: fx.Graph, softmax: fx.Node) -> fx.Node:
         kwargs = {"attn_mask": mask4, "dropout_p": dropout_p, "scale": scores.scale}
         attention = call(graph, aten.scaled_dot_product_attention.default, (q4, k4, v4), kwargs)
         out = attention if val(q).dim() == 4 else call(graph, aten.squeeze.dim, (attention, 0))
-    escaped = any(u not in chain and u is not product for x in chain for u in _uses(x))
+    escaped = any(u not in chain and u is not product for x in chain for u in uses(x))
     attention.meta[FORM_NOTE] = "by hand, probabilities an output" if escaped else "by hand"
     product.replace_all_uses_with(out)
-    _erase_unused(graph, product)
+    erase_unused(graph, product)
     return attention
 
 
@@ -157,7 +156,7 @@ def _probabilities(softmax: fx.Node) -> tuple[list[fx.Node], float, fx.Node]:
     probability, and that product."""
     chain, dropout_p, x = [softmax], 0.0, softmax
     while True:
-        following = [u for u in _uses(x) if u.args[0] is x]
+        following = [u for u in uses(x) if u.args[0] is x]
         products = [u for u in following if u.target in _PRODUCTS]
         if len(products) == 1:
             return chain, dropout_p, products[0]
@@ -187,10 +186,6 @@ def _four_dims(graph: fx.Graph, x: fx.Node | None, ndim: int) -> fx.Node | None:
     if x is None or ndim == 4 or val(x).dim() < 3:
         return x
     return call(graph, aten.unsqueeze.default, (x, 0))
-
-
-def _uses(x: fx.Node) -> list[fx.Node]:
-    return [u for u in x.users if u.target not in _ASSERTS]
 
 
 def _skip_casts(x: fx.Node) -> fx.Node:
@@ -250,17 +245,3 @@ def _untransposed(x: fx.Node) -> fx.Node | None:
         if dims == [*range(ndim - 2), ndim - 1, ndim - 2]:
             return x.args[0]
     return None
-
-
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """``node`` and what only it read, back to what is still used (assertions on them too)."""
-    pending = [node]
-    while pending:
-        x = pending.pop()
-        if getattr(x, "_erased", False) or x.op != "call_function" or _uses(x):
-            continue
-        for check in list(x.users):
-            graph.erase_node(check)
-        inputs = x.all_input_nodes
-        graph.erase_node(x)
-        pending.extend(inputs)

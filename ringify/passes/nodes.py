@@ -44,18 +44,43 @@ def slice_bounds(node: fx.Node, length: int) -> tuple[int, int, int]:
     return slice(*given, *[None, None, 1][len(given) :]).indices(length)
 
 
-def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with its ``meta["val"]``."""
+def call(
+    graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None
+) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with its ``meta["val"]``
+    (``like``: a node whose fake mode makes it, for an op with no tensor argument)."""
     node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = evaluate(node)
+    node.meta["val"] = evaluate(node, like)
     return node
 
 
-def evaluate(node: fx.Node):
+def evaluate(node: fx.Node, like: fx.Node | None = None):
     """``node``'s value: its op run on the fake values of its arguments."""
     values = fx.node.map_arg((node.args, node.kwargs), val)
-    mode = detect_fake_mode(pytree.tree_leaves(values))
+    mode = detect_fake_mode([*pytree.tree_leaves(values), val(like)])
     if mode is None:
         raise RuntimeError(f"no fake value among the arguments of {node.target}")
     with mode:
         return node.target(*values[0], **values[1])
+
+
+_ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+def uses(x: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``x``, assertions on its metadata left out."""
+    return [u for u in x.users if u.target not in _ASSERTS]
+
+
+def erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """``node`` and what only it read, back to what is still used (assertions on them too)."""
+    pending = [node]
+    while pending:
+        x = pending.pop()
+        if getattr(x, "_erased", False) or x.op != "call_function" or uses(x):
+            continue
+        for check in list(x.users):
+            graph.erase_node(check)
+        inputs = x.all_input_nodes
+        graph.erase_node(x)
+        pending.extend(inputs)

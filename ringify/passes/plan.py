@@ -108,11 +108,15 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
 def _no_attention(graph: fx.Graph) -> str:
     """What to tell a user whose graph has no attention: why each softmax was not read as
     one, and the one-line fixes; or, with no softmax at all, that ringify is for attention."""
-    flex = [n.name for n in graph.nodes if n.target is torch.ops.higher_order.flex_attention]
+    flex = [
+        f"{n.name} ({n.meta.get(FORM_NOTE, '')})"
+        for n in graph.nodes
+        if n.target is torch.ops.higher_order.flex_attention
+    ]
     if flex:
         return (
-            f"the model computes attention with FlexAttention ({', '.join(flex)}), which ringify "
-            "does not run on the ring yet. One-line fixes: for an HF model, "
+            f"the model computes attention with FlexAttention that ringify cannot read: "
+            f"{'; '.join(flex)}. One-line fixes: for an HF model, "
             'attn_implementation="sdpa" in from_pretrained or its config; otherwise, call '
             "F.scaled_dot_product_attention (is_causal=True, or the mask_mod's mask as a tensor "
             "built from positions, which ringify reads as a program)."

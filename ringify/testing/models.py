@@ -194,3 +194,59 @@ class DiTBlock(nn.Module):
 
         x = x + gate2 * self.mlp(self.norm3(x) * (1 + scale2) + shift2)
         return self.out(x)
+
+
+class FlexTransformer(nn.Module):
+    """A torchtitan-style decoder whose attention is FlexAttention with a ``BlockMask`` built
+    in ``forward`` from a ``mask_mod``: causal, or causal within documents (``docs``: a
+    document id per position). ``attend="sdpa"`` is its twin: the same ``mask_mod`` applied
+    to broadcast positions, as a dense bool mask for SDPA (for gradients on the CPU, where
+    FlexAttention has no backward)."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, attend="flex"):
+        super().__init__()
+        self.heads, self.kv_heads, self.attend = heads, kv_heads, attend
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "norm": nn.RMSNorm(dim),
+                    "q": nn.Linear(dim, dim, bias=False),
+                    "kv": nn.Linear(dim, 2 * dim * kv_heads // heads, bias=False),
+                    "out": nn.Linear(dim, dim, bias=False),
+                    "mlp_norm": nn.RMSNorm(dim),
+                    "mlp": nn.Sequential(
+                        nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim)
+                    ),
+                }
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, docs=None):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            causal = q_idx >= kv_idx
+            return causal if docs is None else causal & (docs[b, q_idx] == docs[b, kv_idx])
+
+        batch, length = ids.shape
+        if self.attend == "flex":
+            mask = create_block_mask(mask_mod, batch, None, length, length, device=ids.device)
+        else:
+            positions = torch.arange(length, device=ids.device)
+            b = torch.arange(batch, device=ids.device).view(-1, 1, 1, 1)
+            mask = mask_mod(b, 0, positions.view(1, 1, -1, 1), positions.view(1, 1, 1, -1))
+        x = self.embed(ids)
+        for block in self.blocks:
+            y = block["norm"](x)
+            q = block["q"](y).view(batch, length, self.heads, -1).transpose(1, 2)
+            k, v = block["kv"](y).view(batch, length, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
+            if self.attend == "flex":
+                y = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            x = x + block["out"](y.transpose(1, 2).reshape(batch, length, -1))
+            x = x + block["mlp"](block["mlp_norm"](x))
+        return self.head(x)
