@@ -21,12 +21,12 @@ from ringify.testing.runs import ringified_run
 TOL = 1e-10
 
 
-def compare(length: int, documents: bool, backend: str | None):
+def compare(length: int, documents: bool, backend: str | None, alibi: bool = False):
     from ringify.testing.models import FlexTransformer
 
     torch.manual_seed(0)
-    model = FlexTransformer().double()
-    twin = FlexTransformer(attend="sdpa").double()
+    model = FlexTransformer(alibi=alibi).double()
+    twin = FlexTransformer(attend="sdpa", alibi=alibi).double()
     twin.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2, length), generator=g)
@@ -71,8 +71,19 @@ def test_flex_model_matches_unmodified_model(ranks, world, length, documents):
         assert r["out"] <= TOL and r["twin"] <= TOL and r["grads"] <= TOL, r
 
 
-def test_compiled(ranks):
-    for r in ranks(2).run(compare, 48, True, "aot_eager"):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_learned_score_mod(ranks, world):
+    """ALiBi with learned slopes as a score_mod: a bias of the positions, added as the mask
+    program's float values; the slopes' gradient comes from the ring, tile by tile."""
+    for r in ranks(world).run(compare, 45, True, None, True):
+        assert r["runs"] == [(AttentionRun.RING, "flex_attention", MaskKind.PROGRAM)] * 2, r
+        assert r["gathers"] == [] and r["quadratic"] == [], r
+        assert r["out"] <= TOL and r["twin"] <= TOL and r["grads"] <= TOL, r
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled(ranks, backend):
+    for r in ranks(2).run(compare, 48, True, backend):
         assert r["out"] <= TOL and r["grads"] <= TOL, r
 
 

@@ -298,5 +298,11 @@ def test_errors_name_the_way_out():
         ringify(FiniteFill(), ring_size=1)(torch.randn(1, 2, 8, 4))
     with pytest.raises(ValueError, match=r"FlexAttention.*score_mod.*attn_implementation"):
         ringify(ScoreModFlex(), ring_size=1)(torch.randn(1, 2, 256, 8))  # (no grad: CPU flex)
+    from ringify.testing.models import AttentionByHand, NanoGPT
+
+    attend = AttentionByHand()
+    attend.drop.p = 0.1  # attention dropout in training: refused, as for SDPA
+    with pytest.raises(ValueError, match=r"dropout_p=0.1.*eval mode"):
+        ringify(NanoGPT(attend=attend).train(), ring_size=1)(torch.randint(0, 64, (1, 8)))
     with pytest.raises(ValueError, match=r"no softmax.*Mamba"):
         ringify(_mamba(), ring_size=1)(torch.randint(0, 64, (1, 8)), use_cache=False)

@@ -68,7 +68,8 @@ def test_sliced_loss_without_gathers(ranks, world, length, reduction):
         assert r["loss"] <= TOL and r["grads"] <= TOL, r
 
 
-def test_compiled(ranks):
-    for r in ranks(2).run(compare, 16, "mean", "aot_eager"):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled(ranks, backend):
+    for r in ranks(2).run(compare, 16, "mean", backend):
         assert r["gathers"] == [], r["gathers"]
         assert r["loss"] <= TOL and r["grads"] <= TOL, r

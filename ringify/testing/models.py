@@ -201,11 +201,13 @@ class FlexTransformer(nn.Module):
     in ``forward`` from a ``mask_mod``: causal, or causal within documents (``docs``: a
     document id per position). ``attend="sdpa"`` is its twin: the same ``mask_mod`` applied
     to broadcast positions, as a dense bool mask for SDPA (for gradients on the CPU, where
-    FlexAttention has no backward)."""
+    FlexAttention has no backward). ``alibi``: a ``score_mod`` adding ALiBi's bias with
+    learned slopes, ``slopes[h] * (kv_idx - q_idx)`` (the twin adds it as a float mask)."""
 
-    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, attend="flex"):
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, attend="flex", alibi=False):
         super().__init__()
         self.heads, self.kv_heads, self.attend = heads, kv_heads, attend
+        self.slopes = nn.Parameter(torch.linspace(-0.5, -0.05, heads)) if alibi else None
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
             nn.ModuleDict(
@@ -238,13 +240,24 @@ class FlexTransformer(nn.Module):
             positions = torch.arange(length, device=ids.device)
             b = torch.arange(batch, device=ids.device).view(-1, 1, 1, 1)
             mask = mask_mod(b, 0, positions.view(1, 1, -1, 1), positions.view(1, 1, 1, -1))
+        score_mod, bias = None, None
+        if self.slopes is not None:
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + self.slopes[h] * (kv_idx - q_idx)
+
+            if self.attend != "flex":
+                positions = torch.arange(length, device=ids.device)
+                distance = positions.view(1, -1) - positions.view(-1, 1)
+                bias = self.slopes.view(1, -1, 1, 1) * distance
+                mask = bias.masked_fill(~mask, float("-inf"))
         x = self.embed(ids)
         for block in self.blocks:
             y = block["norm"](x)
             q = block["q"](y).view(batch, length, self.heads, -1).transpose(1, 2)
             k, v = block["kv"](y).view(batch, length, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
             if self.attend == "flex":
-                y = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+                y = flex_attention(q, k, v, score_mod, block_mask=mask, enable_gqa=True)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             x = x + block["out"](y.transpose(1, 2).reshape(batch, length, -1))
