@@ -228,6 +228,10 @@ SPELLINGS = {
         ),
         lambda q, k, v: sdpa(q, k, v, attn_mask=_tril(q, k), scale=1.0),
     ),
+    "a bool mask added (its 0 and 1 added to the scores)": (
+        lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) + _tril(q, k), -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, attn_mask=_tril(q, k).to(q.dtype), scale=1.0),
+    ),
     "3-D bmm": (
         lambda q, k, v: torch.bmm(
             torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)), -1),

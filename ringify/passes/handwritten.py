@@ -115,7 +115,6 @@ class _Scores:
                 raise _NotAttention(f"the scores come from {target}, not a product of q and k")
         if len(self.masks) > 1:
             raise _NotAttention("more than one mask is applied to the scores")
-        self.dtype = val(x).dtype
 
     def _mask(self, how: str, mask: fx.Node, fill: float | None) -> None:
         if self.scale != 1.0:  # (scores + mask) * c would scale the mask too
@@ -141,13 +140,15 @@ class _Scores:
         if not self.masks:
             return None
         how, mask, fill = self.masks[0]
-        if how == "add":
-            return mask
+        dtype = val(self.q).dtype  # SDPA adds a float mask of q's dtype
+        if how == "add":  # (a bool or integer mask added to the scores adds its values)
+            same = val(mask).dtype == dtype
+            return mask if same else call(graph, aten.to.dtype, (mask, dtype))
         if fill == -math.inf:
             return mask if how == "keep" else call(graph, aten.logical_not.default, (mask,))
         if how == "keep":
             mask = call(graph, aten.logical_not.default, (mask,))
-        zeros = call(graph, aten.zeros_like.default, (mask,), {"dtype": self.dtype})
+        zeros = call(graph, aten.zeros_like.default, (mask,), {"dtype": dtype})
         return call(graph, aten.masked_fill.Scalar, (zeros, mask, fill))
 
 
