@@ -13,11 +13,15 @@ checks and any later FX pass read. The convention of the rewritten graph is ther
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
 from ringify.passes.nodes import val
+
+log = logging.getLogger("ringify")
 
 
 def record_local_values(gm: fx.GraphModule, inputs: list) -> None:
@@ -26,8 +30,16 @@ def record_local_values(gm: fx.GraphModule, inputs: list) -> None:
     mode = detect_fake_mode([val(n) for n in gm.graph.nodes if n.op == "placeholder"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [_fake(mode, x, val(p)) for x, p in zip(inputs, placeholders, strict=True)]
-    with mode:
-        _Recorder(gm).run(*fakes)
+    try:
+        with mode:
+            _Recorder(gm).run(*fakes)
+    except Exception as e:  # the graph still runs: only its metadata is incomplete
+        log.warning(
+            "ringify: could not record every node's value on a rank (%s: %s); later FX "
+            "passes may find nodes without meta['val']",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
 
 
 def _fake(mode, x, traced):
