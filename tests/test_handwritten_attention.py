@@ -1,6 +1,7 @@
 """Attention written by hand (``softmax(q @ k^T * scale + mask) @ v``) runs on the ring.
 
-HF Llama and GPT-2 with ``attn_implementation="eager"``, nanoGPT's path without flash
+HF Llama and GPT-2 with ``attn_implementation="eager"`` (and, forward, Mistral, Qwen2, BERT,
+Gemma3 and Phi3), nanoGPT's path without flash
 (a causal buffer and ``masked_fill``), and ``nn.MultiheadAttention`` with its default
 ``need_weights=True`` (the weights are an output: every rank computes its query rows of
 them against the whole keys). Against the unmodified model on 2 and 4 ranks, float64,
@@ -310,3 +311,48 @@ def test_errors_name_the_way_out():
         ringify(NanoGPT(attend=attend).train(), ring_size=1)(torch.randint(0, 64, (1, 8)))
     with pytest.raises(ValueError, match=r"no softmax.*Mamba"):
         ringify(_mamba(), ring_size=1)(torch.randint(0, 64, (1, 8)), use_cache=False)
+
+
+def eager_family(name: str):
+    """An HF family's eager attention (no gradients): the ringified outputs against the
+    model's SDPA reading, and how each attention ran."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    shape |= {"num_attention_heads": 4, "vocab_size": 64}
+    gqa = {"num_key_value_heads": 2, "head_dim": 8}
+    config, model_class = {
+        "mistral": (lambda: hf.MistralConfig(**shape, **gqa, sliding_window=8), hf.MistralForCausalLM),
+        "qwen2": (lambda: hf.Qwen2Config(**shape, num_key_value_heads=2), hf.Qwen2ForCausalLM),
+        "bert": (lambda: hf.BertConfig(**shape), hf.BertModel),
+        "gemma3": (lambda: hf.Gemma3TextConfig(**shape, **gqa, sliding_window=8), hf.Gemma3ForCausalLM),
+        "phi3": (lambda: hf.Phi3Config(**shape, num_key_value_heads=2, pad_token_id=0), hf.Phi3ForCausalLM),
+    }[name]  # fmt: skip
+    config = config()
+    config.use_cache, config._attn_implementation = False, "sdpa"
+    model = model_class(config).double().eval()
+    ids = torch.randint(1, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def out(o):
+        return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+    with torch.no_grad():
+        exact = out(model(input_ids=ids))
+        model.config._attn_implementation = "eager"
+        ringified, run = ringified_run(model)
+        got = out(run(input_ids=ids))
+    report = ringified.report()
+    return {
+        "diff": (got - exact).abs().max().item(),
+        "forms": [(a.run, a.form) for a in report.attentions],
+        "gathers": report.gathers,
+    }
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "bert", "gemma3", "phi3"])
+def test_hf_eager_families(ranks, name):
+    """Mistral's window, Gemma3's local and global layers, BERT's encoder, Qwen2, Phi3."""
+    for r in ranks(2).run(eager_family, name):
+        assert r["forms"] == [(AttentionRun.RING, "by hand")] * 2 and r["gathers"] == (), r
+        assert r["diff"] <= TOL, r
