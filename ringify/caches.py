@@ -55,3 +55,19 @@ def _exportable_dynamic_cache() -> None:
     from transformers.integrations.executorch import register_dynamic_cache_export_support
 
     register_dynamic_cache_export_support()  # idempotent
+
+
+def cache_hint(error: BaseException) -> str:
+    """What to do when export failed on a cache ringify cannot return; "" otherwise."""
+    texts = []
+    while error is not None and len(texts) < 8:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    text = " ".join(texts)
+    if "DynamicCache containing only" in text or ("Cache" in text and "in output" in text):
+        return (
+            " Here: the model returns a KV cache ringify cannot return. ringify returns HF's "
+            "DynamicCache of attention layers (full or sliding window); other caches (a "
+            "hybrid's Mamba state, a static cache) are not supported: pass use_cache=False."
+        )
+    return ""

@@ -28,6 +28,7 @@ from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from ringify.caches import cache_hint
 from ringify.config import Config
 from ringify.parallelized import (
     fsdp_units,
@@ -288,7 +289,7 @@ def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, l
             "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
             "Python control flow in forward (a branch on a tensor's value, a size read with "
             "tolist() or item()), and return plain tensors, tuples, dicts or HF outputs."
-            f"{_known_cause(e)}{_model_line(e)} The full error is chained above."
+            f"{_known_cause(e)}{cache_hint(e)}{_model_line(e)} The full error is chained above."
         ) from e
     recorder.check()
     return exported, recorder.regions

@@ -129,3 +129,20 @@ def test_prefill_hands_its_cache_to_generate(ranks, world):
         assert r["equal"], r
         assert r["logits"] == (1, 1, 64)
         assert r["warned"] == ["generate"]
+
+
+def test_a_cache_ringify_cannot_return_is_named():
+    """A hybrid's cache (Bamba: attention K/V and Mamba states) in eval: a clear error."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    from ringify import ringify
+
+    config = BambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
+    )  # fmt: skip
+    model = BambaForCausalLM(config).eval()
+    fix = r"KV cache ringify cannot return.*use_cache=False"
+    with pytest.raises(RuntimeError, match=fix), torch.no_grad():
+        ringify(model, ring_size=1)(input_ids=torch.randint(1, 64, (1, 32)), use_cache=True)
