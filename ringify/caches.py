@@ -52,8 +52,10 @@ def _takes_use_cache(model: nn.Module) -> bool:
 
 
 def _exportable_dynamic_cache() -> None:
-    from transformers.integrations.executorch import register_dynamic_cache_export_support
-
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:  # not an HF model: its own cache, if any, is export's to judge
+        return
     register_dynamic_cache_export_support()  # idempotent
 
 
