@@ -22,6 +22,7 @@ from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import rounding
 
 TOL = 1e-10
+aten = torch.ops.aten
 
 
 class SelfAttention(nn.Module):
@@ -238,6 +239,12 @@ SPELLINGS = {
         lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) + _tril(q, k), -1) @ v,
         lambda q, k, v: sdpa(q, k, v, attn_mask=_tril(q, k).to(q.dtype), scale=1.0),
     ),
+    "einsum": (
+        lambda q, k, v: torch.einsum(
+            "bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q, k).mul(0.5).softmax(-1), v
+        ),
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
     "3-D bmm": (
         lambda q, k, v: torch.bmm(
             torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)), -1),
@@ -255,7 +262,7 @@ def test_spellings_become_one_sdpa_with_the_same_meaning(spelling):
     assert len(folded) == 1
     gm.recompile()
     targets = {n.target for n in gm.graph.nodes}
-    assert not targets & {torch.ops.aten.softmax.int, torch.ops.aten.matmul.default}
+    assert not targets & {aten.softmax.int, aten.matmul.default, aten.einsum.default}
     torch.testing.assert_close(gm(*inputs), meaning(*inputs), rtol=0, atol=1e-14)
     torch.testing.assert_close(gm(*inputs), fn(*inputs), rtol=0, atol=1e-6)
     assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
@@ -272,7 +279,11 @@ def test_what_is_not_attention_stays_and_says_why():
     def scaled_mask(q, k, v):
         return torch.softmax(((q @ k.transpose(-2, -1)) + q.sum()) * 0.5, -1) @ v
 
-    for fn, why in ((finite_fill, "filled with"), (scaled_mask, "scaled after")):
+    def transposed_einsum(q, k, v):  # the scores' rows are the keys: not q k^T
+        return torch.einsum("bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhji", q, k).softmax(-1), v)
+
+    cases = ((finite_fill, "filled with"), (scaled_mask, "scaled after"))
+    for fn, why in (*cases, (transposed_einsum, "einsum")):
         gm, _, folded = _fold(fn, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4))
         assert folded == []
         (softmax,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.softmax.int]

@@ -63,7 +63,7 @@ def _fold(graph: fx.Graph, softmax: fx.Node) -> fx.Node:
         raise _NotAttention("the softmax is not over the last dim")
     scores = _Scores(softmax.args[0])
     chain, dropout_p, product = _probabilities(softmax)
-    q, k, v = scores.q, scores.k, product.args[1]
+    q, k, v = scores.q, scores.k, _times(product)[1]
     _check_operands(q, k, v)
     with graph.inserting_before(product):
         mask = scores.sdpa_mask(graph)
@@ -111,6 +111,9 @@ class _Scores:
             elif target in _PRODUCTS:
                 self._read_product(*x.args[:2])
                 break
+            elif _einsum(x) == "qk":  # einsum("bhid,bhjd->bhij", q, k): k not transposed
+                self.q, self.k = (self._unscaled(f) for f in x.args[1])
+                break
             else:
                 raise _NotAttention(f"the scores come from {target}, not a product of q and k")
         if len(self.masks) > 1:
@@ -157,10 +160,10 @@ def _probabilities(softmax: fx.Node) -> tuple[list[fx.Node], float, fx.Node]:
     probability, and that product."""
     chain, dropout_p, x = [softmax], 0.0, softmax
     while True:
-        following = [u for u in uses(x) if u.args[0] is x]
-        products = [u for u in following if u.target in _PRODUCTS]
+        products = [u for u in uses(x) if (_times(u) or (None,))[0] is x]
         if len(products) == 1:
             return chain, dropout_p, products[0]
+        following = [u for u in uses(x) if u.args[0] is x]
         steps = [u for u in following if u.target in _CASTS or u.target is aten.dropout.default]
         if len(products) > 1 or len(steps) != 1:
             raise _NotAttention("the probabilities are not multiplied by one v")
@@ -180,6 +183,38 @@ def _check_operands(q: fx.Node, k: fx.Node, v: fx.Node) -> None:
         raise _NotAttention(f"q {qs}, k {ks} and v {vs} do not line up without broadcasting")
     if len({val(x).dtype for x in (q, k, v)}) != 1:
         raise _NotAttention("q, k and v have different dtypes")
+
+
+def _times(node: fx.Node) -> tuple | None:
+    """``(probabilities, v)`` if ``node`` multiplies them (``matmul``, ``bmm``, or an einsum
+    of the form "bhij,bhjd->bhid"), else None."""
+    if node.target in _PRODUCTS:
+        return tuple(node.args[:2])
+    return tuple(node.args[1]) if _einsum(node) == "pv" else None
+
+
+def _einsum(node: fx.Node) -> str | None:
+    """ "qk" for an einsum of q (..., i, d) and k (..., j, d) into (..., i, j); "pv" for one
+    of p (..., i, j) and v (..., j, d) into (..., i, d); the batch letters the same, in the
+    same order, one or two of them. Else None."""
+    if node.target is not aten.einsum.default or len(node.args[1]) != 2:
+        return None
+    equation = node.args[0].replace(" ", "")
+    if "." in equation or equation.count("->") != 1 or equation.count(",") != 1:
+        return None
+    inputs, out = equation.split("->")
+    a, b = inputs.split(",")
+    batch = out[:-2]
+    if len(batch) not in (1, 2) or not (a[:-2] == b[:-2] == batch) or len(a) != len(out):
+        return None
+    (a1, a2), (b1, b2), (o1, o2) = a[-2:], b[-2:], out[-2:]
+    if len({*batch, a1, a2, b1, b2, o1, o2}) != len(batch) + 3:
+        return None  # three distinct letters besides the batch's
+    if a2 == b2 and (o1, o2) == (a1, b1):
+        return "qk"
+    if a2 == b1 and (o1, o2) == (a1, b2):
+        return "pv"
+    return None
 
 
 def _four_dims(graph: fx.Graph, x: fx.Node | None, ndim: int) -> fx.Node | None:
@@ -229,7 +264,7 @@ def _reaches_product(x, depth: int = 8) -> bool:
     for _ in range(depth):
         if not isinstance(x, fx.Node) or x.op != "call_function":
             return False
-        if x.target in _PRODUCTS or x.target is aten.baddbmm.default:
+        if x.target in _PRODUCTS or x.target is aten.baddbmm.default or _einsum(x) == "qk":
             return True
         x = x.args[1] if x.target in _WHERES else x.args[0]
     return False
