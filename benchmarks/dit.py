@@ -24,7 +24,8 @@ import sys
 
 from tabulate import tabulate
 
-from ringify.testing import RankPool, measured_step
+from ringify.testing import measured_step
+from ringify.testing.rounds import best_of_rounds
 
 
 def step(impl: str, frames: int, side: int, dim: int) -> dict:
@@ -68,19 +69,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
-    pools = {p: RankPool(p) for p in (1, 2, 4)}
     configs = [("unmodified", 1), ("ringify", 2), ("ringify", 4)]
-    best: dict[int, dict] = {}
-    try:
-        for _ in range(args.repeats):
-            for i, (impl, p) in enumerate(configs):
-                per_rank = pools[p].run(step, impl, args.frames, args.side, args.dim, timeout=3600)
-                r = {k: max(x[k] for x in per_rank) for k in ("s", "peak")}
-                r["loss"], r["tokens"] = per_rank[0]["loss"], per_rank[0]["tokens"]
-                best[i] = {k: min(r[k], best.get(i, r)[k]) for k in r}
-    finally:
-        for pool in pools.values():
-            pool.close()
+    shape = (args.frames, args.side, args.dim)
+    best = best_of_rounds(step, [(p, (impl, *shape)) for impl, p in configs], args.repeats)
     base = best[0]
     rows = [
         {
@@ -93,7 +84,7 @@ def main() -> None:
             "memory / (unmodified / P)": round(r["peak"] * p / base["peak"], 3),
             "|loss - unmodified|": f"{abs(r['loss'] - base['loss']):.1e}",
         }
-        for (impl, p), r in zip(configs, (best[i] for i in range(len(configs))), strict=True)
+        for (impl, p), r in zip(configs, best, strict=True)
     ]
     print(f"Command: python {' '.join(sys.argv)}")
     print(tabulate(rows, headers="keys", tablefmt="github"))

@@ -25,7 +25,8 @@ import sys
 
 from tabulate import tabulate
 
-from ringify.testing import RankPool, measured_step
+from ringify.testing import measured_step
+from ringify.testing.rounds import best_of_rounds
 
 
 def step(impl: str, kind: str, seq: int) -> dict:
@@ -75,23 +76,14 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
-    pools = {p: RankPool(p) for p in (1, 2)}
     runs = {
         "forward": (("unmodified", 1), ("sdpa spelling", 1), ("ringify", 2)),
         "train": (("sdpa spelling", 1), ("ringify", 2)),
     }
     configs = [(kind, impl, p, seq) for seq in args.seqs for kind in runs for impl, p in runs[kind]]
-    best: dict[int, dict] = {}
-    try:
-        for _ in range(args.repeats):
-            for i, (kind, impl, p, seq) in enumerate(configs):
-                per_rank = pools[p].run(step, impl, kind, seq, timeout=3600)
-                r = {k: max(x[k] for x in per_rank) for k in ("s", "peak")}
-                r["loss"] = per_rank[0]["loss"]
-                best[i] = {k: min(r[k], best.get(i, r)[k]) for k in r}
-    finally:
-        for pool in pools.values():
-            pool.close()
+    best = best_of_rounds(
+        step, [(p, (impl, kind, seq)) for kind, impl, p, seq in configs], args.repeats
+    )
     rows = []
     for i, (kind, impl, p, seq) in enumerate(configs):
         base = best[next(j for j, c in enumerate(configs) if c[0] == kind and c[3] == seq)]

@@ -13,7 +13,7 @@ HF decoders default to ``use_cache=True`` and return a ``DynamicCache``, which
 
 from __future__ import annotations
 
-import inspect
+import functools
 import logging
 
 from torch import nn
@@ -21,10 +21,11 @@ from torch import nn
 log = logging.getLogger("ringify")
 
 
-def cache_kwargs(model: nn.Module, kwargs: dict, warned: set) -> dict:
+def cache_kwargs(model: nn.Module, kwargs: dict, takes_use_cache: bool, warned: set) -> dict:
     """``kwargs`` for this call: ``use_cache=False`` in training where the model would build
-    a cache; in eval, the cache made exportable. ``warned`` remembers the warning."""
-    if not _takes_use_cache(model):
+    a cache; in eval, the cache made exportable. ``takes_use_cache``: whether the model's
+    forward has that parameter (read once); ``warned`` remembers the warning."""
+    if not takes_use_cache:
         return kwargs
     wants = kwargs.get("use_cache")
     wants = getattr(getattr(model, "config", None), "use_cache", False) if wants is None else wants
@@ -44,29 +45,19 @@ def cache_kwargs(model: nn.Module, kwargs: dict, warned: set) -> dict:
     return kwargs
 
 
-def _takes_use_cache(model: nn.Module) -> bool:
-    try:
-        return "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
+@functools.cache
 def _exportable_dynamic_cache() -> None:
     try:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
     except ImportError:  # not an HF model: its own cache, if any, is export's to judge
         return
-    register_dynamic_cache_export_support()  # idempotent
+    register_dynamic_cache_export_support()
 
 
-def cache_hint(error: BaseException) -> str:
-    """What to do when export failed on a cache ringify cannot return; "" otherwise."""
-    texts = []
-    while error is not None and len(texts) < 8:
-        texts.append(str(error))
-        error = error.__cause__ or error.__context__
-    text = " ".join(texts)
-    if "DynamicCache containing only" in text or ("Cache" in text and "in output" in text):
+def cache_hint(message: str) -> str:
+    """What to do when export failed (``message``: its errors' texts) on a cache ringify
+    cannot return; "" otherwise."""
+    if "DynamicCache containing only" in message or ("Cache" in message and "in output" in message):
         return (
             " Here: the model returns a KV cache ringify cannot return. ringify returns HF's "
             "DynamicCache of attention layers (full or sliding window); other caches (a "

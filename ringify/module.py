@@ -93,11 +93,13 @@ class RingifiedModule(nn.Module):
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
         self._warned: set[str] = set()  # warnings given once per module
+        signature = _signature_of(model.forward)
+        self._takes_use_cache = signature is not None and "use_cache" in signature.parameters
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
         # Code that picks inputs by the forward's parameters (HF Trainer keeps the dataset
         # columns named there) sees the model's.
         self.forward = functools.partial(RingifiedModule.forward, self)
-        self.forward.__signature__ = _signature_of(model.forward)
+        self.forward.__signature__ = signature
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
 
@@ -160,7 +162,7 @@ class RingifiedModule(nn.Module):
 
 @torch.compiler.disable
 def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
-    kwargs = cache_kwargs(module.model, kwargs, module._warned)
+    kwargs = cache_kwargs(module.model, kwargs, module._takes_use_cache, module._warned)
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module.model, flat, spec)
     traced = module._traced.get(key)

@@ -289,7 +289,8 @@ def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, l
             "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
             "Python control flow in forward (a branch on a tensor's value, a size read with "
             "tolist() or item()), and return plain tensors, tuples, dicts or HF outputs."
-            f"{_known_cause(e)}{cache_hint(e)}{_model_line(e)} The full error is chained above."
+            f"{_known_cause(e)}{cache_hint(' '.join(map(str, _chain(e))))}{_model_line(e)} The "
+            "full error is chained above."
         ) from e
     recorder.check()
     return exported, recorder.regions
@@ -309,13 +310,9 @@ def _model_line(error: Exception) -> str:
     """Where in the model's own code export failed: the innermost frame outside torch,
     ringify and Python's standard library (a data-dependent ``tolist()``, a branch on a
     value)."""
-    chain = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
     frames = [
         frame
-        for e in reversed(chain)  # the innermost error's frames reach deepest into the model
+        for e in reversed(_chain(error))  # the innermost error's frames reach deepest in
         for frame, _ in traceback.walk_tb(e.__traceback__)
         if _in_model(frame.f_code.co_filename)
     ]
@@ -325,6 +322,15 @@ def _model_line(error: Exception) -> str:
     code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
     where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
     return f" It failed in the model at {where}: {code}."
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from, outermost first."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
 
 
 def _in_model(filename: str) -> bool:

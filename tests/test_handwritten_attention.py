@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ringify import ringify
-from ringify.passes.handwritten import FORM_NOTE, fold_handwritten_attention
+from ringify.passes.handwritten import UNREAD_NOTE, fold_handwritten_attention
 from ringify.passes.report import AttentionRun, GatherReason
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import rounding
@@ -287,7 +287,7 @@ def test_what_is_not_attention_stays_and_says_why():
         gm, _, folded = _fold(fn, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4))
         assert folded == []
         (softmax,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.softmax.int]
-        assert why in softmax.meta[FORM_NOTE]
+        assert why in softmax.meta[UNREAD_NOTE]
 
 
 class FiniteFill(nn.Module):

@@ -24,7 +24,7 @@ import operator
 import torch
 from torch import fx
 
-from ringify.passes.handwritten import FORM_NOTE
+from ringify.passes.handwritten import FORM_NOTE, UNREAD_NOTE
 from ringify.passes.nodes import call, erase_unused, shape, uses, val
 
 aten = torch.ops.aten
@@ -43,7 +43,7 @@ def fold_flex_attention(gm: fx.GraphModule) -> int:
             _fold(gm, node)
             folded += 1
         except NotFoldable as e:
-            node.meta[FORM_NOTE] = f"not read as attention: {e}"
+            node.meta[UNREAD_NOTE] = str(e)
     return folded
 
 

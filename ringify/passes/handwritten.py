@@ -34,6 +34,7 @@ from ringify.passes.nodes import call, erase_unused, shape, uses, val
 
 aten = torch.ops.aten
 FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how it was spelled
+UNREAD_NOTE = "ringify_unread"  # node.meta key: why a softmax (or flex node) is not attention
 
 _SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 _CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
@@ -54,7 +55,7 @@ def fold_handwritten_attention(graph: fx.Graph) -> list[fx.Node]:
         try:
             folded.append(_fold(graph, node))
         except _NotAttention as e:
-            node.meta[FORM_NOTE] = f"not read as attention: {e}"
+            node.meta[UNREAD_NOTE] = str(e)
     return folded
 
 

@@ -24,7 +24,7 @@ from torch import fx
 
 from ringify.config import Config
 from ringify.passes.attention import find_attention
-from ringify.passes.handwritten import FORM_NOTE
+from ringify.passes.handwritten import UNREAD_NOTE
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
@@ -109,7 +109,7 @@ def _no_attention(graph: fx.Graph) -> str:
     """What to tell a user whose graph has no attention: why each softmax was not read as
     one, and the one-line fixes; or, with no softmax at all, that ringify is for attention."""
     flex = [
-        f"{n.name} ({n.meta.get(FORM_NOTE, '')})"
+        f"{n.name} ({n.meta.get(UNREAD_NOTE, '')})"
         for n in graph.nodes
         if n.target is torch.ops.higher_order.flex_attention
     ]
@@ -121,11 +121,7 @@ def _no_attention(graph: fx.Graph) -> str:
             "F.scaled_dot_product_attention (is_causal=True, or the mask_mod's mask as a tensor "
             "built from positions, which ringify reads as a program)."
         )
-    unread = [
-        f"{n.name}: {n.meta[FORM_NOTE]}"
-        for n in graph.nodes
-        if n.meta.get(FORM_NOTE, "")[:3] == "not"
-    ]
+    unread = [f"{n.name}: {n.meta[UNREAD_NOTE]}" for n in graph.nodes if UNREAD_NOTE in n.meta]
     if not unread:
         return (
             "ringify found no attention in the model's graph, and no softmax: ringify shards "

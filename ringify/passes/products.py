@@ -26,8 +26,10 @@ def infer_baddbmm(node, place: Placements):
     """``bias + x @ w``: the product's rows, the bias sharded like them or lined up."""
     bias, x, w = node.args[:3]
     rows = _product_rows(node, x, w, place)
-    if isinstance(rows, Fallback) or not place.sharded(bias):
-        return rows if isinstance(rows, Fallback) else place.line_up(node, [bias], rows)
+    if isinstance(rows, Fallback):
+        return rows
+    if not place.sharded(bias):
+        return place.line_up(node, [bias], rows)
     aligned = place[bias].dim + val(node).dim() - len(shape(bias))
     return rows if Seq(aligned, place[bias].inner) == rows else Fallback(GatherReason.MIXED_DIMS)
 

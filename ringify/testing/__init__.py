@@ -7,7 +7,8 @@
   what autograd keeps for the backward (``memory.py``);
 - ``ringify.testing.attention``: ring attention against SDPA on the full sequence;
 - ``ringify.testing.models``: small models written as users write them;
-- ``ringify.testing.runs``: a model ringified over the current group, eager or compiled.
+- ``ringify.testing.runs``: a model ringified over the current group, eager or compiled;
+- ``ringify.testing.rounds``: benchmark configurations run round-robin, the best of each.
 """
 
 from ringify.testing.memory import (
