@@ -41,12 +41,12 @@ def cache_kwargs(model: nn.Module, kwargs: dict, takes_use_cache: bool, warned: 
                 "use_cache=False, or set model.config.use_cache = False, to silence this."
             )
         return kwargs | {"use_cache": False}
-    _exportable_dynamic_cache()
+    exportable_dynamic_cache()
     return kwargs
 
 
 @functools.cache
-def _exportable_dynamic_cache() -> None:
+def exportable_dynamic_cache() -> None:
     try:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
     except ImportError:  # not an HF model: its own cache, if any, is export's to judge

@@ -93,6 +93,7 @@ class RingifiedModule(nn.Module):
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._active: Traced | None = None
         self._warned: set[str] = set()  # warnings given once per module
+        self._generation: dict = {}  # generate's prefill module and decode steps (not submodules)
         signature = _signature_of(model.forward)
         self._takes_use_cache = signature is not None and "use_cache" in signature.parameters
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
@@ -117,19 +118,15 @@ class RingifiedModule(nn.Module):
         out = traced.module(*state_of(self.model, traced.state_names), *flat)
         return pytree.tree_unflatten(out, traced.out_spec)
 
-    def generate(self, *args, **kwargs):
-        """The unmodified model's ``generate``, said once: it runs replicated on every rank, with
-        no ring and the whole cache on each. For a long prompt, prefill with the ringified
-        model and hand its cache to ``model.generate`` (README, "Long prompts")."""
-        if "generate" not in self._warned:
-            self._warned.add("generate")
-            log.warning(
-                "ringify: generate() runs the unmodified model's generate on every rank, "
-                "replicated: no ring, and the whole KV cache on each rank. For a long prompt, "
-                "prefill with the ringified model (eval, use_cache=True, logits_to_keep=1) and "
-                "continue with model.generate(ids, past_key_values=...)."
-            )
-        return self.model.generate(*args, **kwargs)
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ):
+        """Greedy or sampled generation on the ring, HF ``generate``-compatible: the prompt's KV
+        cache stays split across the ranks and each new token is one traced decode step
+        (``ringify/generation/``). Returns what HF's ``generate`` returns."""
+        from ringify.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -111,9 +111,32 @@ def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
+@dataclass
+class Rewritten:
+    """One export of the model, rewritten by the pass: what ``finish`` turns into a ``Traced``."""
+
+    gm: fx.GraphModule
+    before: str
+    report: Report
+    exported: torch.export.ExportedProgram
+    checkpoints: list
+    units: dict
+    flat: list
+    shared_inputs: tuple[int, ...]
+
+
 def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | None = None) -> Traced:
     """``model``'s graph for this call's signature, rewritten; ``outer`` is the module that
     runs it (an FSDP2 root unit around it reduces the gradients of what it holds)."""
+    return finish(rewrite(model, config, args, kwargs), model, config, outer)
+
+
+def rewrite(
+    model: nn.Module, config: Config, args, kwargs, shapes: dict | None = None, general=False
+) -> Rewritten:
+    """Export and rewrite: the inputs at ``shapes`` (flat index -> shape) where given, and
+    with ``general`` the padding steps inserted even where the length needs none (the
+    graphs that ``lengths.py`` compares across lengths)."""
     units = fsdp_units(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -124,10 +147,10 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
         scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
         exported, checkpoints = _export(model, units, spec, flat, scaled)
     else:
-        exported, checkpoints = _export(model, units, spec, flat, {})
-    gm = _exported_module(exported)
+        exported, checkpoints = _export(model, units, spec, flat, shapes or {})
+    gm = exported_module(exported)
     _warn_about_hooks(model)
-    plan = plan_sequence(gm, config, dims or None, gathered)
+    plan = plan_sequence(gm, config, dims or None, gathered, general=general)
     before = gm.code
     report = shard_sequence(
         gm.graph,
@@ -137,11 +160,21 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
     )
-    record_local_values(gm, flat)
-    state_names = _lift_state(gm.graph, model)
-    checkpointed = keep_checkpoints(gm, checkpoints)
-    averaged = units_averaging_over_ring(units, outer, ring)
-    state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, averaged, ring.size)
+    shared = tuple(i for i in tensors if i not in dims and i not in gathered)
+    return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared)
+
+
+def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module | None) -> Traced:
+    """The rewritten graph made runnable: values recorded, state lifted, checkpointed and
+    FSDP spans kept."""
+    gm, report, ring = done.gm, done.report, config.ring()
+    record_local_values(gm, done.flat)
+    state_names = lift_state(gm.graph, model)
+    checkpointed = keep_checkpoints(gm, done.checkpoints)
+    averaged = units_averaging_over_ring(done.units, outer, ring)
+    state_names, kept_units = keep_fsdp_units(
+        gm, model, done.units, state_names, averaged, ring.size
+    )
     report = dataclasses.replace(report, checkpointed=checkpointed, fsdp_units=kept_units)
     module = fx.GraphModule(gm, gm.graph)
     for gather in report.gathers:
@@ -155,14 +188,14 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
     log.info("ringify: traced a new input signature\n%s", report)
     return Traced(
         module,
-        before,
+        done.before,
         report,
         state_names,
         meta_of(state_of(model, state_names)),
         _tied(model),
-        exported.call_spec.in_spec,
-        exported.call_spec.out_spec,
-        tuple(i for i in tensors if i not in dims and i not in gathered),
+        done.exported.call_spec.in_spec,
+        done.exported.call_spec.out_spec,
+        done.shared_inputs,
     )
 
 
@@ -174,14 +207,14 @@ def _sharded_inputs(model: nn.Module, units: dict, spec, flat: list, config: Con
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = _exported_module(_export(model, units, spec, flat, {})[0])
+        structure = exported_module(_export(model, units, spec, flat, {})[0])
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = _exported_module(_export(model, units, spec, flat, full)[0])
+            structure = exported_module(_export(model, units, spec, flat, full)[0])
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)
@@ -218,7 +251,7 @@ def _scaled(shape, dim: int, factor: float) -> list[int]:
     return shape
 
 
-def _lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
+def lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
     """Turn each read of a model parameter or buffer into a leading input; their names.
 
     The graph then returns its flat outputs (the call's pytree structure is applied
@@ -348,7 +381,7 @@ def _known_cause(error: Exception) -> str:
     return "".join(f" Here: {fix}." for name, fix in _KNOWN_CAUSES.items() if name in frames)
 
 
-def _exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
+def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     gm = exported.module()
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:

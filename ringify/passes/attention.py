@@ -277,7 +277,7 @@ def _local_mask(mask: fx.Node, state: PassState) -> fx.Node:
         mask = state.gather(mask)
     mask_shape = shape(mask)
     pad = state.geo.padded - state.geo.length
-    if pad and mask_shape[-1] > 1:
+    if state.geo.pads and mask_shape[-1] > 1:
         with state.graph.inserting_before(state.after(mask)):
             mask = call(state.graph, aten.constant_pad_nd.default, (mask, [0, pad], 0))
     if len(mask_shape) >= 2 and mask_shape[-2] > 1:

@@ -65,7 +65,7 @@ class PassState:
             factored = geo.factored_shape(shape(x), seq, geo.length)
             y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
             pad = geo.padded - geo.length
-            if pad:
+            if geo.pads:
                 spec = [0, 0] * (len(factored) - seq.dim - 2) + [0, pad]
                 y = g.call_function(torch.ops.aten.constant_pad_nd.default, (y, spec, pad_value))
             y = g.call_function(
@@ -89,7 +89,7 @@ class PassState:
             y = g.call_function(
                 ringify_ops.gather.default, (y, seq.dim + 1, self.group_name, geo.layout)
             )
-            if geo.padded != geo.length:
+            if geo.pads:
                 y = g.call_function(torch.ops.aten.narrow.default, (y, seq.dim + 1, 0, geo.length))
             y = g.call_function(torch.ops.aten.reshape.default, (y, shape(x)))
         y.meta["val"] = val(x)

@@ -2,7 +2,7 @@
 (the model's own unit, if it is one: the whole graph).
 
 The trace saw each unit's parameters at full shape (``parallelized.py``), and
-``_lift_state`` made them graph inputs like every parameter. Here each unit's span
+``lift_state`` made them graph inputs like every parameter. Here each unit's span
 (``regions.module_span``, innermost unit first) is outlined into an
 ``FsdpUnitRegion``, together with what the pass computed from the unit's parameters
 alone (their ``copy_to_ring``, slices), which it had placed at the top of the graph.

@@ -14,6 +14,8 @@ repeated otherwise (another order, another count than the other) is left as it i
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import fx
 
@@ -44,12 +46,23 @@ def fold_repeated_kv(graph: fx.Graph) -> int:
 
 def _erase_if_unused(graph: fx.Graph, x: fx.Node) -> None:
     """The reshape, expand and unsqueeze of a repeat that nothing else reads."""
-    for _ in range(3):
+    for _ in range(4):  # reshape, expand, a whole-dim slice, unsqueeze
         if x.users:
             return
         source = x.args[0]
         graph.erase_node(x)
         x = source
+
+
+def _unsliced(x):
+    """``x`` through slices that keep a whole dim (a traced dynamic length leaves them)."""
+    while (
+        isinstance(x, fx.Node)
+        and x.target is aten.slice.Tensor
+        and list(x.args[2:]) in ([], [0], [0, sys.maxsize], [0, sys.maxsize, 1])
+    ):
+        x = x.args[0]
+    return x
 
 
 def _unrepeated(x: fx.Node) -> tuple[fx.Node | None, int]:
@@ -60,7 +73,7 @@ def _unrepeated(x: fx.Node) -> tuple[fx.Node | None, int]:
     expanded = x.args[0]
     if not (isinstance(expanded, fx.Node) and expanded.target is aten.expand.default):
         return None, 0
-    inserted = expanded.args[0]
+    inserted = _unsliced(expanded.args[0])
     if not (isinstance(inserted, fx.Node) and inserted.target is aten.unsqueeze.default):
         return None, 0
     y = inserted.args[0]

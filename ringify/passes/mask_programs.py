@@ -53,22 +53,39 @@ class NotAProgram(Exception):
 def fold_mask_programs(graph: fx.Graph, attentions) -> None:
     """Replace the mask of every attention in ``attentions`` (read ``Attention`` rows) by a
     ``program_mask`` node where it is a program; note on each attention node why not."""
+    sizes = _symbolic_sizes(graph)
     for att in attentions:
         if att.mask is None:
             continue
         try:
             program, inputs = read_program(att.mask)
+            mask_shape = [sizes.get(_expr(s), s) for s in shape(att.mask)]
+            if any(isinstance(s, torch.SymInt) for s in mask_shape):
+                raise NotAProgram("a symbolic size no node of the graph computes")
         except NotAProgram as e:
             att.node.meta[MASK_NOTE] = str(e)
             continue
         with graph.inserting_before(att.node):
             folded = graph.call_function(
-                program_mask, (program.text(), inputs, list(shape(att.mask)), val(att.mask).device)
+                program_mask, (program.text(), inputs, mask_shape, val(att.mask).device)
             )
         folded.meta["val"] = val(att.mask)
         att.node.replace_input_with(att.mask, folded)
         att.node.meta[MASK_NOTE] = _summary(program)
     _erase_dead(graph)
+
+
+def _symbolic_sizes(graph: fx.Graph) -> dict:
+    """Symbolic size -> the first node computing it (a graph traced with a dynamic length)."""
+    sizes = {}
+    for node in graph.nodes:
+        if isinstance(val(node), torch.SymInt):
+            sizes.setdefault(_expr(val(node)), node)
+    return sizes
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else None
 
 
 def read_program(mask: fx.Node) -> tuple[MaskProgram, list[fx.Node]]:
@@ -298,7 +315,7 @@ def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]
     for x, role in zip(inputs, parse(text).roles, strict=True):
         if state.sharded(x):
             x = state.gather(x)
-        if pad and role in ("q", "k"):
+        if state.geo.pads and role in ("q", "k"):
             spec = [0, pad] if role == "k" else [0, 0, 0, pad]
             with state.graph.inserting_before(state.after(x)):
                 x = call(state.graph, aten.constant_pad_nd.default, (x, spec, 0))

@@ -43,12 +43,19 @@ class Fallback:
 
 @dataclass(frozen=True)
 class Geometry:
-    """The sequence of one traced graph: true length, padded length, the ring."""
+    """The sequence of one traced graph: true length, padded length, the ring; ``general``:
+    the padding steps are inserted whatever the length (a graph for many lengths)."""
 
     length: int
     padded: int
     ring_size: int
     layout: str
+    general: bool = False
+
+    @property
+    def pads(self) -> bool:
+        """Whether the graph pads the sequence (and masks, cuts and ignores the padding)."""
+        return self.general or self.padded != self.length
 
     @property
     def local(self) -> int:

@@ -79,6 +79,7 @@ def plan_sequence(
     config: Config,
     dims: dict[int, int] | None = None,
     gathered: dict[int, int] | None = None,
+    general: bool = False,
 ) -> Plan:
     """The plan for ``gm``, traced at global shapes; ``dims`` and ``gathered`` (input index ->
     sequence dim) when the sharded inputs were found already (on the trace at local shapes)."""
@@ -89,7 +90,7 @@ def plan_sequence(
         seeds = {placeholders[i]: Seq(d) for i, d in dims.items()}
         seeds |= _births(gm.graph, config, seeds, _targets(gm.graph, config))
     masks = {placeholders[i]: Seq(d) for i, d in (gathered or {}).items()}
-    return Plan(seeds, _geometry(gm.graph, config), masks)
+    return Plan(seeds, _geometry(gm.graph, config, general), masks)
 
 
 def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
@@ -278,8 +279,9 @@ def _mask_inputs(
     return found
 
 
-def _geometry(graph: fx.Graph, config: Config) -> Geometry:
-    """The sequence's length, and the padded length the ring splits (the padding decision)."""
+def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> Geometry:
+    """The sequence's length, and the padded length the ring splits (the padding decision);
+    ``general``: the padding steps kept where this length needs none."""
     length = _sequence_length(find_attention(graph))
     padded = padded_length(length, config.ring_size, config.layout)
     multiple = split_multiple(config.ring_size, config.layout)
@@ -295,4 +297,4 @@ def _geometry(graph: fx.Graph, config: Config) -> Geometry:
             f"padding would reach the outputs: pad the inputs to a multiple of {multiple}, "
             "or use outputs='full'"
         )
-    return Geometry(length, padded, config.ring_size, config.layout)
+    return Geometry(length, padded, config.ring_size, config.layout, general)

@@ -172,7 +172,7 @@ def _bottom(dtype: torch.dtype, sign: int):
 def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
     """``x`` with its padded positions set to ``fill`` (``x`` itself without padding)."""
     geo, g = state.geo, state.graph
-    if geo.padded == geo.length:
+    if not geo.pads:
         return x
     seq = state.place[x]
     x_shape = shape(x)

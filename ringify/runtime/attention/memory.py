@@ -57,7 +57,19 @@ def memory_attention_op(
     key_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     bias = _bias(q, k, attn_mask, group_name, layout, key_len)
+    return merged_attention(q, k, v, bias, scale, group_name)
+
+
+def merged_attention(q, k, v, bias, scale: float, group_name: str):
+    """``(out, lse)`` of replicated ``q`` over every rank's ``k``/``v`` (additive ``bias``
+    on this rank's keys): each rank's block, merged over the ring (``merge_over_ring``)."""
     out, lse = block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
+    return merge_over_ring(q, out, lse, group_name)
+
+
+def merge_over_ring(q, out, lse, group_name: str):
+    """Every rank's ``(out, lse)`` of the same queries merged by log-sum-exp, in two
+    all-reduces. A rank whose keys are all hidden from a row adds nothing to it."""
     if group_name == LOCAL:
         return out, lse
     acc = accumulation_dtype(q.dtype)

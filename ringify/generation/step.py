@@ -1,0 +1,160 @@
+"""The model's decode step, traced once and run for every new token on the ring.
+
+``DecodeStep`` exports the unmodified model's forward for one new token with an HF
+``DynamicCache`` whose length is symbolic (``torch.export``'s ``Dim.AUTO``): one graph
+serves every step, whatever the cache's length. ``passes/decode.py`` rewrites it so that
+each rank attends to its own part of the cache (``generation/cache.py``), and the
+model's state is lifted out as for the ringified forward (``trace.py``). The graph runs
+as it is, with no further trace; should the export have constrained the length (a
+model that branches on it), a length outside its range is traced again, and said.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.fx._pytree import tree_flatten_spec
+from torch.utils import _pytree as pytree
+
+from ringify.caches import exportable_dynamic_cache
+from ringify.generation.cache import ShardedCache
+from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
+from ringify.runtime.collectives.ring import Ring
+from ringify.trace import exported_module, lift_state, state_of
+
+log = logging.getLogger("ringify")
+_EXAMPLE_LENGTH = 7  # the cache length the step is traced at (not 0 or 1, which export pins)
+
+
+class DecodeStep:
+    """One token's forward over ``ShardedCache``: ``(logits, new keys, new values)``.
+
+    ``inputs``: the model's keyword inputs of a step besides the cache (ids, attention mask,
+    position ids), as tensors of the step's shapes; ``like``: the prefill's cache part of
+    each layer (shapes, dtype and device of the cache)."""
+
+    def __init__(self, model: nn.Module, ring: Ring, inputs: dict, like: list):
+        self.model, self.ring = model, ring
+        self.traces = 0
+        self._like = [(k.shape, k.dtype, k.device) for k, _ in like]
+        self._keys = sorted(inputs)  # the step's inputs, by name
+        self._trace(inputs, _EXAMPLE_LENGTH)
+
+    def _trace(self, inputs: dict, length: int) -> None:
+        from transformers import DynamicCache
+
+        exportable_dynamic_cache()
+        cache = DynamicCache([
+            tuple(torch.zeros(*s[:2], length, s[3], dtype=t, device=d) for _ in range(2))
+            for s, t, d in self._like
+        ])  # fmt: skip
+        kwargs = {k: inputs[k] for k in self._keys} | {"past_key_values": cache, "use_cache": True}
+        kwargs = _with_length(kwargs, length)
+        dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != "past_key_values"}
+        dynamic["past_key_values"] = [[{2: Dim.AUTO}] * len(self._like)] * 2
+        try:
+            exported = torch.export.export(
+                self.model, (), kwargs, dynamic_shapes=dynamic, strict=False
+            )
+        except Exception as e:
+            raise ValueError(
+                f"ringify could not trace {type(self.model).__name__}'s decode step "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {SUPPORTED}."
+            ) from e
+        gm = exported_module(exported)
+        ids = {id(t): (kind, i) for i, layer in enumerate(cache.layers)
+               for kind, t in (("key", layer.keys), ("value", layer.values))}  # fmt: skip
+        flat = tree_flatten_spec(((), kwargs), exported.call_spec.in_spec)
+        self._sources = [
+            ids.get(id(x), x if not isinstance(x, torch.Tensor) else None) for x in flat
+        ]
+        self._names = _leaf_names(kwargs, exported.call_spec.in_spec)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        cache_nodes = {
+            p: s for p, s in zip(placeholders, self._sources, strict=True) if isinstance(s, tuple)
+        }
+        try:
+            self.layout = rewrite_decode(gm.graph, cache_nodes, self.ring.name)
+        except NotDecodable as e:
+            raise ValueError(
+                f"ringify cannot generate with {type(self.model).__name__}: {e}"
+            ) from None
+        self.state_names = lift_state(gm.graph, self.model)
+        self.module = fx.GraphModule(gm, gm.graph)
+        self.out_spec = exported.call_spec.out_spec
+        self.lengths = _length_range(exported)
+        self.traces += 1
+
+    def __call__(self, inputs: dict, cache: ShardedCache):
+        """``(logits, [new key per layer], [new value per layer])`` of the step whose inputs
+        are ``inputs`` (the model's, of this step), over ``cache``."""
+        if not self.lengths[0] <= cache.length <= self.lengths[1]:
+            log.warning(
+                "ringify: the decode step was traced for cache lengths %s to %s; tracing it "
+                "again for %d",
+                *self.lengths,
+                cache.length,
+            )
+            self._trace(inputs, cache.length)
+        flat = []
+        for name, source in zip(self._names, self._sources, strict=True):
+            if isinstance(source, tuple):  # the cache's global shape only: no values are read
+                shape, dtype, device = self._like[source[1]]
+                carrier = torch.empty((), dtype=dtype, device=device)
+                flat.append(carrier.expand(*shape[:2], cache.length, shape[3]))
+            else:
+                flat.append(inputs.get(name, source))
+        local = [cache.keys(i) for i in range(cache.layers)]
+        local += [cache.values(i) for i in range(cache.layers)]
+        own = cache.owner() == self.ring.rank
+        state = state_of(self.model, self.state_names)
+        out = self.module(*state, *flat, *local, cache.positions(), own)
+        result = pytree.tree_unflatten(out, self.out_spec)
+        new = result.past_key_values
+        return (
+            result.logits,
+            [layer.keys for layer in new.layers],
+            [layer.values for layer in new.layers],
+        )
+
+
+def _with_length(kwargs: dict, length: int) -> dict:
+    """The step's inputs for a cache of ``length``: the attention mask over it and the new token."""
+    out = dict(kwargs)
+    if "attention_mask" in out:
+        mask = out["attention_mask"]
+        out["attention_mask"] = mask.new_ones(mask.shape[0], length + 1)
+    if "position_ids" in out:
+        out["position_ids"] = torch.full_like(out["position_ids"], length)
+    return out
+
+
+def _dynamic(name: str, x):
+    if name == "attention_mask" and isinstance(x, torch.Tensor):
+        return {1: Dim.AUTO}
+    return None
+
+
+def _leaf_names(kwargs: dict, spec) -> list:
+    """The keyword each flat input comes from (a cache entry: ``past_key_values``)."""
+    names = []
+    for key, value in kwargs.items():
+        names += [key] * len(pytree.tree_leaves(value))
+    if len(names) != spec.num_leaves:
+        raise ValueError("ringify: the decode step's inputs flatten unlike its trace")
+    return names
+
+
+def _length_range(exported) -> tuple[int, float]:
+    """The cache lengths the exported step is valid for (its cache dim's range)."""
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and "past_key_values" in node.name:
+            size = node.meta["val"].shape[2]
+            if isinstance(size, int):
+                return size, size
+            bounds = exported.range_constraints.get(size.node.expr)
+            return int(bounds.lower), float(bounds.upper)
+    return 0, float("inf")

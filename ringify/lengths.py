@@ -1,0 +1,257 @@
+"""One trace for many sequence lengths: the rewritten graph with its lengths read at run time.
+
+The pass rewrites a graph traced at one length, and the integers it writes (local and
+padded lengths, pad amounts, ``key_len``, slice bounds, reshapes) follow from that
+length. When a model is called with a second length of the same inputs (only the
+sequence dims differ), ``lift_lengths`` traces it once for all lengths:
+
+1. A symbolic export (``torch.export``, the sequence dims ``Dim.AUTO``) says whether the
+   model's graph is one graph for every length: the dims must stay symbolic, and every
+   size must be affine in the length (a ``Min`` from a fixed-size slice, say, is not).
+   Its range constraints are the lengths the graph holds for.
+2. The pass runs at four lengths with its padding steps always in (``general``), and the
+   four graphs must match node for node. Every integer that differs is an affine function
+   of the length L and the padded length Lp, fitted exactly on three and checked on the
+   fourth; any other difference (a float, a string) refuses.
+3. In the graph of the call's own length each such integer becomes a node computing it
+   from the sequence input's size at run time.
+
+A length outside the range, or a model refused here, is traced per length as before, and
+the report and the log say why (``Report.lengths``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from ringify.config import Config
+from ringify.runtime.tiling.layout import split_multiple
+from ringify.trace import Rewritten, rewrite
+
+log = logging.getLogger("ringify")
+
+
+class NotLiftable(Exception):
+    """The model's graph is not one graph for every length; the message says why."""
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The sequence inputs (flat index -> dim) and the lengths a lifted graph holds for."""
+
+    dims: tuple[tuple[int, int], ...]
+    low: int
+    high: float
+
+    def length(self, flat: list) -> int:
+        i, d = self.dims[0]
+        return flat[i].shape[d]
+
+    def holds(self, flat: list) -> bool:
+        return self.low <= self.length(flat) <= self.high
+
+
+def sequence_dims(before: list, now: list) -> tuple[tuple[int, int], ...] | None:
+    """The (flat index, dim) that changed between two calls' flat inputs, if those are all
+    of one length before and one now, and nothing else changed; else ``None``."""
+    if len(before) != len(now):
+        return None
+    changed, lengths = [], set()
+    for i, (a, b) in enumerate(zip(before, now, strict=True)):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return None
+        if not isinstance(a, torch.Tensor):
+            if a != b:
+                return None
+            continue
+        if a.dim() != b.dim() or a.dtype != b.dtype:
+            return None
+        for d, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)):
+            if x != y:
+                changed.append((i, d))
+                lengths.add((x, y))
+    return tuple(changed) if len(lengths) == 1 else None
+
+
+def lift_lengths(
+    model: nn.Module, config: Config, args, kwargs, dims: tuple[tuple[int, int], ...]
+) -> tuple[Rewritten, Lengths]:
+    """The rewritten graph of this call, its lengths read at run time; ``NotLiftable``."""
+    if config.inputs == "sharded" or config.outputs == "sharded" or config.dilation is not None:
+        raise NotLiftable("inputs='sharded', outputs='sharded' and dilation trace per length")
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    length = flat[dims[0][0]].shape[dims[0][1]]
+    low, high = _symbolic_range(model, flat, spec, dims)
+    m = split_multiple(config.ring_size, config.layout)
+    probes = [length, length + 1, length + 2, length + m + 3]
+    done = []
+    for n in probes:
+        shapes = {i: _resized(flat[i].shape, d, n) for i, d in dims} if n != length else {}
+        done.append(rewrite(model, config, args, kwargs, shapes, general=True))
+    lifts = _lifts([r.gm.graph for r in done], probes, m)
+    _lift(done[0].gm.graph, lifts, dims, m)
+    return done[0], Lengths(dims, max(low, 2), high)
+
+
+def _resized(shape, dim: int, n: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] = n
+    return shape
+
+
+def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, float]:
+    """The lengths the model's graph holds for, from an export with a symbolic length."""
+    dynamic = [None] * len(flat)
+    for i, d in dims:
+        dynamic[i] = (dynamic[i] or {}) | {d: Dim.AUTO}
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    shapes = pytree.tree_unflatten(dynamic, spec)
+    try:
+        exported = torch.export.export(
+            model, tuple(args), kwargs, dynamic_shapes=(tuple(shapes[0]), shapes[1]), strict=False
+        )
+    except Exception as e:
+        raise NotLiftable(f"no export with a symbolic length ({type(e).__name__})") from e
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    user = placeholders[len(placeholders) - len(flat) :]
+    size = user[dims[0][0]].meta["val"].shape[dims[0][1]]
+    if not isinstance(size, torch.SymInt):
+        raise NotLiftable("the export fixed the length (the model branches on it)")
+    symbol = size.node.expr
+    for node in exported.graph.nodes:
+        value = node.meta.get("val")
+        sizes = value.shape if isinstance(value, torch.Tensor) else ()
+        for s in sizes:
+            if isinstance(s, torch.SymInt) and not _affine(s.node.expr, symbol):
+                raise NotLiftable(f"{node.name} is {s.node.expr} long, not affine in the length")
+    bounds = exported.range_constraints[symbol]
+    return int(bounds.lower), float(bounds.upper)
+
+
+def _affine(expr, symbol) -> bool:
+    poly = sympy.Poly(expr, symbol) if expr.free_symbols <= {symbol} else None
+    return poly is not None and poly.degree() <= 1
+
+
+def _lifts(graphs: list[fx.Graph], lengths: list[int], m: int) -> dict:
+    """(node index, path in its args) -> (a, b, c, d): the int there is (a L + b Lp + c) / d."""
+    nodes = [list(g.nodes) for g in graphs]
+    if len({len(n) for n in nodes}) != 1:
+        raise NotLiftable("the graphs of different lengths differ in their nodes")
+    lifts = {}
+    for index, column in enumerate(zip(*nodes, strict=True)):
+        if len({(n.op, n.target if n.op != "placeholder" else 0) for n in column}) != 1:
+            raise NotLiftable(f"{column[0].name}: the graphs differ at this node")
+        values = [(n.args, n.kwargs) for n in column]
+        for path, found in _differences(values, ()):
+            if not all(type(v) is int for v in found):
+                raise NotLiftable(f"{column[0].name}: {found} differ with the length")
+            lifts[index, path] = _fit(found, lengths, m)
+    return lifts
+
+
+def _differences(values: list, path: tuple):
+    """(path, values) of each leaf where the probes' arguments differ."""
+    first = values[0]
+    if isinstance(first, (tuple, list)):
+        if len({len(v) if isinstance(v, (tuple, list)) else -1 for v in values}) != 1:
+            raise NotLiftable("arguments of different lengths")
+        for k in range(len(first)):
+            yield from _differences([v[k] for v in values], (*path, k))
+    elif isinstance(first, dict):
+        if len({tuple(v) for v in values}) != 1:
+            raise NotLiftable("keyword arguments differ")
+        for k in first:
+            yield from _differences([v[k] for v in values], (*path, k))
+    elif isinstance(first, fx.Node):
+        if len({v.name for v in values}) != 1:
+            raise NotLiftable("the graphs read different nodes")
+    elif any(type(v) is not type(first) or v != first for v in values):
+        yield path, values
+
+
+def _fit(values: list[int], lengths: list[int], m: int) -> tuple[int, int, int, int]:
+    """Exact (a, b, c, d) with value = (a L + b Lp + c) / d on the first three probes, checked
+    on the rest."""
+    rows = [[Fraction(n), Fraction(_padded(n, m)), Fraction(1)] for n in lengths]
+    matrix = sympy.Matrix(rows[:3])
+    if matrix.det() == 0:
+        raise NotLiftable("the probe lengths do not separate L and its padding")
+    solution = matrix.LUsolve(sympy.Matrix([Fraction(v) for v in values[:3]]))
+    a, b, c = (sympy.Rational(x) for x in solution)
+    d = sympy.ilcm(a.q, b.q, c.q)
+    coefficients = (int(a * d), int(b * d), int(c * d), int(d))
+    for n, v in zip(lengths, values, strict=True):
+        if _value(coefficients, n, m) != v:
+            raise NotLiftable(f"an integer {values} is not affine in the length")
+    return coefficients
+
+
+def _padded(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _value(coefficients, n: int, m: int):
+    a, b, c, d = coefficients
+    total = a * n + b * _padded(n, m) + c
+    return total // d if total % d == 0 else None
+
+
+def _lift(graph: fx.Graph, lifts: dict, dims, m: int) -> None:
+    """Replace each lifted integer of ``graph`` by a node computing it at run time."""
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        length = graph.call_function(torch.ops.aten.sym_size.int, (placeholders[dims[0][0]], dims[0][1]))
+    made = {}
+
+    def node_for(coefficients):
+        if coefficients not in made:
+            a, b, c, d = coefficients
+            with graph.inserting_after(length if not made else list(made.values())[-1]):
+                made[coefficients] = _expression(graph, length, a, b, c, d, m)
+        return made[coefficients]
+
+    paths: dict[int, list] = {}
+    for (index, path), coefficients in lifts.items():
+        paths.setdefault(index, []).append((path, node_for(coefficients)))
+    for index, replaced in paths.items():
+        node = nodes[index]
+        args, kwargs = node.args, node.kwargs
+        for path, value in replaced:
+            args, kwargs = _set((args, kwargs), path, value)
+        node.args, node.kwargs = args, kwargs
+    graph.lint()
+
+
+def _expression(graph: fx.Graph, length: fx.Node, a, b, c, d, m) -> fx.Node:
+    """Nodes computing (a L + b Lp + c) // d, Lp = ceil(L / m) m; the last is returned."""
+    call = graph.call_function
+    total = call(operator.mul, (length, a)) if a else None
+    if b:
+        rounded = call(operator.mul, (call(operator.floordiv, (call(operator.add, (length, m - 1)), m)), m))
+        term = call(operator.mul, (rounded, b))
+        total = term if total is None else call(operator.add, (total, term))
+    total = c if total is None else call(operator.add, (total, c))
+    return call(operator.floordiv, (total, d)) if d != 1 else total
+
+
+def _set(value, path: tuple, new):
+    """``value`` with the leaf at ``path`` replaced (tuples rebuilt, lists and dicts copied)."""
+    if not path:
+        return new
+    key, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, key: _set(value[key], rest, new)}
+    items = list(value)
+    items[key] = _set(items[key], rest, new)
+    return type(value)(items) if isinstance(value, tuple) else items

@@ -1,0 +1,180 @@
+"""The decode step's graph: one new token's forward over a KV cache split across the ring.
+
+``ringify/generation/step.py`` exports the model's decode step with an HF cache whose
+length T is symbolic: one graph for every step. In it each layer appends the new
+token's key and value to the cache (``cat([cache, new], -2)``) and attends with the
+new query to the result. ``rewrite_decode`` makes that what one rank of the ring runs:
+
+- each attention becomes ``decode_attention`` over this rank's part of the layer's cache
+  (new inputs: ``local_keys``/``local_values``), the new key and value, and the mask row
+  at this rank's key positions (``positions``: its cached positions, then the new
+  token's). The mask row is the model's own (a program, evaluated for one query row):
+  O(T) per step, computed once and shared by the layers that share it;
+- the cache outputs become the new entries, which the caller stores on one rank;
+- the cache inputs are read only for their size (the global T, from which the model
+  derives its positions and mask sizes): the caller passes zero-stride tensors.
+
+A model whose attention does not read its keys and values from the cache so (another
+cache type, attention that reads the cache twice) is refused with what is supported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from ringify.passes.nodes import call, erase_unused, shape, uses, val
+from ringify.runtime.attention.decode import decode_attention
+
+aten = torch.ops.aten
+SUPPORTED = (
+    "ringify's generate shards HF's DynamicCache of attention layers (full or sliding "
+    "window) read by scaled_dot_product_attention (attn_implementation='sdpa' or 'eager')"
+)
+
+
+class NotDecodable(ValueError):
+    """The decode step's graph is not one ringify can split; the message says why."""
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The inputs ``rewrite_decode`` added, after the graph's own: per layer this rank's
+    cached keys, then values; this rank's key positions; whether it stores the new token."""
+
+    layers: int
+
+
+def rewrite_decode(
+    graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group_name: str
+) -> DecodeInputs:
+    """Rewrite the exported decode step ``graph`` in place (``cache``: each cache input's
+    placeholder -> ("key" | "value", layer))."""
+    layers = 1 + max(layer for _, layer in cache.values())
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    like = next(iter(cache))
+    with graph.inserting_after(last):
+        added = _inputs(graph, like, layers)
+    local = {("key", i): added[i] for i in range(layers)}
+    local |= {("value", i): added[layers + i] for i in range(layers)}
+    positions, own_new = added[-2:]
+    rows: dict[fx.Node, fx.Node] = {}  # mask -> its row at this rank's positions
+    done = set()
+    for node in list(graph.nodes):
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        q, k, v, mask, dropout, is_causal, scale, _ = _sdpa_args(node)
+        (k_layer, k_new), (v_layer, v_new) = _appended(k, cache), _appended(v, cache)
+        if k_layer != ("key", v_layer[1]) or v_layer[0] != "value" or dropout or is_causal:
+            raise NotDecodable(f"{node.name} does not attend to one layer's cache. {SUPPORTED}")
+        if k_layer in done:
+            raise NotDecodable(f"{node.name} reads layer {k_layer[1]}'s cache twice. {SUPPORTED}")
+        done.add(k_layer)
+        keep = None
+        if mask is not None:
+            if mask not in rows:
+                with graph.inserting_before(node):
+                    rows[mask] = _row(graph, mask, positions)
+            keep = rows[mask]
+        scale = scale if scale is not None else 1 / math.sqrt(shape(q)[-1])
+        args = (q, local[k_layer], local[v_layer], k_new, v_new, keep, own_new, scale, group_name)
+        with graph.inserting_before(node):
+            out = call(graph, decode_attention, args)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    if len(done) != layers:
+        raise NotDecodable(f"{layers - len(done)} layers' caches are not read. {SUPPORTED}")
+    _outputs_as_new_entries(graph, cache)
+    _check_read_for_size_only(cache)
+    graph.lint()
+    return DecodeInputs(layers)
+
+
+def _inputs(graph: fx.Graph, like: fx.Node, layers: int) -> list[fx.Node]:
+    """The placeholders of this rank's cache, positions and ``own_new``, with values whose
+    cache length is a new symbol (it differs from rank to rank and step to step)."""
+    mode = detect_fake_mode([val(like)])
+    b, heads, _, d = shape(like)
+    with mode:
+        n = mode.shape_env.create_unbacked_symint()
+        torch._check(n >= 0)
+        kv = torch.empty(b, heads, n, d, dtype=val(like).dtype, device=val(like).device)
+        positions = torch.empty(n + 1, dtype=torch.long, device=val(like).device)
+    made = []
+    names = [f"local_keys_{i}" for i in range(layers)] + [
+        f"local_values_{i}" for i in range(layers)
+    ]
+    for name in reversed([*names, "positions", "own_new"]):  # each inserted right after `like`
+        made.insert(0, graph.placeholder(name))
+    for node, value in zip(made, [kv] * (2 * layers) + [positions, True], strict=True):
+        node.meta["val"] = value
+    return made
+
+
+def _sdpa_args(node: fx.Node) -> tuple:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    return tuple(given.get(n, d) for n, d in zip(names, defaults, strict=True))
+
+
+def _appended(x, cache: dict) -> tuple[tuple[str, int], fx.Node]:
+    """``(cache entry, new)`` where ``x`` is ``cat([the cache input, new], -2)``."""
+    if not (isinstance(x, fx.Node) and x.target is aten.cat.default and len(x.args[0]) == 2):
+        raise NotDecodable(
+            f"{getattr(x, 'name', x)} is not the cache with the new token. {SUPPORTED}"
+        )
+    old, new = x.args[0]
+    dim = x.args[1] if len(x.args) > 1 else 0
+    if dim % len(shape(x)) != 2 or shape(new)[2] != 1:
+        raise NotDecodable(f"{x.name} does not append one token to the cache. {SUPPORTED}")
+    return _cache_entry(old, cache), new
+
+
+def _cache_entry(x: fx.Node, cache: dict) -> tuple[str, int]:
+    """The cache input ``x`` is, through HF's concatenation with empty initial tensors."""
+    while x not in cache:
+        if not (x.target is aten.cat.default and len(x.args[0]) >= 1):
+            raise NotDecodable(f"{x.name} is not read from the cache. {SUPPORTED}")
+        kept = [a for a in x.args[0] if not any(n == 0 for n in shape(a) if isinstance(n, int))]
+        if len(kept) != 1:
+            raise NotDecodable(f"{x.name} joins more than the cache. {SUPPORTED}")
+        x = kept[0]
+    return cache[x]
+
+
+def _row(graph: fx.Graph, mask: fx.Node, positions: fx.Node) -> fx.Node:
+    """The mask's single query row at this rank's key positions (a broadcast column as is)."""
+    if shape(mask)[-1] == 1:
+        return mask
+    return call(graph, aten.index_select.default, (mask, -1, positions))
+
+
+def _outputs_as_new_entries(graph: fx.Graph, cache: dict) -> None:
+    """Each output that is a layer's whole cache (the cat) becomes the new entries alone."""
+    output = graph.output_node()
+
+    def new_entries(a):
+        if isinstance(a, fx.Node) and a.target is aten.cat.default and len(a.args[0]) == 2:
+            _cache_entry(a.args[0][0], cache)  # raises unless it is a cache with the new token
+            return a.args[0][1]
+        return a
+
+    cats = [a for a in output.all_input_nodes if a.target is aten.cat.default]
+    output.args = fx.node.map_arg(output.args, new_entries)
+    for cat in cats:
+        erase_unused(graph, cat)
+
+
+def _check_read_for_size_only(cache: dict) -> None:
+    for x in cache:
+        for user in uses(x):
+            if user.target is not aten.sym_size.int:
+                raise NotDecodable(
+                    f"{user.name} ({user.target}) reads the values of the cache input {x.name} "
+                    f"beyond the attention. {SUPPORTED}"
+                )

@@ -1,0 +1,61 @@
+"""One decode step's attention over a KV cache split across the ring: ``ringify::decode_attention``.
+
+Each rank holds its part of every layer's cache (``ringify/generation/cache.py``); the
+new token's query, key and value are computed on every rank (one row: cheap). Each rank
+attends with that query to its cached keys, and to the new key where it is the rank
+that stores it (``own_new``: so that the new key counts once; a block of its own, merged
+in, so that the cache is never copied to append it). The partial results merge over the
+ring by log-sum-exp (``memory.merge_over_ring``: two all-reduces of (B, H, 1) and
+(B, H, 1, D + 1)). No K/V travel.
+
+``keep``: the mask row at this rank's key columns, its cached keys' positions then the new
+token's (bool: kept; float: added), or ``None`` where every key is visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.runtime.attention.blocks import (
+    accumulation_dtype,
+    additive_mask,
+    block_forward,
+    empty_attention_outputs,
+    merge_block,
+)
+from ringify.runtime.attention.memory import merge_over_ring
+
+
+@torch.library.custom_op("ringify::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    keep: torch.Tensor | None,
+    own_new: bool,
+    scale: float,
+    group_name: str,
+) -> torch.Tensor:
+    cached = None if keep is None else keep[..., : k_cache.shape[2]]
+    out, lse = _block(q, k_cache, v_cache, cached, scale)
+    if own_new:  # the new key's block merged in: the cache is not copied to append it
+        out, lse = out.to(accumulation_dtype(q.dtype)), lse.to(accumulation_dtype(q.dtype))
+        new = None if keep is None else keep[..., k_cache.shape[2] :]
+        merge_block(out, lse, *_block(q, k_new, v_new, new, scale))
+    out, _ = merge_over_ring(q, out, lse, group_name)
+    return empty_attention_outputs(q)[0].copy_(out)
+
+
+def _block(q, k, v, keep, scale):
+    bias = None if keep is None else additive_mask(keep, q.dtype)
+    return block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, scale, group_name):
+    return empty_attention_outputs(q)[0]
+
+
+decode_attention = decode_attention_op._opoverload
