@@ -30,10 +30,12 @@ from fractions import Fraction
 import sympy
 import torch
 from torch import fx, nn
+from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
+from ringify.passes.nodes import val
 from ringify.runtime.tiling.layout import split_multiple
 from ringify.trace import Rewritten, rewrite
 
@@ -52,34 +54,46 @@ class Lengths:
     low: int
     high: float
 
-    def length(self, flat: list) -> int:
+    def holds(self, key: tuple) -> bool:
+        """Whether a call of signature ``key`` (same family) has a length in range."""
         i, d = self.dims[0]
-        return flat[i].shape[d]
+        return self.low <= key[1][i][0][d] <= self.high
 
-    def holds(self, flat: list) -> bool:
-        return self.low <= self.length(flat) <= self.high
+    def __str__(self) -> str:
+        high = "" if self.high == float("inf") else f" to {int(self.high)}"
+        return f"any length from {self.low}{high} (one graph; the length is read at run time)"
 
 
-def sequence_dims(before: list, now: list) -> tuple[tuple[int, int], ...] | None:
-    """The (flat index, dim) that changed between two calls' flat inputs, if those are all
-    of one length before and one now, and nothing else changed; else ``None``."""
-    if len(before) != len(now):
+def sequence_dims(before: tuple, now: tuple) -> tuple[tuple[int, int], ...] | None:
+    """The (flat index, dim) that differ between two calls' signatures (``module._signature``:
+    structure, each input's (shape, dtype, device, requires_grad) or value, modes), if
+    those are all of one length before and one now and nothing else differs; else ``None``."""
+    (spec, inputs, modes), (spec_now, inputs_now, modes_now) = before, now
+    if spec != spec_now or modes != modes_now or len(inputs) != len(inputs_now):
         return None
     changed, lengths = [], set()
-    for i, (a, b) in enumerate(zip(before, now, strict=True)):
-        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            return None
-        if not isinstance(a, torch.Tensor):
+    for i, (a, b) in enumerate(zip(inputs, inputs_now, strict=True)):
+        tensors = isinstance(a, tuple) and isinstance(b, tuple)
+        if not tensors or a[1:] != b[1:] or len(a[0]) != len(b[0]):
             if a != b:
                 return None
             continue
-        if a.dim() != b.dim() or a.dtype != b.dtype:
-            return None
-        for d, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)):
+        for d, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
             if x != y:
                 changed.append((i, d))
                 lengths.add((x, y))
     return tuple(changed) if len(lengths) == 1 else None
+
+
+def family(key: tuple, dims: tuple[tuple[int, int], ...]) -> tuple:
+    """A signature with the sequence dims' sizes left out: the same for every length."""
+    spec, inputs, modes = key
+    inputs = list(inputs)
+    for i, d in dims:
+        shape = list(inputs[i][0])
+        shape[d] = None
+        inputs[i] = (tuple(shape), *inputs[i][1:])
+    return spec, tuple(inputs), modes
 
 
 def lift_lengths(
@@ -92,14 +106,65 @@ def lift_lengths(
     length = flat[dims[0][0]].shape[dims[0][1]]
     low, high = _symbolic_range(model, flat, spec, dims)
     m = split_multiple(config.ring_size, config.layout)
-    probes = [length, length + 1, length + 2, length + m + 3]
+    probes = _probes(length, m)
     done = []
     for n in probes:
         shapes = {i: _resized(flat[i].shape, d, n) for i, d in dims} if n != length else {}
-        done.append(rewrite(model, config, args, kwargs, shapes, general=True))
+        try:
+            done.append(rewrite(model, config, args, kwargs, shapes, general=True))
+        except Exception as e:  # e.g. a length the model's position table cannot hold
+            raise NotLiftable(f"the pass at length {n} failed ({type(e).__name__})") from e
+    for r in done:
+        _inline_no_grad_regions(r.gm)
     lifts = _lifts([r.gm.graph for r in done], probes, m)
     _lift(done[0].gm.graph, lifts, dims, m)
     return done[0], Lengths(dims, max(low, 2), high)
+
+
+def _probes(length: int, m: int) -> list[int]:
+    """The call's length, two more whose (L, Lp) are not collinear with it (so that the fit
+    is determined), and one to check the fit on: near the call's length, padded variously."""
+    chosen = [length]
+    for n in range(length + 1, length + 3 * m + 3):
+        if len(chosen) == 3:
+            break
+        if len(chosen) == 1 or _determinant([*chosen, n], m) != 0:
+            chosen.append(n)
+    return [*chosen, chosen[-1] + m + 1]
+
+
+def _determinant(lengths: list[int], m: int) -> int:
+    (a, b), (c, d), (e, f) = ((n, _padded(n, m)) for n in lengths)
+    return (c - a) * (f - b) - (d - b) * (e - a)
+
+
+def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Inline the regions export wrapped in ``wrap_with_set_grad_enabled`` where no input
+    requires a gradient (RoPE's ``torch.no_grad()`` block), where that changes nothing:
+    Dynamo cannot trace such a region once the length is symbolic."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not wrap_with_set_grad_enabled:
+            continue
+        _, body, *inputs = node.args
+        if any(getattr(val(x), "requires_grad", False) for x in inputs):
+            raise NotLiftable(f"{node.name}: a no-grad region reads tensors that require grad")
+        sub = getattr(gm, body.target)
+        values = dict(
+            zip([n for n in sub.graph.nodes if n.op == "placeholder"], inputs, strict=True)
+        )
+        with graph.inserting_before(node):
+            outputs = graph.graph_copy(sub.graph, values)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise NotLiftable(f"{node.name}: a no-grad region's outputs read whole")
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not body.users:
+            graph.erase_node(body)
+            delattr(gm, body.target)
+    graph.lint()
 
 
 def _resized(shape, dim: int, n: int) -> list[int]:
@@ -117,7 +182,11 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
     shapes = pytree.tree_unflatten(dynamic, spec)
     try:
         exported = torch.export.export(
-            model, tuple(args), kwargs, dynamic_shapes=(tuple(shapes[0]), shapes[1]), strict=False
+            model,
+            tuple(args),
+            kwargs,
+            dynamic_shapes=(*shapes[0], *shapes[1].values()),
+            strict=False,
         )
     except Exception as e:
         raise NotLiftable(f"no export with a symbolic length ({type(e).__name__})") from e
@@ -184,8 +253,6 @@ def _fit(values: list[int], lengths: list[int], m: int) -> tuple[int, int, int, 
     on the rest."""
     rows = [[Fraction(n), Fraction(_padded(n, m)), Fraction(1)] for n in lengths]
     matrix = sympy.Matrix(rows[:3])
-    if matrix.det() == 0:
-        raise NotLiftable("the probe lengths do not separate L and its padding")
     solution = matrix.LUsolve(sympy.Matrix([Fraction(v) for v in values[:3]]))
     a, b, c = (sympy.Rational(x) for x in solution)
     d = sympy.ilcm(a.q, b.q, c.q)
@@ -210,15 +277,16 @@ def _lift(graph: fx.Graph, lifts: dict, dims, m: int) -> None:
     """Replace each lifted integer of ``graph`` by a node computing it at run time."""
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]):
-        length = graph.call_function(torch.ops.aten.sym_size.int, (placeholders[dims[0][0]], dims[0][1]))
+    anchor = placeholders[-1].next  # every node made here goes before it, in order
+    with graph.inserting_before(anchor):
+        seq_input, seq_dim = placeholders[dims[0][0]], dims[0][1]
+        length = graph.call_function(torch.ops.aten.sym_size.int, (seq_input, seq_dim))
     made = {}
 
     def node_for(coefficients):
         if coefficients not in made:
-            a, b, c, d = coefficients
-            with graph.inserting_after(length if not made else list(made.values())[-1]):
-                made[coefficients] = _expression(graph, length, a, b, c, d, m)
+            with graph.inserting_before(anchor):
+                made[coefficients] = _expression(graph, length, *coefficients, m)
         return made[coefficients]
 
     paths: dict[int, list] = {}
@@ -238,7 +306,9 @@ def _expression(graph: fx.Graph, length: fx.Node, a, b, c, d, m) -> fx.Node:
     call = graph.call_function
     total = call(operator.mul, (length, a)) if a else None
     if b:
-        rounded = call(operator.mul, (call(operator.floordiv, (call(operator.add, (length, m - 1)), m)), m))
+        rounded = call(
+            operator.mul, (call(operator.floordiv, (call(operator.add, (length, m - 1)), m)), m)
+        )
         term = call(operator.mul, (rounded, b))
         total = term if total is None else call(operator.add, (total, term))
     total = c if total is None else call(operator.add, (total, c))

@@ -16,6 +16,7 @@ names are the model's own, and it loads the model's checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -25,6 +26,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
@@ -32,10 +34,11 @@ from torch.utils import _pytree as pytree
 from ringify.caches import cache_kwargs
 from ringify.config import Config
 from ringify.consistency import check_call, check_trace
+from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
 from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
-from ringify.trace import Traced, dump, state_of, still_fits, trace
+from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
 
 log = logging.getLogger("ringify")
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
@@ -91,6 +94,10 @@ class RingifiedModule(nn.Module):
         self.ringify_config = config
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
+        self._families: dict[tuple, Traced] = {}  # one graph for many lengths (lengths.py)
+        self._per_length: dict[tuple, str] = {}  # families traced per length, and why
+        self.traces = 0  # graphs traced (a lifted graph counts once)
+        self._compiled: set[int] = set()  # graphs used since torch.compile's caches were reset
         self._active: Traced | None = None
         self._warned: set[str] = set()  # warnings given once per module
         self._generation: dict = {}  # generate's prefill module and decode steps (not submodules)
@@ -162,10 +169,10 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
     kwargs = cache_kwargs(module.model, kwargs, module._takes_use_cache, module._warned)
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module.model, flat, spec)
-    traced = module._traced.get(key)
+    traced = module._traced.get(key) or _for_any_length(module, key)
     state = None if traced is None else state_of(module.model, traced.state_names)
     if traced is not None and not still_fits(traced, module.model, state):
-        del module._traced[key]  # the model's parameters changed dtype, device, shape or ties
+        _forget(module, key, traced)  # the model's parameters changed dtype, device, shape or ties
         traced = state = None
     config, ring = module.ringify_config, module._ring
     if ring.size > 1 and (traced is None or config.check_inputs):
@@ -185,25 +192,80 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
             kwargs=kwargs,
         )
     if traced is None:
-        traced = _trace_on_every_rank(module, args, kwargs)
+        traced = _trace_on_every_rank(module, args, kwargs, _another_length(module, key))
+        module.traces += 1
+        dump(traced, key)
+    if traced.lengths is not None:
+        module._families[family(key, traced.lengths.dims)] = traced
+    else:
         module._traced[key] = traced
         if len(module._traced) > TRACE_CACHE_SIZE:
             module._traced.popitem(last=False)
-        dump(traced, key)
-    module._traced.move_to_end(key)
+        module._traced.move_to_end(key)
+    _make_room_to_compile(module, traced)
     module._active = traced
     return args, kwargs
 
 
-def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
-    """Trace; then every rank raises if any rank's trace failed or the graphs differ.
+def _make_room_to_compile(module: RingifiedModule, traced: Traced) -> None:
+    """Reset torch.compile's caches, with a warning, before a graph new to Dynamo would
+    be its ``recompile_limit``-th of ``forward``: each traced graph is a recompile, and past
+    the limit Dynamo runs ``forward`` uncompiled or, with ``fullgraph=True``, raises. Only a
+    model traced per length (or whose signatures keep changing) gets there."""
+    compiled = module._compiled  # the graphs Dynamo has compiled forward for since the reset
+    if id(traced) in compiled:
+        return
+    limit = torch._dynamo.config.recompile_limit
+    if len(_debug_get_cache_entry_list(RingifiedModule.forward)) >= limit:
+        log.warning(
+            "ringify: %d graphs of this model were compiled by torch.compile (a new length or "
+            "input signature each): its caches are reset (torch.compiler.reset()) so that the "
+            "next one compiles rather than reach Dynamo's recompile limit; every compiled "
+            "function recompiles on its next call. Pad lengths to a few buckets to avoid it.",
+            limit,
+        )
+        torch.compiler.reset()
+        compiled.clear()
+    compiled.add(id(traced))
+
+
+def _forget(module: RingifiedModule, key: tuple, traced: Traced) -> None:
+    if traced.lengths is not None:
+        del module._families[family(key, traced.lengths.dims)]
+    else:
+        del module._traced[key]
+
+
+def _for_any_length(module: RingifiedModule, key: tuple) -> Traced | None:
+    """The graph that serves this call's length among the graphs traced for many lengths."""
+    for traced in module._families.values():
+        lengths = traced.lengths
+        if family(key, lengths.dims) in module._families and lengths.holds(key):
+            return traced
+    return None
+
+
+def _another_length(module: RingifiedModule, key: tuple):
+    """The sequence dims, where a signature traced already differs from ``key`` in its length
+    alone (a second length: trace once for all lengths); else ``None``."""
+    for before in module._traced:
+        dims = sequence_dims(before, key)
+        sliced = set(module._traced[before].sequence_inputs)
+        if dims and sliced and sliced <= set(dims):
+            return dims  # the dims that changed include every input the pass sliced
+    return None
+
+
+def _trace_on_every_rank(module: RingifiedModule, args, kwargs, dims=None) -> Traced:
+    """Trace (with ``dims``, once for every length); then every rank raises if any rank's
+    trace failed or the graphs differ.
 
     The inputs of ``inputs="sharded"`` mode that every rank passes whole, and the model
     state, are known only now: compared here on the first call of a signature.
     """
     traced, error = None, None
     try:
-        traced = trace(module.model, module.ringify_config, args, kwargs, outer=module)
+        traced = _trace(module, args, kwargs, dims)
     except Exception as e:
         error = e
     if module._ring.size == 1:
@@ -226,6 +288,27 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs) -> Traced:
         kwargs=kwargs,
     )
     return traced
+
+
+def _trace(module: RingifiedModule, args, kwargs, dims) -> Traced:
+    model, config = module.model, module.ringify_config
+    if dims is None:
+        return trace(model, config, args, kwargs, outer=module)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    kin = family(_signature(model, flat, spec), dims)
+    if kin not in module._per_length:
+        try:
+            done, lengths = lift_lengths(model, config, args, kwargs, dims)
+        except NotLiftable as e:
+            module._per_length[kin] = f"per length: {e}"
+            log.warning("ringify: each new sequence length is traced anew: %s", e)
+    if kin in module._per_length:
+        traced = trace(model, config, args, kwargs, outer=module)
+        report = dataclasses.replace(traced.report, lengths=module._per_length[kin])
+        return dataclasses.replace(traced, report=report)
+    done.report = dataclasses.replace(done.report, lengths=str(lengths))
+    log.info("ringify: one graph for %s", lengths)
+    return dataclasses.replace(finish(done, model, config, module), lengths=lengths)
 
 
 def _signature(model: nn.Module, flat: list, spec) -> tuple:

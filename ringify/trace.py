@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import linecache
 import logging
 import os
-import sysconfig
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +25,8 @@ from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from ringify.caches import cache_hint
 from ringify.config import Config
+from ringify.export_errors import export_failure
 from ringify.parallelized import (
     fsdp_units,
     is_fsdp_hook,
@@ -72,6 +69,8 @@ class Traced:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     shared_inputs: tuple[int, ...]  # flat inputs every rank passes whole (fingerprinted)
+    lengths: object = None  # ``lengths.Lengths`` where one graph serves many lengths
+    sequence_inputs: tuple[tuple[int, int], ...] = ()  # (flat index, dim) the pass sliced
 
 
 def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -123,6 +122,7 @@ class Rewritten:
     units: dict
     flat: list
     shared_inputs: tuple[int, ...]
+    sequence_inputs: tuple[tuple[int, int], ...]
 
 
 def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | None = None) -> Traced:
@@ -151,6 +151,10 @@ def rewrite(
     gm = exported_module(exported)
     _warn_about_hooks(model)
     plan = plan_sequence(gm, config, dims or None, gathered, general=general)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sequence = tuple(
+        (placeholders.index(n), s.dim) for n, s in plan.seeds.items() if n in placeholders
+    )
     before = gm.code
     report = shard_sequence(
         gm.graph,
@@ -161,7 +165,7 @@ def rewrite(
         dilation=config.dilation,
     )
     shared = tuple(i for i in tensors if i not in dims and i not in gathered)
-    return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared)
+    return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared, sequence)
 
 
 def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module | None) -> Traced:
@@ -196,6 +200,7 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
         done.exported.call_spec.in_spec,
         done.exported.call_spec.out_spec,
         done.shared_inputs,
+        sequence_inputs=done.sequence_inputs,
     )
 
 
@@ -316,69 +321,9 @@ def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, l
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         recorder.check()
-        raise RuntimeError(
-            f"ringify could not trace {type(model).__name__} with torch.export ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}). The model must be traceable with "
-            "torch.export.export(model, args, kwargs, strict=False): avoid data-dependent "
-            "Python control flow in forward (a branch on a tensor's value, a size read with "
-            "tolist() or item()), and return plain tensors, tuples, dicts or HF outputs."
-            f"{_known_cause(e)}{cache_hint(' '.join(map(str, _chain(e))))}{_model_line(e)} The "
-            "full error is chained above."
-        ) from e
+        raise RuntimeError(export_failure(model, e)) from e
     recorder.check()
     return exported, recorder.regions
-
-
-# functions whose data-dependent checks export cannot trace -> what the caller can pass instead
-_KNOWN_CAUSES = {
-    "_detect_is_causal_mask": (
-        "nn.Transformer / TransformerDecoder(Layer) / TransformerEncoder inspect a tgt_mask or "
-        "mask's values to detect a causal mask: pass tgt_is_causal=True (or is_causal=True) "
-        "with a causal mask, or tgt_is_causal=False otherwise"
-    ),
-}
-
-
-def _model_line(error: Exception) -> str:
-    """Where in the model's own code export failed: the innermost frame outside torch,
-    ringify and Python's standard library (a data-dependent ``tolist()``, a branch on a
-    value)."""
-    frames = [
-        frame
-        for e in reversed(_chain(error))  # the innermost error's frames reach deepest in
-        for frame, _ in traceback.walk_tb(e.__traceback__)
-        if _in_model(frame.f_code.co_filename)
-    ]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
-    return f" It failed in the model at {where}: {code}."
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    """``error`` and the errors it was raised from, outermost first."""
-    chain = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
-
-
-def _in_model(filename: str) -> bool:
-    """Whether a frame's file is the model's (or a library's it uses, e.g. transformers)."""
-    paths = sysconfig.get_paths()
-    libraries = (paths["purelib"], paths["platlib"])
-    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    if filename.startswith("<") or filename.startswith(tuple(p + os.sep for p in ours)):
-        return False  # "<string>": generated code
-    return filename.startswith(libraries) or not filename.startswith(paths["stdlib"])
-
-
-def _known_cause(error: Exception) -> str:
-    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
-    return "".join(f" Here: {fix}." for name, fix in _KNOWN_CAUSES.items() if name in frames)
 
 
 def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:

@@ -163,3 +163,67 @@ def _bamba():
 def test_what_generate_cannot_do_is_said_on_every_rank(ranks, what, says):
     for message in ranks(2).run(refused, what, timeout=300):
         assert says in message, message
+
+
+class _KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """(kernel, query heads, query rows, key heads) of every fused attention call."""
+
+    KERNELS = (
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.KERNELS:
+            q, k = args[:2]
+            self.calls.append((func.__name__, q.shape[1], q.shape[2], k.shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_reads_the_cache_with_its_own_heads_on_cuda_kernels(dtype, masked):
+    """The op's CUDA branch (any non-CPU tensor takes it) on the meta device: with GQA the
+    8 query heads reach every kernel as 2 heads of 4 rows, the cache unexpanded."""
+    from ringify.runtime.attention.decode import decode_attention_op
+
+    def t(*shape):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    keep = torch.empty(2, 1, 1, 11, dtype=torch.bool, device="meta") if masked else None
+    with _KernelCalls() as log:  # the body itself: a meta tensor given to the op runs its fake
+        out = decode_attention_op._init_fn(
+            t(2, 8, 1, 16), t(2, 2, 10, 16), t(2, 2, 10, 16), t(2, 2, 1, 16), t(2, 2, 1, 16),
+            keep, True, 0.25, "",
+        )  # fmt: skip
+    assert out.shape == (2, 8, 1, 16) and out.dtype == dtype
+    assert len(log.calls) == 2, log.calls  # the cache's block and the new key's
+    assert all((heads, rows, kv) == (2, 4, 2) for _, heads, rows, kv in log.calls), log.calls
+
+
+@pytest.mark.parametrize("own_new", [False, True])
+def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new):
+    """On one rank, float64: the op equals SDPA with GQA over the cached keys and, where this
+    rank stores it, the new key, under a mask that hides some of them."""
+    import torch.nn.functional as F
+
+    from ringify.runtime.attention.decode import decode_attention_op
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 2, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.rand(2, 1, 1, 11, generator=g) > 0.3
+    keep[..., -1] = True
+    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, 0.25, "")
+    keys = 11 if own_new else 10
+    want = F.scaled_dot_product_attention(
+        q, torch.cat([k, k_new], 2)[:, :, :keys], torch.cat([v, v_new], 2)[:, :, :keys],
+        attn_mask=keep[..., :keys], scale=0.25, enable_gqa=True,
+    )  # fmt: skip
+    assert (out - want).abs().max() < TOL

@@ -14,9 +14,9 @@ from ringify.testing.models import NanoGPT
 from ringify.testing.tolerance import exceeding
 
 
-def _batch(seed=0, seq=16):
+def _batch(seed=0, seq=16, batch=2):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 64, (2, seq), generator=g), torch.randint(0, 64, (2, seq), generator=g)
+    return tuple(torch.randint(0, 64, (batch, seq), generator=g) for _ in range(2))
 
 
 def _model(seed=0):
@@ -141,12 +141,14 @@ def test_state_dict_keys_are_the_models_both_ways():
 
 
 def test_trace_cache_is_bounded():
+    """Signatures that differ otherwise than in their length (the batch size here; lengths
+    share one graph, ``tests/test_lengths.py``) are kept per signature, the last 8."""
     ringified = ringify(_model(), ring_size=1)
-    for seq in range(4, 4 + TRACE_CACHE_SIZE + 4):
-        ringified(*_batch(seq=seq))
+    for batch in range(1, 1 + TRACE_CACHE_SIZE + 4):
+        ringified(*_batch(seq=8, batch=batch))
     assert len(ringified._traced) == TRACE_CACHE_SIZE
-    lengths = [key[1][0][0][1] for key in ringified._traced]
-    assert lengths == list(range(8, 8 + TRACE_CACHE_SIZE))  # the least recently used went first
+    batches = [key[1][0][0][0] for key in ringified._traced]
+    assert batches == list(range(5, 5 + TRACE_CACHE_SIZE))  # the least recently used went first
 
 
 def test_the_models_attributes_are_read_through_the_wrapper():

@@ -83,15 +83,20 @@ class PassState:
         if key in self._cache:
             return self._cache[key]
         g, geo, seq = self.graph, self.geo, self.place[x]
+        # the sequence as a dim of its own: already one where nothing shares its dim (no
+        # reshapes, whose view-or-copy would depend on the length under a dynamic length)
+        alone = geo.split(shape(x)[seq.dim], seq) == (1, 1)
+        dim = seq.dim if alone else seq.dim + 1
         with g.inserting_before(self.after(x)):
-            factored = geo.factored_shape(shape(x), seq, geo.local)
-            y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
-            y = g.call_function(
-                ringify_ops.gather.default, (y, seq.dim + 1, self.group_name, geo.layout)
-            )
-            if geo.pads:
-                y = g.call_function(torch.ops.aten.narrow.default, (y, seq.dim + 1, 0, geo.length))
-            y = g.call_function(torch.ops.aten.reshape.default, (y, shape(x)))
+            y = x
+            if not alone:
+                factored = geo.factored_shape(shape(x), seq, geo.local)
+                y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
+            trimmed = geo.length if geo.pads else -1  # the padding cut off by the op itself
+            args = (y, dim, self.group_name, geo.layout, trimmed)
+            y = g.call_function(ringify_ops.gather.default, args)
+            if not alone:
+                y = g.call_function(torch.ops.aten.reshape.default, (y, shape(x)))
         y.meta["val"] = val(x)
         self.place[y] = None
         self._cache[key] = y

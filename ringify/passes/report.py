@@ -86,6 +86,9 @@ class Report:
     gathers: tuple[InsertedGather, ...]
     checkpointed: tuple[str, ...] = ()  # modules whose span runs under a checkpoint
     fsdp_units: tuple[str, ...] = ()  # FSDP2 units whose span runs inside their hooks
+    # the lengths this graph serves: "this length", or the range one graph holds for; where
+    # a second length was traced anew, why (``ringify/lengths.py``)
+    lengths: str = "this length"
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
@@ -99,6 +102,7 @@ class Report:
             + (f", born inside the model at {', '.join(self.births)}" if self.births else "")
             + (f", checkpointed: {', '.join(self.checkpointed)}" if self.checkpointed else "")
             + (f", FSDP2 units: {', '.join(self.fsdp_units)}" if self.fsdp_units else "")
+            + f"; lengths: {self.lengths}"
         )
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"

@@ -49,6 +49,16 @@ def decode_attention_op(
 
 
 def _block(q, k, v, keep, scale):
+    """One block's ``(out, lse)``. With GQA the query heads sharing a kv head are one head's
+    rows (a decode row per query head): the kernel reads the cache with its own K heads,
+    never a copy expanded to H heads, whatever kernel the device picks."""
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    if s == 1 and h != kv:
+        if keep is not None and keep.dim() == 4 and keep.shape[1] == h:
+            keep = keep.reshape(keep.shape[0], kv, h // kv, keep.shape[-1])
+        out, lse = _block(q.reshape(b, kv, h // kv, d), k, v, keep, scale)
+        return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
     bias = None if keep is None else additive_mask(keep, q.dtype)
     return block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
 

@@ -24,20 +24,29 @@ from ringify.runtime.tiling.layout import check_layout, check_splittable, shard_
 
 
 @torch.library.custom_op("ringify::gather", mutates_args=())
-def gather_op(x: torch.Tensor, dim: int, group_name: str, layout: str) -> torch.Tensor:
+def gather_op(
+    x: torch.Tensor, dim: int, group_name: str, layout: str, length: int = -1
+) -> torch.Tensor:
+    """The full tensor from every rank's part ``x``; with ``length`` >= 0 its first ``length``
+    positions along ``dim`` (the padding cut off inside the op: a fresh dense tensor, so that
+    nothing downstream asks whether a cut view is contiguous, which depends on the length)."""
     ring = ring_by_name(group_name)
     if ring.size == 1:
-        return x.clone(memory_format=torch.contiguous_format)  # as the fake kernel says
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(ring.size)]
-    dist.all_gather(parts, x, group=ring.group)
-    return unshard(parts, dim, layout)
+        full = x
+    else:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(ring.size)]
+        dist.all_gather(parts, x, group=ring.group)
+        full = unshard(parts, dim, layout)
+    if length >= 0:
+        full = full.narrow(dim, 0, length)
+    return full.clone(memory_format=torch.contiguous_format) if full is x or length >= 0 else full
 
 
 @gather_op.register_fake
-def _(x, dim, group_name, layout):
+def _(x, dim, group_name, layout, length=-1):
     shape = list(x.shape)
-    shape[dim] *= ring_by_name(group_name).size
+    shape[dim] = length if length >= 0 else shape[dim] * ring_by_name(group_name).size
     return x.new_empty(shape)
 
 
@@ -60,15 +69,24 @@ def _setup_context(ctx, inputs, output):
     _, ctx.dim, ctx.group_name, ctx.layout = inputs
 
 
+def _setup_gather(ctx, inputs, output):
+    x, ctx.dim, ctx.group_name, ctx.layout, ctx.length = inputs
+    ctx.full = x.shape[ctx.dim] * ring_by_name(ctx.group_name).size
+
+
 def _gather_backward(ctx, grad):
-    return take_shard_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout), None, None, None
+    if ctx.length >= 0:  # the cut padding had no gradient
+        pad = [0, 0] * (grad.dim() - ctx.dim - 1) + [0, ctx.full - ctx.length]
+        grad = torch.nn.functional.pad(grad, pad)
+    shard = take_shard_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout)
+    return shard, None, None, None, None
 
 
 def _take_shard_backward(ctx, grad):
     return gather_op(grad.contiguous(), ctx.dim, ctx.group_name, ctx.layout), None, None, None
 
 
-gather_op.register_autograd(_gather_backward, setup_context=_setup_context)
+gather_op.register_autograd(_gather_backward, setup_context=_setup_gather)
 take_shard_op.register_autograd(_take_shard_backward, setup_context=_setup_context)
 
 

@@ -1,0 +1,144 @@
+"""Training on batches of varying length: one graph for every length (``ringify/lengths.py``).
+
+HF Llama trained for 30 steps of random lengths (odd ones among them, which the ring pads),
+against the unmodified model, float64, on 2 and 4 gloo ranks: every step's logits and every
+parameter gradient within 1e-10, with at most 2 traces (the first length's, then one graph
+for all lengths), and under aot_eager and inductor at most 2 Dynamo graphs (the first
+length's, then one with a dynamic length). Models whose graph depends on the length in a way
+the lifted graph cannot carry (a float of the length, a fixed-size slice) are traced per
+length, exact, and the report says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ringify.testing.hf_models import llama
+from ringify.testing.runs import ringified_run
+
+TOL = 1e-10
+
+
+def train(steps: int, backend: str | None, low: int = 10, high: int = 80):
+    """Per step, ringify (through ``backend``) against the unmodified model; with a backend,
+    also the unmodified model through it against itself eager: HF Llama computes RoPE in
+    float32, which Inductor fuses and rounds otherwise, so that difference is the bound."""
+    torch.manual_seed(0)
+    model = llama(layers=2).double()
+    reference = llama(layers=2).double()
+    reference.load_state_dict(model.state_dict())
+    ringified, run = ringified_run(model)
+    graphs = []  # what Dynamo compiles of the ringified model
+    if backend:
+        run = torch.compile(ringified, backend=_counted(backend, graphs), fullgraph=True)
+    compiled = torch.compile(reference, backend=backend) if backend else None
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(2, high, 64, generator=g, dtype=torch.float64)
+    errors = {"logits": 0.0, "grads": 0.0, "own logits": 0.0, "own grads": 0.0}
+    lengths = set()
+
+    def step(fn, m, ids):
+        m.zero_grad(set_to_none=True)
+        logits = fn(input_ids=ids).logits
+        (logits * weights[:, : ids.shape[1]]).sum().backward()
+        return logits.detach(), [p.grad for p in m.parameters()]
+
+    def note(prefix, a, b):
+        errors[prefix + "logits"] = max(errors[prefix + "logits"], (a[0] - b[0]).abs().max().item())
+        grads = max((x - y).abs().max().item() for x, y in zip(a[1], b[1], strict=True))
+        errors[prefix + "grads"] = max(errors[prefix + "grads"], grads)
+
+    for _ in range(steps):
+        length = int(torch.randint(low, high, (1,), generator=g))
+        lengths.add(length)
+        ids = torch.randint(0, 64, (2, length), generator=g)
+        got, want = step(run, model, ids), step(reference, reference, ids)
+        note("", got, want)
+        if compiled is not None:
+            note("own ", step(compiled, reference, ids), want)
+    return errors | {
+        "lengths": len(lengths),
+        "traces": ringified.traces,
+        "graphs": len(graphs),
+        "report": ringified.report().lengths,
+    }
+
+
+def _counted(backend: str, graphs: list):
+    """``backend``, noting each graph Dynamo hands it."""
+
+    def compile_graph(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    return compile_graph
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_thirty_random_lengths_trace_twice(ranks, world):
+    for r in ranks(world).run(train, 30, None, timeout=600):
+        assert r["lengths"] > 20, r
+        assert r["logits"] < TOL and r["grads"] < TOL, r
+        assert r["traces"] <= 2, r
+        assert r["report"].startswith("any length"), r
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_random_lengths_compile_twice(ranks, backend):
+    for r in ranks(2).run(train, 8, backend, timeout=900):
+        assert r["lengths"] >= 6, r
+        for what in ("logits", "grads"):
+            assert r[what] <= max(TOL, 4 * r["own " + what]), r
+        assert r["traces"] <= 2, r
+        assert 1 <= r["graphs"] <= 2, r
+
+
+class _LengthInside(nn.Module):
+    """Attention whose model also reads its length as a number (``how``): a scale of one over
+    the length, or a fixed-size slice of the sequence."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(x.shape)
+        if self.how == "scale":
+            return out * (1.0 / x.shape[1])
+        return out[:, :12]
+
+
+def length_inside(how: str, backend: str | None = None, lengths=(14, 19, 23)):
+    torch.manual_seed(0)
+    model = _LengthInside(how).double()
+    ringified, run = ringified_run(model, backend)
+    worst = 0.0
+    for length in lengths:
+        x = torch.randn(
+            2, length, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(length)
+        )
+        worst = max(worst, (run(x) - model(x)).abs().max().item())
+    return {"error": worst, "traces": ringified.traces, "report": ringified.report().lengths}
+
+
+@pytest.mark.parametrize("how", ["scale", "slice"])
+def test_a_length_read_as_a_number_is_traced_per_length(ranks, how):
+    for r in ranks(2).run(length_inside, how):
+        assert r["error"] < TOL, r
+        assert r["traces"] == 3, r
+        assert r["report"].startswith("per length: "), r
+
+
+def test_a_length_traced_anew_never_crashes_a_compiled_model(ranks):
+    """Twelve lengths of a model traced per length, under torch.compile with
+    ``fullgraph=True``: Dynamo would raise at its ninth graph (its recompile limit, 8);
+    ringify resets torch.compile's caches first, says so, and every result is exact."""
+    lengths = tuple(range(14, 26))
+    for r in ranks(2).run(length_inside, "scale", "aot_eager", lengths, timeout=600):
+        assert r["error"] < TOL, r
+        assert r["traces"] == len(lengths), r
