@@ -98,11 +98,19 @@ def _shape(value: object) -> object:
     return None if value is None else repr(value)
 
 
+_CHECKS = frozenset({
+    torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})  # fmt: skip
+
+
 def _order_matters(node: fx.Node) -> bool:
     if node.op in ("call_module", "output"):
         return True
     if node.op != "call_function":
         return False
     target = node.target
+    if target in _CHECKS:  # impure, but where a check runs changes nothing computed
+        return False
     ours = (getattr(target, "__module__", None) or "").startswith("ringify.")  # runtime calls
     return ours or getattr(target, "namespace", None) in _COMMUNICATING or node.is_impure()
