@@ -22,6 +22,7 @@ the report and the log say why (``Report.lengths``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 from torch import fx, nn
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch.export import Dim
+from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
@@ -53,15 +55,20 @@ class Lengths:
     dims: tuple[tuple[int, int], ...]
     low: int
     high: float
+    multiple: int = 1  # only lengths that are multiples of this (outputs="sharded")
 
     def holds(self, key: tuple) -> bool:
         """Whether a call of signature ``key`` (same family) has a length in range."""
         i, d = self.dims[0]
-        return self.low <= key[1][i][0][d] <= self.high
+        length = key[1][i][0][d]
+        return self.low <= length <= self.high and length % self.multiple == 0
 
     def __str__(self) -> str:
         high = "" if self.high == float("inf") else f" to {int(self.high)}"
-        return f"any length from {self.low}{high} (one graph; the length is read at run time)"
+        every = f", a multiple of {self.multiple}" if self.multiple > 1 else ""
+        return (
+            f"any length from {self.low}{high}{every} (one graph; the length is read at run time)"
+        )
 
 
 def sequence_dims(before: tuple, now: tuple) -> tuple[tuple[int, int], ...] | None:
@@ -100,13 +107,15 @@ def lift_lengths(
     model: nn.Module, config: Config, args, kwargs, dims: tuple[tuple[int, int], ...]
 ) -> tuple[Rewritten, Lengths]:
     """The rewritten graph of this call, its lengths read at run time; ``NotLiftable``."""
-    if config.inputs == "sharded" or config.outputs == "sharded" or config.dilation is not None:
-        raise NotLiftable("inputs='sharded', outputs='sharded' and dilation trace per length")
+    if config.inputs == "sharded" or config.dilation is not None:
+        raise NotLiftable("inputs='sharded' and dilation trace per length")
     flat, spec = pytree.tree_flatten((args, kwargs))
     length = flat[dims[0][0]].shape[dims[0][1]]
     low, high = _symbolic_range(model, flat, spec, dims)
     m = split_multiple(config.ring_size, config.layout)
-    probes = _probes(length, m)
+    # outputs="sharded" takes no padding: lengths the ring splits evenly, one graph for them
+    multiple = m if config.outputs == "sharded" else 1
+    probes = [length + k * m for k in range(4)] if multiple > 1 else _probes(length, m)
     done = []
     for n in probes:
         shapes = {i: _resized(flat[i].shape, d, n) for i, d in dims} if n != length else {}
@@ -118,7 +127,7 @@ def lift_lengths(
         _inline_no_grad_regions(r.gm)
     lifts = _lifts([r.gm.graph for r in done], probes, m)
     _lift(done[0].gm.graph, lifts, dims, m)
-    return done[0], Lengths(dims, max(low, 2), high)
+    return done[0], Lengths(dims, max(low, 2), high, multiple)
 
 
 def _probes(length: int, m: int) -> list[int]:
@@ -175,35 +184,61 @@ def _resized(shape, dim: int, n: int) -> list[int]:
 
 def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, float]:
     """The lengths the model's graph holds for, from an export with a symbolic length."""
-    dynamic = [None] * len(flat)
-    for i, d in dims:
-        dynamic[i] = (dynamic[i] or {}) | {d: Dim.AUTO}
     args, kwargs = pytree.tree_unflatten(flat, spec)
-    shapes = pytree.tree_unflatten(dynamic, spec)
     try:
+        positional = list(inspect.signature(model.forward).bind_partial(*args).arguments)
+        names = [*positional, *kwargs]  # the order ``_dynamic_shapes`` gives them in
+        dynamic = dict(zip(names, _dynamic_shapes(spec, dims), strict=True))
         exported = torch.export.export(
-            model,
-            tuple(args),
-            kwargs,
-            dynamic_shapes=(*shapes[0], *shapes[1].values()),
-            strict=False,
+            model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
         )
     except Exception as e:
         raise NotLiftable(f"no export with a symbolic length ({type(e).__name__})") from e
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
-    user = placeholders[len(placeholders) - len(flat) :]
-    size = user[dims[0][0]].meta["val"].shape[dims[0][1]]
-    if not isinstance(size, torch.SymInt):
+    nodes = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    user = [s.arg for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    sizes = [nodes[user[i].name].meta["val"].shape[d] for i, d in dims]
+    if not all(isinstance(n, torch.SymInt) for n in sizes):
         raise NotLiftable("the export fixed the length (the model branches on it)")
-    symbol = size.node.expr
+    symbol = sizes[0].node.expr
+    # every input's length is the one length (the family's): one symbol for all of them
+    same = {n.node.expr: symbol for n in sizes[1:] if n.node.expr.is_Symbol}
     for node in exported.graph.nodes:
         value = node.meta.get("val")
-        sizes = value.shape if isinstance(value, torch.Tensor) else ()
-        for s in sizes:
-            if isinstance(s, torch.SymInt) and not _affine(s.node.expr, symbol):
-                raise NotLiftable(f"{node.name} is {s.node.expr} long, not affine in the length")
+        for n in value.shape if isinstance(value, torch.Tensor) else ():
+            expr = n.node.expr.xreplace(same) if isinstance(n, torch.SymInt) else None
+            if expr is not None and not _affine(expr, symbol):
+                raise NotLiftable(f"{node.name} is {expr} long, not affine in the length")
     bounds = exported.range_constraints[symbol]
     return int(bounds.lower), float(bounds.upper)
+
+
+def _dynamic_shapes(spec, dims) -> tuple:
+    """export's dynamic shapes: per argument (positional, then keyword), its sequence dims
+    ``Dim.AUTO``; ``None`` for an argument with none (a cache object, a flag)."""
+    marked: dict[int, dict] = {}
+    for i, d in dims:
+        marked.setdefault(i, {})[d] = Dim.AUTO
+    shapes, start = [], 0
+    args_spec, kwargs_spec = spec.children_specs
+    for child in [*args_spec.children_specs, *kwargs_spec.children_specs]:
+        leaves = range(start, start + child.num_leaves)
+        start += child.num_leaves
+        if child.is_leaf():
+            shapes.append(marked.get(leaves[0]))
+        else:
+            shapes.append(_as_containers(child, iter(marked.get(i) for i in leaves)))
+    return tuple(shapes)
+
+
+def _as_containers(spec, values):
+    """``spec``'s tree with ``values`` at its leaves, a node of another type than a list,
+    tuple or dict (an HF cache) as the list of its children, as export expects it."""
+    if spec.is_leaf():
+        return next(values)
+    children = [_as_containers(c, values) for c in spec.children_specs]
+    if spec.type is dict:
+        return dict(zip(spec.context, children, strict=True))
+    return tuple(children) if spec.type is tuple else children
 
 
 def _affine(expr, symbol) -> bool:
@@ -251,10 +286,13 @@ def _differences(values: list, path: tuple):
 def _fit(values: list[int], lengths: list[int], m: int) -> tuple[int, int, int, int]:
     """Exact (a, b, c, d) with value = (a L + b Lp + c) / d on the first three probes, checked
     on the rest."""
-    rows = [[Fraction(n), Fraction(_padded(n, m)), Fraction(1)] for n in lengths]
-    matrix = sympy.Matrix(rows[:3])
-    solution = matrix.LUsolve(sympy.Matrix([Fraction(v) for v in values[:3]]))
-    a, b, c = (sympy.Rational(x) for x in solution)
+    if all(_padded(n, m) == n for n in lengths):  # no padding: Lp is L, fit (a L + c) / d
+        a = sympy.Rational(values[1] - values[0], lengths[1] - lengths[0])
+        b, c = sympy.Rational(0), sympy.Rational(values[0]) - a * lengths[0]
+    else:
+        rows = [[Fraction(n), Fraction(_padded(n, m)), Fraction(1)] for n in lengths]
+        solution = sympy.Matrix(rows[:3]).LUsolve(sympy.Matrix([Fraction(v) for v in values[:3]]))
+        a, b, c = (sympy.Rational(x) for x in solution)
     d = sympy.ilcm(a.q, b.q, c.q)
     coefficients = (int(a * d), int(b * d), int(c * d), int(d))
     for n, v in zip(lengths, values, strict=True):

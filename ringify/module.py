@@ -2,7 +2,9 @@
 
 The returned module traces the model on its first call for each input signature
 (``trace.py``) and caches the rewritten graph (the last ``TRACE_CACHE_SIZE``
-signatures). Tracing happens in a forward pre-hook that torch.compile does not
+signatures). A signature that differs from a traced one in its sequence length alone
+is traced once for every length (``lengths.py``): one graph that reads the length at
+run time serves all later lengths. Tracing happens in a forward pre-hook that torch.compile does not
 trace (``torch.compiler.disable``): the hook runs eagerly before Dynamo compiles
 ``forward``, which only calls the cached graph with the model's current
 parameters and buffers. So ``torch.compile(ringified, fullgraph=True)`` sees a
@@ -296,6 +298,12 @@ def _trace(module: RingifiedModule, args, kwargs, dims) -> Traced:
         return trace(model, config, args, kwargs, outer=module)
     flat, spec = pytree.tree_flatten((args, kwargs))
     kin = family(_signature(model, flat, spec), dims)
+    if kin in module._families:  # a graph for many lengths, not this one: this one alone
+        traced = trace(model, config, args, kwargs, outer=module)
+        outside = f"this length, outside those of the graph for {module._families[kin].lengths}"
+        return dataclasses.replace(
+            traced, report=dataclasses.replace(traced.report, lengths=outside)
+        )
     if kin not in module._per_length:
         try:
             done, lengths = lift_lengths(model, config, args, kwargs, dims)

@@ -227,3 +227,31 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new):
         attn_mask=keep[..., :keys], scale=0.25, enable_gqa=True,
     )  # fmt: skip
     assert (out - want).abs().max() < TOL
+
+
+def prompts_of_three_lengths():
+    import torch.distributed as dist
+
+    from ringify import ringify
+
+    torch.manual_seed(0)
+    model = llama(layers=2).double().eval()
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    equal = True
+    for length in (13, 17, 22):
+        ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+        equal &= torch.equal(ringified.generate(ids, max_new_tokens=6, do_sample=False), want)
+    steps = ringified._generation["steps"]
+    return {
+        "equal": equal,
+        "prefill traces": ringified._generation["prefill"].traces,
+        "decode traces": sum(step.traces for step in steps.values()),
+    }
+
+
+def test_prompts_of_new_lengths_share_the_prefill_and_decode_graphs(ranks):
+    """Three prompt lengths: the prefill is traced for the first and once for all others (its
+    lengths are left-padded to what the ring splits), the decode step once for all."""
+    for r in ranks(2).run(prompts_of_three_lengths, timeout=300):
+        assert r == {"equal": True, "prefill traces": 2, "decode traces": 1}, r

@@ -142,3 +142,31 @@ def test_a_length_traced_anew_never_crashes_a_compiled_model(ranks):
     for r in ranks(2).run(length_inside, "scale", "aot_eager", lengths, timeout=600):
         assert r["error"] < TOL, r
         assert r["traces"] == len(lengths), r
+
+
+def sharded_outputs():
+    from ringify.runtime import gather
+
+    torch.manual_seed(0)
+    model = llama(layers=2).double().eval()
+    ringified, run = ringified_run(model, outputs="sharded")
+    worst, refused = 0.0, ""
+    for length in (16, 24, 18, 40, 48):  # 18: not a multiple of 4, which the ring needs here
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        try:
+            local = run(input_ids=ids).logits
+        except ValueError as e:
+            refused = str(e)
+            continue
+        got = gather(local.contiguous(), 1, layout="zigzag")
+        worst = max(worst, (got - model(input_ids=ids).logits).abs().max().item())
+    return {"error": worst, "traces": ringified.traces, "refused": refused}
+
+
+def test_sharded_outputs_share_one_graph_for_lengths_the_ring_splits(ranks):
+    """``outputs="sharded"`` takes no padding: the lengths that split evenly share one graph
+    (2 traces for 16, 24, 40, 48), and one that does not is refused as before."""
+    for r in ranks(2).run(sharded_outputs):
+        assert r["error"] < TOL, r
+        assert r["traces"] == 2, r
+        assert "does not split" in r["refused"], r

@@ -57,6 +57,8 @@ def opcheck_ops():
     torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag"))
     strided = torch.randn(4, 3, dtype=torch.float64).t()
     torch.library.opcheck(torch.ops.ringify.gather.default, (strided, 1, name, "zigzag"))
+    # the padding cut off by the op (a lifted graph's gather: a length read at run time)
+    torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag", 3))
     full = torch.randn(3, 8, dtype=torch.float64)
     torch.library.opcheck(torch.ops.ringify.take_shard.default, (full, 1, name, "zigzag"))
     opcheck_beside_the_ring(name)
@@ -65,8 +67,8 @@ def opcheck_ops():
 
 def opcheck_beside_the_ring(name: str) -> None:
     """The ops that serve the ring: memory attention (replicated queries, this rank's keys;
-    with and without a learned bias), a mask program and its plan, the ring's maximum,
-    sequence dropout."""
+    with and without a learned bias), a mask program and its plan, a decode step's attention,
+    the ring's maximum, sequence dropout."""
     import torch.distributed as dist
 
     from ringify.testing.attention import document_causal_program, document_inputs
@@ -94,6 +96,15 @@ def opcheck_beside_the_ring(name: str) -> None:
     rows = 16 // (dist.get_world_size() if dist.is_initialized() else 1)
     plan_args = (program, inputs, rows, True, name, "zigzag", 16)
     torch.library.opcheck(torch.ops.ringify.attention_plan.default, plan_args)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, k_new, v_new = (
+        torch.randn(2, heads, rows, 4, generator=g, dtype=torch.float64)
+        for heads, rows in ((8, 1), (2, 5), (2, 5), (2, 1), (2, 1))
+    )
+    keep = torch.rand(2, 1, 1, 6, generator=g) > 0.3
+    for own_new in (False, True):  # a decode step over this rank's cache part
+        args = (q, k, v, k_new, v_new, keep, own_new, 0.5, name)
+        torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
     x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
     if name:  # a ring's maximum needs a ring: checked on 2 ranks
@@ -341,7 +352,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (12): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (13): a new op must join it."""
     import inspect
 
     import ringify.runtime  # noqa: F401  (registers the ops)
@@ -353,4 +364,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 12 and checked == registered, registered - checked
+    assert len(registered) == 13 and checked == registered, registered - checked

@@ -11,6 +11,7 @@
 import importlib
 import sys
 
+from ringify.runtime.attention import decode as _decode  # noqa: F401  (registers its op)
 from ringify.runtime.attention.api import ring_attention
 from ringify.runtime.attention.dilation import Dilation, dilated_attention
 from ringify.runtime.collectives.sharding import gather, shard
