@@ -219,8 +219,8 @@ def _dynamic_shapes(spec, dims) -> tuple:
     for i, d in dims:
         marked.setdefault(i, {})[d] = Dim.AUTO
     shapes, start = [], 0
-    args_spec, kwargs_spec = spec.children_specs
-    for child in [*args_spec.children_specs, *kwargs_spec.children_specs]:
+    args_spec, kwargs_spec = spec.children()
+    for child in [*args_spec.children(), *kwargs_spec.children()]:
         leaves = range(start, start + child.num_leaves)
         start += child.num_leaves
         if child.is_leaf():
@@ -235,7 +235,7 @@ def _as_containers(spec, values):
     tuple or dict (an HF cache) as the list of its children, as export expects it."""
     if spec.is_leaf():
         return next(values)
-    children = [_as_containers(c, values) for c in spec.children_specs]
+    children = [_as_containers(c, values) for c in spec.children()]
     if spec.type is dict:
         return dict(zip(spec.context, children, strict=True))
     return tuple(children) if spec.type is tuple else children
