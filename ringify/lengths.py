@@ -159,6 +159,8 @@ def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
         if any(getattr(val(x), "requires_grad", False) for x in inputs):
             raise NotLiftable(f"{node.name}: a no-grad region reads tensors that require grad")
         sub = getattr(gm, body.target)
+        if any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
+            raise NotLiftable(f"{node.name}: a no-grad region reads its own attributes")
         values = dict(
             zip([n for n in sub.graph.nodes if n.op == "placeholder"], inputs, strict=True)
         )
