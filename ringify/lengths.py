@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
 
-import sympy
 import torch
 from torch import fx, nn
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
@@ -244,7 +244,8 @@ def _as_containers(spec, values):
 
 
 def _affine(expr, symbol) -> bool:
-    poly = sympy.Poly(expr, symbol) if expr.free_symbols <= {symbol} else None
+    """Whether the size ``expr`` (a sympy expression of the shape environment) is a + b L."""
+    poly = expr.as_poly(symbol) if expr.free_symbols <= {symbol} else None
     return poly is not None and poly.degree() <= 1
 
 
@@ -289,18 +290,37 @@ def _fit(values: list[int], lengths: list[int], m: int) -> tuple[int, int, int, 
     """Exact (a, b, c, d) with value = (a L + b Lp + c) / d on the first three probes, checked
     on the rest."""
     if all(_padded(n, m) == n for n in lengths):  # no padding: Lp is L, fit (a L + c) / d
-        a = sympy.Rational(values[1] - values[0], lengths[1] - lengths[0])
-        b, c = sympy.Rational(0), sympy.Rational(values[0]) - a * lengths[0]
+        a = Fraction(values[1] - values[0], lengths[1] - lengths[0])
+        b, c = Fraction(0), values[0] - a * lengths[0]
     else:
-        rows = [[Fraction(n), Fraction(_padded(n, m)), Fraction(1)] for n in lengths]
-        solution = sympy.Matrix(rows[:3]).LUsolve(sympy.Matrix([Fraction(v) for v in values[:3]]))
-        a, b, c = (sympy.Rational(x) for x in solution)
-    d = sympy.ilcm(a.q, b.q, c.q)
+        a, b, c = _solve([[n, _padded(n, m), 1] for n in lengths[:3]], values[:3])
+    d = math.lcm(a.denominator, b.denominator, c.denominator)
     coefficients = (int(a * d), int(b * d), int(c * d), int(d))
     for n, v in zip(lengths, values, strict=True):
         if _value(coefficients, n, m) != v:
             raise NotLiftable(f"an integer {values} is not affine in the length")
     return coefficients
+
+
+def _solve(rows: list[list[int]], values: list[int]) -> list[Fraction]:
+    """The exact solution x of rows x = values (3 x 3, non-singular: ``_probes`` sees to it),
+    by Cramer's rule."""
+
+    def det(r):
+        return (
+            r[0][0] * (r[1][1] * r[2][2] - r[1][2] * r[2][1])
+            - r[0][1] * (r[1][0] * r[2][2] - r[1][2] * r[2][0])
+            + r[0][2] * (r[1][0] * r[2][1] - r[1][1] * r[2][0])
+        )
+
+    whole = det(rows)
+    if whole == 0:
+        raise NotLiftable("the probe lengths do not separate L from its padding")
+    columns = [
+        [[values[i] if j == k else rows[i][j] for j in range(3)] for i in range(3)]
+        for k in range(3)
+    ]
+    return [Fraction(det(c), whole) for c in columns]
 
 
 def _padded(n: int, m: int) -> int:
