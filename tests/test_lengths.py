@@ -181,3 +181,38 @@ def test_sharded_outputs_share_one_graph_for_lengths_the_ring_splits(ranks):
         assert r["error"] < TOL, r
         assert r["traces"] == 2, r
         assert "does not split" in r["refused"], r
+
+
+def checkpointed_lengths():
+    """HF gradient checkpointing on the lifted graph: kept, and exact at every length."""
+    torch.manual_seed(0)
+    model = llama(layers=2).double()
+    reference = llama(layers=2).double()
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        m.gradient_checkpointing_enable({"use_reentrant": False})
+    ringified, run = ringified_run(model)
+    worst = 0.0
+    for length in (21, 30, 37, 44):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        results = []
+        for fn, m in ((run, model), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            logits = fn(input_ids=ids).logits
+            logits.pow(2).sum().backward()
+            results.append([logits.detach(), *(p.grad for p in m.parameters())])
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(*results, strict=True)))
+    report = ringified.report()
+    return {
+        "error": worst,
+        "traces": ringified.traces,
+        "kept": report.checkpointed,
+        "lengths": report.lengths,
+    }
+
+
+def test_checkpointed_layers_stay_checkpointed_at_every_length(ranks):
+    for r in ranks(2).run(checkpointed_lengths):
+        assert r["error"] < TOL, r
+        assert r["traces"] == 2 and r["lengths"].startswith("any length"), r
+        assert r["kept"] == ("model.layers.0", "model.layers.1"), r
