@@ -77,7 +77,7 @@ class DecodeStep:
             p: s for p, s in zip(placeholders, self._sources, strict=True) if isinstance(s, tuple)
         }
         try:
-            self.layout = rewrite_decode(gm.graph, cache_nodes, self.ring.name)
+            rewrite_decode(gm.graph, cache_nodes, self.ring.name)
         except NotDecodable as e:
             raise ValueError(
                 f"ringify cannot generate with {type(self.model).__name__}: {e}"

@@ -21,7 +21,6 @@ cache type, attention that reads the cache twice) is refused with what is suppor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -41,19 +40,11 @@ class NotDecodable(ValueError):
     """The decode step's graph is not one ringify can split; the message says why."""
 
 
-@dataclass(frozen=True)
-class DecodeInputs:
-    """The inputs ``rewrite_decode`` added, after the graph's own: per layer this rank's
-    cached keys, then values; this rank's key positions; whether it stores the new token."""
-
-    layers: int
-
-
-def rewrite_decode(
-    graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group_name: str
-) -> DecodeInputs:
+def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group_name: str) -> None:
     """Rewrite the exported decode step ``graph`` in place (``cache``: each cache input's
-    placeholder -> ("key" | "value", layer))."""
+    placeholder -> ("key" | "value", layer)). The inputs it adds, after the graph's own: per
+    layer this rank's cached keys, then per layer its values; this rank's key positions;
+    whether it stores the new token."""
     layers = 1 + max(layer for _, layer in cache.values())
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     like = next(iter(cache))
@@ -91,7 +82,6 @@ def rewrite_decode(
     _outputs_as_new_entries(graph, cache)
     _check_read_for_size_only(cache)
     graph.lint()
-    return DecodeInputs(layers)
 
 
 def _inputs(graph: fx.Graph, like: fx.Node, layers: int) -> list[fx.Node]:
