@@ -22,6 +22,7 @@ the report and the log say why (``Report.lengths``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -32,11 +33,14 @@ from fractions import Fraction
 import torch
 from torch import fx, nn
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
+from ringify.parallelized import fsdp_units, unsharded_for_trace
 from ringify.passes.nodes import val
 from ringify.runtime.tiling.layout import split_multiple
 from ringify.trace import Rewritten, rewrite
@@ -191,9 +195,10 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
         positional = list(inspect.signature(model.forward).bind_partial(*args).arguments)
         names = [*positional, *kwargs]  # the order ``_dynamic_shapes`` gives them in
         dynamic = dict(zip(names, _dynamic_shapes(spec, dims), strict=True))
-        exported = torch.export.export(
-            model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
-        )
+        with _fsdp_units_whole(model):
+            exported = torch.export.export(
+                model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
+            )
     except Exception as e:
         raise NotLiftable(f"no export with a symbolic length ({type(e).__name__})") from e
     nodes = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
@@ -212,6 +217,24 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
                 raise NotLiftable(f"{node.name} is {expr} long, not affine in the length")
     bounds = exported.range_constraints[symbol]
     return int(bounds.lower), float(bounds.upper)
+
+
+@contextlib.contextmanager
+def _fsdp_units_whole(model: nn.Module):
+    """FSDP2 units seen whole, as the trace sees them (``unsharded_for_trace``): their full
+    parameters are fakes of the export's own fake mode, which export then takes as its own."""
+    units = fsdp_units(model)
+    if not units:
+        yield
+        return
+    mode = FakeTensorMode(
+        shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True, export=True
+    )
+    with (
+        torch._guards.tracing(torch._guards.TracingContext(mode)),
+        unsharded_for_trace(units, mode),
+    ):
+        yield
 
 
 def _dynamic_shapes(spec, dims) -> tuple:

@@ -216,3 +216,45 @@ def test_checkpointed_layers_stay_checkpointed_at_every_length(ranks):
         assert r["error"] < TOL, r
         assert r["traces"] == 2 and r["lengths"].startswith("any length"), r
         assert r["kept"] == ("model.layers.0", "model.layers.1"), r
+
+
+def fsdp_lengths():
+    """Per-layer FSDP2 on a (dp, cp) = (2, 2) mesh, three lengths: each dp replica's batch on
+    its ring, against the unmodified model on the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ringify import ringify
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    torch.manual_seed(0)
+    model = llama(layers=2).double()
+    reference = llama(layers=2).double()
+    reference.load_state_dict(model.state_dict())
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    ringified = fully_shard(ringify(model, ring_size=2, mesh=mesh["cp"]), mesh=mesh["dp"])
+    worst = 0.0
+    for length in (16, 21, 27):
+        ids = torch.randint(1, 64, (4, length), generator=torch.Generator().manual_seed(length))
+        mine = ids.split(2)[mesh["dp"].get_local_rank()]
+        ringified(input_ids=mine, labels=mine).loss.backward()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+        model.zero_grad()
+        reference.zero_grad()
+    report = ringified.report()
+    return {
+        "error": worst,
+        "traces": ringified.traces,
+        "units": report.fsdp_units,
+        "lengths": report.lengths,
+    }
+
+
+def test_per_layer_fsdp2_shares_one_graph_for_every_length(ranks):
+    for r in ranks(4).run(fsdp_lengths, timeout=600):
+        assert r["error"] < TOL, r
+        assert r["traces"] == 2 and r["lengths"].startswith("any length"), r
+        assert r["units"] == ("model.layers.0", "model.layers.1"), r
