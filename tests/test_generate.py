@@ -2,8 +2,9 @@
 
 Against the unmodified model's own ``generate``, float64, on 2 and 4 gloo ranks: the
 tokens, and every step's logits (the tokens of a tiny random model alone would be weak
-evidence), which HF hands to its sampler as float32: within one float32 rounding. HF Llama plain and left-padded in a batch of 2, Mistral with a
-sliding window smaller than the prompt, GPT-2; sampling with the same seed. The cache
+evidence), which HF hands to its sampler as float32: within one float32 rounding. HF Llama
+plain and left-padded in a batch of 2, Mistral with a sliding window smaller than the
+prompt, GPT-2, Gemma3 (sliding and full layers); sampling with the same seed. The cache
 each rank holds is read: exactly its part (the prefill's chunks and its share of the new
 tokens, within one entry of every other rank's), and equal to the unmodified model's
 K/V at those positions (float64, 1e-10: what the decode steps computed). The decode step
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.testing.hf_models import gpt2, llama, mistral
+from ringify.testing.hf_models import gemma3, gpt2, llama, mistral
 
 TOL = 1e-10
 PROMPT, NEW = 13, 16
@@ -23,6 +24,7 @@ MODELS = {
     "llama": lambda: llama(layers=2),
     "mistral": lambda: mistral(window=6, layers=2),
     "gpt2": lambda: gpt2(layers=2),
+    "gemma3": lambda: gemma3(layers=2, window=6),  # sliding and full layers, one RoPE each
 }
 
 
@@ -60,7 +62,7 @@ def compare(kind: str, padded: bool, options: dict):
     pad = cache.length - (PROMPT + len(got.logits) - 1)  # the left padding generate added
     real = positions >= pad
     kv_error = 0.0
-    if kind != "mistral":  # Mistral's own cache keeps only its window
+    if kind not in ("mistral", "gemma3"):  # their own caches keep only the window
         for i in range(cache.layers):
             for ours, theirs in ((cache.keys(i), reference.layers[i].keys),
                                  (cache.values(i), reference.layers[i].values)):  # fmt: skip
@@ -104,7 +106,8 @@ def _check(results: list, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
-    "kind, padded", [("llama", False), ("llama", True), ("mistral", True), ("gpt2", False)]
+    "kind, padded",
+    [("llama", False), ("llama", True), ("mistral", True), ("gpt2", False), ("gemma3", True)],
 )
 def test_greedy_matches_the_unmodified_model(ranks, world, kind, padded):
     if world == 4 and (kind, padded) == ("llama", False):

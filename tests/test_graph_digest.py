@@ -53,3 +53,26 @@ def test_a_nested_graph_is_read_by_content():
     same = graph_digest(outer(_graph(order=("b", "a"))))
     assert graph_digest(outer(_graph())) == same
     assert graph_digest(outer(_graph(constant=3.0))) != same
+
+
+def _copies(order: tuple[str, str], needs_grad: bool) -> fx.GraphModule:
+    """Two inputs copied to the ring (``copy_to_ring``: an all-reduce in the backward only) in
+    ``order``; the inputs require a gradient or not (a buffer, a position table)."""
+    from ringify.runtime.collectives.reduce import copy_to_ring
+
+    graph = fx.Graph()
+    inputs = {}
+    for name in ("a", "b"):
+        inputs[name] = graph.placeholder(name)
+        inputs[name].meta["val"] = torch.empty(3, requires_grad=needs_grad)
+    made = {name: graph.call_function(copy_to_ring, (inputs[name], "0")) for name in order}
+    graph.output(graph.call_function(aten.add.Tensor, (made["a"], made["b"])))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_copies_to_the_ring_matter_in_order_only_where_a_gradient_reaches_them():
+    """Their backward all-reduces follow the forward's order: it matters where a gradient
+    flows, and nowhere else (export orders two RoPE tables of Gemma3 by each rank's hash
+    seed; the tables need no gradient)."""
+    assert graph_digest(_copies(("a", "b"), False)) == graph_digest(_copies(("b", "a"), False))
+    assert graph_digest(_copies(("a", "b"), True)) != graph_digest(_copies(("b", "a"), True))

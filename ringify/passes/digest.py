@@ -22,6 +22,8 @@ import hashlib
 import torch
 from torch import fx
 
+from ringify.runtime.collectives.reduce import copy_to_ring
+
 # Namespaces of ops that talk to other ranks (and ringify's own functions, which may):
 # their order is part of the program.
 _COMMUNICATING = ("ringify", "_c10d_functional", "c10d", "_dtensor")
@@ -33,7 +35,10 @@ def graph_digest(gm: fx.GraphModule) -> str:
     hashes: dict[fx.Node, str] = {}
     ordered: list[str] = []
     placeholders = 0
+    graded: set[fx.Node] = set()  # nodes a gradient can reach (from an input that needs one)
     for node in gm.graph.nodes:
+        if _needs_grad(node) or any(a in graded for a in node.all_input_nodes):
+            graded.add(node)
         if node.op == "placeholder":
             head = ("placeholder", placeholders, node.target)
             placeholders += 1
@@ -44,7 +49,7 @@ def graph_digest(gm: fx.GraphModule) -> str:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(hashes[n]))
         key = (head, args, _shape(node.meta.get("val")))
         hashes[node] = _sha1(key)
-        if _order_matters(node):
+        if _order_matters(node, graded):
             ordered.append(hashes[node])
     return _sha1((sorted(hashes.values()), ordered))
 
@@ -104,13 +109,20 @@ _CHECKS = frozenset({
 })  # fmt: skip
 
 
-def _order_matters(node: fx.Node) -> bool:
+def _needs_grad(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return node.op == "placeholder" and getattr(value, "requires_grad", False)
+
+
+def _order_matters(node: fx.Node, graded: set[fx.Node]) -> bool:
     if node.op in ("call_module", "output"):
         return True
     if node.op != "call_function":
         return False
     target = node.target
     if target in _CHECKS:  # impure, but where a check runs changes nothing computed
+        return False
+    if target is copy_to_ring and node not in graded:  # it talks only in a backward, never run
         return False
     ours = (getattr(target, "__module__", None) or "").startswith("ringify.")  # runtime calls
     return ours or getattr(target, "namespace", None) in _COMMUNICATING or node.is_impure()
