@@ -80,7 +80,7 @@ def compare(kind: str, padded: bool, options: dict):
         "rank_entries": cache.filled,
         "length": cache.length,
         "kv": kv_error,
-        "traces": ringified._generation["decode_traces"],
+        "traces": sum(step.traces for step in ringified._generation["steps"].values()),
     }
 
 

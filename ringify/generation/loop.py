@@ -138,7 +138,6 @@ def decode(module, started: Prefilled, config, new_tokens: int):
             inputs["position_ids"] = _positions(mask)[:, -1:]
         logits, new_keys, new_values = started.step(inputs, cache)
         cache.append(new_keys, new_values)
-    module._generation["decode_traces"] = started.step.traces
     module._generation["cache"] = cache
     if not config.return_dict_in_generate:
         return sequences

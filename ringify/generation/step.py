@@ -40,6 +40,8 @@ class DecodeStep:
         self.model, self.ring = model, ring
         self.traces = 0
         self._like = [(k.shape, k.dtype, k.device) for k, _ in like]
+        # one element per layer, expanded to the cache's global shape at each step
+        self._carriers = [torch.empty((), dtype=t, device=d) for _, t, d in self._like]
         self._keys = sorted(inputs)  # the step's inputs, by name
         self._trace(inputs, _EXAMPLE_LENGTH)
 
@@ -102,9 +104,8 @@ class DecodeStep:
         flat = []
         for name, source in zip(self._names, self._sources, strict=True):
             if isinstance(source, tuple):  # the cache's global shape only: no values are read
-                shape, dtype, device = self._like[source[1]]
-                carrier = torch.empty((), dtype=dtype, device=device)
-                flat.append(carrier.expand(*shape[:2], cache.length, shape[3]))
+                shape = self._like[source[1]][0]
+                flat.append(self._carriers[source[1]].expand(*shape[:2], cache.length, shape[3]))
             else:
                 flat.append(inputs.get(name, source))
         local = [cache.keys(i) for i in range(cache.layers)]

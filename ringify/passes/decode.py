@@ -98,7 +98,9 @@ def _inputs(graph: fx.Graph, like: fx.Node, layers: int) -> list[fx.Node]:
     names = [f"local_keys_{i}" for i in range(layers)] + [
         f"local_values_{i}" for i in range(layers)
     ]
-    for name in reversed([*names, "positions", "own_new"]):  # each inserted right after `like`
+    for name in reversed(
+        [*names, "positions", "own_new"]
+    ):  # each goes right after the last placeholder
         made.insert(0, graph.placeholder(name))
     for node, value in zip(made, [kv] * (2 * layers) + [positions, True], strict=True):
         node.meta["val"] = value
