@@ -30,6 +30,16 @@ def _case(name: str):
         lengths = [1500, 2600, SEQ - 4100]
         docs = document_inputs(lengths)
         return document_causal_program(), docs, causal & (docs[0] == docs[1])
+    if name == "padded":  # HF's right padding: causal, and the last keys are no key at all
+        valid = (pos < SEQ - 819).view(1, -1)
+        program = MaskProgram(
+            roles=("k",),
+            code=(
+                ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
+                ("__and__.Tensor", ({"op": 0}, {"in": 0}), "bool"),
+            ),
+        )
+        return program.text(), [valid], causal & valid
     window = 1100  # edges inside blocks
     program = MaskProgram(
         roles=(),
@@ -45,9 +55,10 @@ def _case(name: str):
 
 def two_layers_on_an_accelerator_plan(name: str):
     """On every rank: the largest relative difference from SDPA of two layers' outputs and
-    q/k/v gradients, and how many masks the step kept."""
+    q/k/v gradients, how many masks the step kept, and the forward's kernel calls per layer."""
     import torch.distributed as dist
 
+    from ringify.runtime.attention import ops
     from ringify.runtime.masks import step_masks
     from ringify.runtime.tiling import tiles
 
@@ -59,8 +70,16 @@ def two_layers_on_an_accelerator_plan(name: str):
     want.backward(full[3])
     expected = [want.detach(), *(x.grad for x in leaves)]
     group, rows = dist.group.WORLD.group_name, SEQ // 2
-    worst = 0.0
-    with mock.patch.object(tiles, "on_accelerator", lambda _: True):
+    worst, calls, block = 0.0, [], ops.block_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[2])
+        return block(*args, **kwargs)
+
+    with (
+        mock.patch.object(tiles, "on_accelerator", lambda _: True),
+        mock.patch.object(ops, "block_forward", counted),
+    ):
         handle = torch.ops.ringify.attention_plan(
             program, inputs, rows, False, group, "zigzag", SEQ
         )
@@ -73,11 +92,14 @@ def two_layers_on_an_accelerator_plan(name: str):
                 ref = shard(ref, 2, layout="zigzag")
                 worst = max(worst, relative_difference(got.detach(), ref))
         kept = len(step_masks.kept_masks(handle, torch.device("cpu"), rows))
-    return worst, kept
+    return worst, kept, len(calls) / 2
 
 
-@pytest.mark.parametrize("name", ["packed", "window"])
+@pytest.mark.parametrize("name", ["packed", "window", "padded"])
 def test_an_accelerators_plan_is_exact(ranks, name):
-    for worst, kept in ranks(2).run(two_layers_on_an_accelerator_plan, name):
+    for worst, kept, calls in ranks(2).run(two_layers_on_an_accelerator_plan, name):
         assert worst <= EXACT, worst
-        assert kept > 0  # the masks were kept by the first layer and read by the second
+        if name == "padded":  # no mask to keep: one call per step, as is_causal makes
+            assert calls == 2, calls  # the padding keys cut off the shard's causal call
+        else:
+            assert kept > 0  # the masks were kept by the first layer and read by the second

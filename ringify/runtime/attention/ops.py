@@ -262,8 +262,8 @@ def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice
     if slots.joined or b.tiles == 1:
         return [(*slots.at(which, b.held, b.cols), None)]
     parts, start = [], 0
-    for t in range(b.held, b.held + b.tiles):
-        length = slots.starts[t + 1] - slots.starts[t]
+    for t in range(b.held, b.held + b.tiles):  # the last tile's keys may be cut off
+        length = min(slots.starts[t + 1] - slots.starts[t], b.cols.stop - start)
         slot, rows = slots.at(which, t, slice(0, length))
         parts.append((slot, rows, slice(start, start + length)))
         start += length

@@ -11,7 +11,10 @@ runs one call per step:
   tiles with the same run of key tiles are one call.
 
 Key tiles join only where they lie side by side in memory (``HeldKV.joined``), query
-tiles only where their rows are the shard's own (no balanced plan moved them).
+tiles only where their rows are the shard's own (no balanced plan moved them). A held tile
+whose last keys no query sees (padding, cut off) may join only as the last of its call:
+the call's keys then stop where its keys do (top-left causal on the shard's rows is still
+exact: a row past the cut sees every key before it).
 """
 
 from __future__ import annotations
@@ -45,30 +48,48 @@ def joined(whole: dict[tuple[int, int], Block], mine: list[Tile], held: list[Til
     calls: ``rows_joined``, adjacent query tiles may join; ``keys_joined``, held tiles may."""
     d, f = Visibility.DIAGONAL, Visibility.FULL
     n = len(held)
+    # (query tile, held tile) -> the keys it sees of the tile, where they stop short of it
+    cut = {key: b.cols.stop for key, b in whole.items() if b.cols.stop < held[key[1]].length}
+
+    def keys(a: int, first: int, count: int) -> slice:  # side by side, the last maybe cut
+        last = first + count - 1
+        stop = cut.get((a, last), held[last].length)
+        return slice(0, sum(t.length for t in held[first:last]) + stop)
+
     rows_adjacent = rows_joined and all(
         a.rows.stop == b.rows.start for a, b in itertools.pairwise(mine)
     )
     if rows_adjacent and keys_joined and [t.key for t in mine] == [t.key for t in held]:
         want = {(a, i): d if a == i else f for a in range(n) for i in range(a + 1)}
-        if {key: b.seen for key, b in whole.items()} == want:
+        if {key: b.seen for key, b in whole.items()} == want and set(cut) <= {(n - 1, n - 1)}:
             rows = slice(mine[0].rows.start, mine[-1].rows.stop)
-            keys = slice(0, sum(t.length for t in held))
-            return [Block(0, rows, keys, d, None, None, False, n)]
+            return [Block(0, rows, keys(n - 1, 0, n), d, None, None, False, n)]
     calls = [b for b in whole.values() if b.seen is not f]
-    runs: list[tuple[int, int, int]] = []  # (query tile, first held tile, held tiles)
+    runs: list[tuple[int, int, int, slice]] = []  # (query tile, first held, held tiles, keys)
     for a in range(len(mine)):
         full = sorted(i for (q, i), b in whole.items() if q == a and b.seen is f)
         for _, group in itertools.groupby(enumerate(full), lambda x: x[1] - x[0]):
             group = [i for _, i in group]
-            spans = [group] if keys_joined else [[i] for i in group]
-            runs += [(a, span[0], len(span)) for span in spans]
-    runs.sort(key=lambda r: (r[1], r[2], r[0]))
-    for (first, count), group in itertools.groupby(runs, lambda r: (r[1], r[2])):
-        queries = [a for a, _, _ in group]
+            ends = {i for i in group if (a, i) in cut}  # a cut tile ends its run
+            spans = _spans(group, ends) if keys_joined else [[i] for i in group]
+            runs += [(a, span[0], len(span), keys(a, span[0], len(span))) for span in spans]
+    order = lambda r: (r[1], r[2], r[3].stop)
+    runs.sort(key=lambda r: (*order(r), r[0]))
+    for (first, count, stop), group in itertools.groupby(runs, order):
+        queries = [a for a, *_ in group]
         for rows in _adjacent_rows(queries, mine, rows_joined):
-            keys = slice(0, sum(t.length for t in held[first : first + count]))
-            calls.append(Block(first, rows, keys, f, None, None, False, count))
+            calls.append(Block(first, rows, slice(0, stop), f, None, None, False, count))
     return calls
+
+
+def _spans(tiles: list[int], ends: set[int]) -> list[list[int]]:
+    """Consecutive held tiles as runs that join, each ending at a tile of ``ends`` (or the end)."""
+    spans: list[list[int]] = [[]]
+    for i in tiles:
+        spans[-1].append(i)
+        if i in ends:
+            spans.append([])
+    return [span for span in spans if span]
 
 
 def _adjacent_rows(queries: list[int], mine: list[Tile], join: bool) -> list[slice]:

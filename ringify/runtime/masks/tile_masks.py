@@ -257,10 +257,10 @@ class TileMasks:
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
-    """Whether ``block`` is its whole pair, run with no mask (so it may join others)."""
+    """Whether ``block`` is its whole pair, run with no mask (so it may join others); its
+    last keys may be cut off (padding no query of the pair sees: ``calls.joined``)."""
     unmasked = block.bias is None and block.seen in (Visibility.FULL, Visibility.DIAGONAL)
-    keys = block.cols.start == 0 and block.cols.stop == k_tile.length
-    return unmasked and keys and block.rows == q_tile.rows
+    return unmasked and block.cols.start == 0 and block.rows == q_tile.rows
 
 
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:

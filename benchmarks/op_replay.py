@@ -1,0 +1,70 @@
+"""The ring ops' calls of one training step, captured and replayed on their own.
+
+Within a step on this CPU, the model's own ops compute for real between the ring op's calls
+(the ring op's stubs do not): they evict the host's caches, and the ring op's Python then
+runs up to twice as slowly, by an amount that depends on the model and not on the op. A
+GPU's host launches those ops and never touches their data. So each call is also measured
+replayed: the step's calls, with the arguments they had, run back to back on every rank in
+lockstep, under no autograd; the same for ``is_causal`` and every mask case, as PyTorch's
+ring is measured (a loop of its calls).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+OPS = {"ringify::ring_attention": "ring_attention_op",
+       "ringify::ring_attention_backward": "ring_attention_backward_op"}  # fmt: skip
+
+
+def captured_calls(step: Callable[[], None]) -> dict[str, list[tuple[tuple, dict]]]:
+    """The arguments of every ring op call of one ``step``, by op name, in order."""
+    from ringify.runtime.attention import ops
+
+    calls: dict[str, list] = {name: [] for name in OPS}
+    kernels = {name: getattr(ops, attribute)._backend_fns for name, attribute in OPS.items()}
+    inner = {name: fns[None] for name, fns in kernels.items()}
+
+    def capturing(name: str):
+        def call(*args, **kwargs):
+            calls[name].append((args, kwargs))
+            return inner[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name, fns in kernels.items():
+            fns[None] = capturing(name)
+        step()
+    finally:
+        for name, fns in kernels.items():
+            fns[None] = inner[name]
+    return calls
+
+
+def replayed_costs(
+    calls: dict[str, list[tuple[tuple, dict]]], repeats: int, cost: Callable
+) -> dict[str, list[tuple[float, int]]]:
+    """Per op name, each captured call's ``cost(profiler event)`` replayed: the median over
+    ``repeats`` replays (its kernel count from the first)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    costs = {}
+    for name, captured in calls.items():
+        op = getattr(torch.ops.ringify, name.split("::")[1])
+        runs = []
+        for _ in range(repeats):
+            dist.barrier()  # the ranks replay in lockstep, as they ran the step
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                for args, kwargs in captured:
+                    op(*args, **kwargs)
+            runs.append([cost(e) for e in prof.events() if e.name == name])
+        costs[name] = [
+            (statistics.median(c[0] for c in per_call), per_call[0][1])
+            for per_call in zip(*runs, strict=True)
+        ]
+    return costs
