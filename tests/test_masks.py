@@ -319,6 +319,22 @@ def test_an_open_pair_runs_as_few_kernel_calls():
         assert [(b[0], b[1], b[2]) for b in coalesced] == [
             (slice(0, n), slice(0, want), Visibility.DIAGONAL)
         ]
+    # HF's right padding, over a block and a half: its hidden key blocks are left out too
+    padded = MaskProgram(
+        ("k",),
+        (
+            ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
+            ("__and__.Tensor", ({"op": 0}, {"in": 0}), "bool"),
+        ),
+    ).text()
+    valid = n - MIN_TILE_ROWS - MIN_TILE_ROWS // 2
+    masks = TileMasks(
+        lambda rank: [tile], 1, None, False, n, padded, [positions.view(1, -1) < valid]
+    )
+    _, coalesced = masks._open_blocks(tile, tile, n)
+    assert [(b[0], b[1], b[2]) for b in coalesced] == [
+        (slice(0, n), slice(0, valid), Visibility.DIAGONAL)
+    ]
     window = MaskProgram(
         ("q", "k"),
         (

@@ -33,19 +33,22 @@ class OpenBlock(NamedTuple):
 def coalesced(grid: list[list], q_tile: Tile, k_tile: Tile, nominal: list[slice]) -> list:
     """The blocks of an open pair as few kernel calls: the whole pair as one causal call if
     its blocks are exactly the causal triangle of a pair on the diagonal (HF's mask is a
-    causal program), else each row's runs of unmasked blocks as one. ``nominal``: each block
-    column's key rows before padding keys were cut off."""
+    causal program), up to keys no query sees at its end (padding: a row past them sees
+    every key kept, as top-left causal has it), else each row's runs of unmasked blocks as
+    one. ``nominal``: each block column's key rows before padding keys were cut off."""
     d, f, h = Visibility.DIAGONAL, Visibility.FULL, Visibility.HIDDEN
-    n = len(nominal)
+    # the last block column a query sees: padding may cut it short and hide those after it
+    n = 1 + max((b for row in grid for b, block in enumerate(row) if block.seen is not h),
+                default=0)  # fmt: skip
     shaped = [
-        grid[a][b].seen is (d if a == b else f if b < a else h)
+        grid[a][b].seen is (h if b >= n else d if a == b else f if b < a else h)
         and (grid[a][b].seen is h or b == n - 1 or grid[a][b].cols == nominal[b])
         for a in range(len(grid))
-        for b in range(n)
+        for b in range(len(nominal))
     ]
     last = {row[n - 1].cols.stop for row in grid if row[n - 1].seen is not h}
     aligned = q_tile.start == k_tile.start and q_tile.length == k_tile.length
-    if aligned and all(shaped) and len(last) == 1:  # padding may cut the last column short
+    if aligned and all(shaped) and len(last) == 1:  # top-left causal on the keys kept
         (stop,) = last
         at = (q_tile.positions(q_tile.length), slice(k_tile.start, k_tile.start + stop))
         return [OpenBlock(q_tile.rows, slice(0, stop), d, at)]
