@@ -44,9 +44,15 @@ def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is, else a copy."""
-    target = empty_in_dim_order_of(q, out.dtype)
-    return out if out.stride() == target.stride() else target.copy_(out)
+    """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is (strides
+    compared without allocating: nothing launched), else a copy."""
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))
+    strides, size = [0] * q.dim(), 1
+    for d in reversed(order):
+        strides[d], size = size, size * q.shape[d]
+    if list(out.stride()) == strides:
+        return out
+    return empty_in_dim_order_of(q, out.dtype).copy_(out)
 
 
 def empty_attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,8 @@ class ShardRows:
             if slot.start <= rows.start < slot.stop:
                 assert rows.stop <= slot.stop, (rows, slot)
                 return buffer.narrow(2, rows.start - slot.start, rows.stop - rows.start)
+        if rows.start == 0 and rows.stop == self.tensor.shape[2]:
+            return self.tensor  # a call over all the shard's rows: no view to launch
         return self.tensor.narrow(2, rows.start, rows.stop - rows.start)
 
     def moved_rows(self) -> int:

@@ -109,19 +109,26 @@ class HeldKV(Sequence):
         return k.narrow(2, cols.start, length), v.narrow(2, cols.start, length)
 
     def _span(self, which: int, start: int, length: int) -> torch.Tensor:
-        """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D)."""
+        """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D): each view op costs a
+        GPU's host a dispatch, so a span of all the rows is the tensor itself."""
         if self._rows[which] is not None:
-            return self._rows[which].narrow(0, start, length).permute(1, 2, 0, 3)
-        own_start = self._own[0].rows.start  # own adjacent tiles: rows of k and v themselves
-        return self._kv[which].narrow(2, own_start + start, length)
+            key = ("all", which)  # the received buffer as (B, K, rows, D), made once
+            if key not in self._views:
+                self._views[key] = self._rows[which].permute(1, 2, 0, 3)
+            x = self._views[key]
+        else:  # own adjacent tiles: rows of k and v themselves
+            x, start = self._kv[which], self._own[0].rows.start + start
+        return x if start == 0 and length == x.shape[2] else x.narrow(2, start, length)
 
     def wire(self) -> list[torch.Tensor]:
         """What travels: K then V, sequence-major: one tensor each where the sub-ring's tiles
         are adjacent rows (so on every rank), else one per tile (received side by side)."""
+        if self._rows[0] is not None:  # received: sent on as they arrived
+            if _adjacent(self._own):
+                return list(self._rows)
+            return [x[a:b] for x in self._rows for a, b in itertools.pairwise(self.starts)]
         if _adjacent(self._own):
             return [self._span(x, 0, self.starts[-1]).permute(2, 0, 1, 3) for x in (0, 1)]
-        if self._rows[0] is not None:
-            return [x[a:b] for x in self._rows for a, b in itertools.pairwise(self.starts)]
         return [self[i].permute(2, 0, 1, 3) for i in range(len(self))]
 
 
@@ -169,8 +176,9 @@ class GradSlots:
         and ``dv``."""
         if self.joined:
             first, rows = self._own[0].rows.start, self.starts[-1]
-            dk.narrow(2, first, rows).copy_(totals[0])
-            dv.narrow(2, first, rows).copy_(totals[1])
+            whole = first == 0 and rows == dk.shape[2]  # no view to launch
+            (dk if whole else dk.narrow(2, first, rows)).copy_(totals[0])
+            (dv if whole else dv.narrow(2, first, rows)).copy_(totals[1])
             return
         n = len(self._own)
         for t, dk_home, dv_home in zip(self._own, totals[:n], totals[n:], strict=True):
