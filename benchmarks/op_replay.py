@@ -4,9 +4,10 @@ Within a step on this CPU, the model's own ops compute for real between the ring
 (the ring op's stubs do not): they evict the host's caches, and the ring op's Python then
 runs up to twice as slowly, by an amount that depends on the model and not on the op. A
 GPU's host launches those ops and never touches their data. So each call is also measured
-replayed: the step's calls, with the arguments they had, run back to back on every rank in
-lockstep, under no autograd; the same for ``is_causal`` and every mask case, as PyTorch's
-ring is measured (a loop of its calls).
+replayed: the step's calls, with the arguments they had, run back to back under no
+autograd, one rank at a time (their exchanges are stubbed: nothing waits for another rank;
+and four ranks on this machine's two cores would time the scheduler); the same for
+``is_causal`` and every mask case, as PyTorch's ring is measured (a loop of its calls).
 """
 
 from __future__ import annotations
@@ -53,18 +54,23 @@ def replayed_costs(
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    costs = {}
-    for name, captured in calls.items():
-        op = getattr(torch.ops.ringify, name.split("::")[1])
-        runs = []
-        for _ in range(repeats):
-            dist.barrier()  # the ranks replay in lockstep, as they ran the step
-            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                for args, kwargs in captured:
-                    op(*args, **kwargs)
-            runs.append([cost(e) for e in prof.events() if e.name == name])
-        costs[name] = [
+    runs: dict[str, list] = {name: [] for name in calls}
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn != dist.get_rank():
+            continue
+        for name, captured in calls.items():
+            op = getattr(torch.ops.ringify, name.split("::")[1])
+            for _ in range(repeats):
+                with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for args, kwargs in captured:
+                        op(*args, **kwargs)
+                runs[name].append([cost(e) for e in prof.events() if e.name == name])
+    dist.barrier()
+    return {
+        name: [
             (statistics.median(c[0] for c in per_call), per_call[0][1])
-            for per_call in zip(*runs, strict=True)
+            for per_call in zip(*replays, strict=True)
         ]
-    return costs
+        for name, replays in runs.items()
+    }

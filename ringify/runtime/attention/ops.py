@@ -143,7 +143,8 @@ def ring_attention_backward_op(
     plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, d attn_mask, d mask_inputs): d attn_mask is empty unless ``mask_grad``
-    (a learned bias); ``d mask_inputs[i]`` unless ``input_grads[i]`` (a learned program)."""
+    (a learned bias); d mask_inputs holds the gradient of each input ``input_grads`` asks
+    for (a learned program), in order, and nothing for the others (no output to allocate)."""
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
     rows = q.shape[2]
@@ -204,10 +205,7 @@ def ring_attention_backward_op(
             if "home" in arrived:
                 slots.store_home(arrived["home"], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
-    dinputs = [
-        q.new_empty(0) if d is None else d.to(x.dtype)  # outputs never alias each other
-        for d, x in zip(dinputs, mask_inputs, strict=True)
-    ]
+    dinputs = [d.to(x.dtype) for d, x in zip(dinputs, mask_inputs, strict=True) if d is not None]
     dq = dq_acc.to(q.dtype)
     del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
     move_home(ring, [dq], queries, home)
@@ -310,10 +308,7 @@ def _(
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     wanted = input_grads or [False] * len(mask_inputs)
-    dinputs = [
-        torch.empty_like(x) if w else q.new_empty(0)
-        for x, w in zip(mask_inputs, wanted, strict=True)
-    ]
+    dinputs = [torch.empty_like(x) for x, w in zip(mask_inputs, wanted, strict=True) if w]
     return *grads, dmask, dinputs
 
 
@@ -339,7 +334,8 @@ def _backward(ctx, grad_out, _grad_lse):
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
     grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
-    grads[10] = [d if want else None for d, want in zip(dinputs, ctx.input_grads, strict=True)]
+    given = iter(dinputs)
+    grads[10] = [next(given) if want else None for want in ctx.input_grads]
     return tuple(grads)
 
 
