@@ -4,8 +4,10 @@ On a GPU the ring op's kernels run asynchronously: what the host spends per call
 slicing, launching) is hidden behind them only if it is shorter. Here the block kernels
 (``block_forward``, ``block_backward``, ``merge_block``, and ``additive_mask``, a mask's bias)
 are replaced by stubs that allocate their outputs (on this CPU, writing a block-sized bias
-evicts the host's caches, which a GPU's kernels never touch), and ``start_exchange`` by one that moves nothing (it counts the bytes a real
-exchange would send), so a call's time under ``torch.profiler`` is its host work alone.
+evicts the host's caches, which a GPU's kernels never touch), and ``start_exchange`` by one
+that moves nothing (it counts the bytes a real exchange would send), so a call's time under
+``torch.profiler`` is its host work alone; each call is measured replayed on its own too
+(``op_replay.py``): the criterion's figure.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
 stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a GPU
@@ -15,15 +17,13 @@ Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) 
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
 ``is_causal=True`` and no mask on the same shapes. Per case: host µs per call, forward and
-backward (the op's own time plus ``LAUNCH_US`` per kernel it launches, see ``_host_cost``;
-the mean over the calls of one step after a warm-up step, the step's first forward left
-out: it evaluates the step's masks, ``masks µs/step``), the kernels per call, the
-``attention_plan`` op's µs per step, and the K/V bytes one layer sends per step, with
-HF's ``repeat_kv`` folded (the default) and not.
+backward (the op's own time plus ``LAUNCH_US`` per kernel it launches, ``_host_cost``; the
+mean over a step's calls, replayed, and in the step, whose first forward is left out: it
+evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
+step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
+a paper model of a GPU step (labelled so, ``paper_model``).
 
     python benchmarks/host_overhead.py --seqs 8192 32768 --rings 2 4
-
-Then a paper model of a GPU step (labelled so): see ``paper_model``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 from tabulate import tabulate
 
-from benchmarks.op_replay import captured_calls, replayed_costs
+from benchmarks.op_replay import captured_calls, one_rank_at_a_time, replayed_costs
 from ringify.testing import RankPool
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
@@ -208,7 +208,8 @@ def torch_ring_times(seq: int) -> dict[str, float]:
                 )  # fmt: skip
 
     calls = {"torch_ring_forward": [], "torch_ring_backward": []}
-    with _torch_ring_stubs():
+
+    def steps():  # nothing moves between the ranks: one rank at a time, as ours replay
         step()
         for _ in range(REPEATS):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -219,6 +220,9 @@ def torch_ring_times(seq: int) -> dict[str, float]:
                     got[event.name].append(_host_cost(event))
             for name in calls:
                 calls[name].append(got[name])
+
+    with _torch_ring_stubs():
+        one_rank_at_a_time(steps)
     fwd, bwd = (
         [_median(per_call) for per_call in zip(*calls[name], strict=True)] for name in calls
     )

@@ -46,19 +46,27 @@ def captured_calls(step: Callable[[], None]) -> dict[str, list[tuple[tuple, dict
     return calls
 
 
+def one_rank_at_a_time(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on each rank in turn, the others waiting (nothing in it may wait for them)."""
+    import torch.distributed as dist
+
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank():
+            fn()
+    dist.barrier()
+
+
 def replayed_costs(
     calls: dict[str, list[tuple[tuple, dict]]], repeats: int, cost: Callable
 ) -> dict[str, list[tuple[float, int]]]:
     """Per op name, each captured call's ``cost(profiler event)`` replayed: the median over
     ``repeats`` replays (its kernel count from the first)."""
-    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     runs: dict[str, list] = {name: [] for name in calls}
-    for turn in range(dist.get_world_size()):
-        dist.barrier()
-        if turn != dist.get_rank():
-            continue
+
+    def replay() -> None:
         for name, captured in calls.items():
             op = getattr(torch.ops.ringify, name.split("::")[1])
             for _ in range(repeats):
@@ -66,7 +74,8 @@ def replayed_costs(
                     for args, kwargs in captured:
                         op(*args, **kwargs)
                 runs[name].append([cost(e) for e in prof.events() if e.name == name])
-    dist.barrier()
+
+    one_rank_at_a_time(replay)
     return {
         name: [
             (statistics.median(c[0] for c in per_call), per_call[0][1])
