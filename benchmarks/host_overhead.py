@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 from tabulate import tabulate
 
-from benchmarks.op_replay import captured_calls, one_rank_at_a_time, replayed_costs
+from benchmarks import op_replay
 from ringify.testing import RankPool
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
@@ -222,9 +222,10 @@ def torch_ring_times(seq: int) -> dict[str, float]:
                 calls[name].append(got[name])
 
     with _torch_ring_stubs():
-        one_rank_at_a_time(steps)
+        op_replay.one_rank_at_a_time(steps)
     fwd, bwd = (
-        [_median(per_call) for per_call in zip(*calls[name], strict=True)] for name in calls
+        [op_replay.median_cost(per_call) for per_call in zip(*calls[name], strict=True)]
+        for name in calls
     )
     return {
         "fwd_us": sum(c[0] for c in fwd) / len(fwd),
@@ -232,10 +233,6 @@ def torch_ring_times(seq: int) -> dict[str, float]:
         "fwd_launches": sum(c[1] for c in fwd) / len(fwd),
         "bwd_launches": sum(c[1] for c in bwd) / len(bwd),
     }
-
-
-def _median(costs) -> tuple[float, int]:
-    return statistics.median(c[0] for c in costs), costs[0][1]
 
 
 def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[str, float]:
@@ -249,7 +246,7 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
     with _stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
-        replayed = replayed_costs(captured_calls(step), repeats, _host_cost)
+        replayed = op_replay.replayed_costs(op_replay.captured_calls(step), repeats, _host_cost)
         for _ in range(repeats):  # this machine's noise: each call's median over the steps
             sent[:] = [0, 0.0]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -264,7 +261,7 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
             for name in calls:
                 calls[name].append(got[name])
     calls = {
-        name: [_median(per_call) for per_call in zip(*steps, strict=True)]
+        name: [op_replay.median_cost(per_call) for per_call in zip(*steps, strict=True)]
         for name, steps in calls.items()
     }
     plan_us = statistics.median(plan_us)

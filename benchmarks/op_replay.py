@@ -77,9 +77,11 @@ def replayed_costs(
 
     one_rank_at_a_time(replay)
     return {
-        name: [
-            (statistics.median(c[0] for c in per_call), per_call[0][1])
-            for per_call in zip(*replays, strict=True)
-        ]
+        name: [median_cost(per_call) for per_call in zip(*replays, strict=True)]
         for name, replays in runs.items()
     }
+
+
+def median_cost(costs: list[tuple[float, int]]) -> tuple[float, int]:
+    """One call's (µs, kernels) over its measurements: the median time (its kernels are fixed)."""
+    return statistics.median(c[0] for c in costs), costs[0][1]
