@@ -36,6 +36,7 @@ from ringify.parallelized import (
 )
 from ringify.passes.attention import find_attention
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
+from ringify.passes.constants import drop_empty_concatenated
 from ringify.passes.convs import fold_sequence_convs
 from ringify.passes.flex import fold_flex_attention
 from ringify.passes.fsdp_units import keep_fsdp_units
@@ -149,6 +150,7 @@ def rewrite(
     else:
         exported, checkpoints = _export(model, units, spec, flat, shapes or {})
     gm = exported_module(exported)
+    drop_empty_concatenated(gm)  # (the decode step reads its cache through those cats)
     _warn_about_hooks(model)
     plan = plan_sequence(gm, config, dims or None, gathered, general=general)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -130,7 +130,8 @@ def decode(module, started: Prefilled, config, new_tokens: int):
         sequences = torch.cat([sequences, token[:, None]], 1)
         if eos is not None:
             unfinished = unfinished * ~torch.isin(token, eos)
-        if i == new_tokens - 1 or not unfinished.any():
+        # a host read per token, as HF's stopping criteria make, only where an EOS can stop
+        if i == new_tokens - 1 or (eos is not None and not unfinished.any()):
             break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         inputs = {"input_ids": token[:, None], "attention_mask": mask}

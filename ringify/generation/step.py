@@ -86,7 +86,7 @@ class DecodeStep:
             ) from None
         self.state_names = lift_state(gm.graph, self.model)
         self.module = fx.GraphModule(gm, gm.graph)
-        self.out_spec = exported.call_spec.out_spec
+        self._places = _output_places(exported.call_spec.out_spec)
         self.lengths = _length_range(exported)
         self.traces += 1
 
@@ -113,13 +113,27 @@ class DecodeStep:
         own = cache.owner() == self.ring.rank
         state = state_of(self.model, self.state_names)
         out = self.module(*state, *flat, *local, cache.positions(), own)
-        result = pytree.tree_unflatten(out, self.out_spec)
-        new = result.past_key_values
-        return (
-            result.logits,
-            [layer.keys for layer in new.layers],
-            [layer.values for layer in new.layers],
-        )
+        logits, keys, values = self._places
+        return out[logits], [out[i] for i in keys], [out[i] for i in values]
+
+
+def _output_places(spec) -> tuple[int, list[int], list[int]]:
+    """Where the step's logits and each layer's new key and value lie among its flat outputs,
+    read once from the output's structure: unflattening HF's cache at every token would
+    build it anew, a tensor created and a copy made per layer and token. Each leaf is tagged
+    with its index (4-D: HF's cache concatenates its leaves onto empty ones)."""
+    tags = [torch.full((1, 1, 1, 1), float(i)) for i in range(spec.num_leaves)]
+    result = pytree.tree_unflatten(tags, spec)
+    layers = result.past_key_values.layers
+
+    def place(tagged: torch.Tensor) -> int:
+        return int(tagged.reshape(-1)[-1])  # host tensors of the trace: no device read
+
+    return (
+        place(result.logits),
+        [place(layer.keys) for layer in layers],
+        [place(layer.values) for layer in layers],
+    )
 
 
 def _with_length(kwargs: dict, length: int) -> dict:
