@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_flash_contracts import FlashCalls
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
@@ -209,3 +210,42 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     assert set(log.heads) <= {(4, 2)}
     for strides, same_dtype in log.biases:
         assert strides[1] == 0 and strides[2] % 8 == 0 and same_dtype, log.biases
+
+
+class _FromHostData(TorchFunctionMode):
+    """The calls that build a tensor from host data (``torch.tensor``, ``torch.as_tensor``):
+    a host-to-device copy each, on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.tensor, torch.as_tensor) and not isinstance(args[0], torch.Tensor):
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_programs_literals_are_made_on_the_device():
+    """A program's constants and cast literals (T5's relative-position bias has them) are
+    filled in on the device, not copied from the host in every block of every layer."""
+    from ringify.runtime.masks.program import evaluate, parse
+
+    program = parse(
+        MaskProgram(
+            ("k",),
+            (
+                ("const", (0.5,), "float32"),
+                ("cast", (3,), "float32"),
+                ("mul.Tensor", ({"in": 0}, {"op": 0}), "float32"),
+                ("add.Tensor", ({"op": 2}, {"op": 1}), "float32"),
+            ),
+        ).text()
+    )
+    keys = torch.arange(8.0).view(1, -1)
+    got = evaluate(program, [keys], slice(0, 4), slice(0, 8), torch.device("cpu"))
+    assert torch.equal(got.reshape(-1, 8)[0], keys[0] * 0.5 + 3)
+    keys = keys.to("meta")
+    with _FromHostData() as seen:
+        on_meta = evaluate(program, [keys], slice(0, 4), slice(0, 8), "meta")
+    assert on_meta.device.type == "meta" and not seen.calls, seen.calls

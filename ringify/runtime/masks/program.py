@@ -147,10 +147,17 @@ def resolve(a, inputs: list, results: list, q_pos, k_pos, literal):
 
 
 def run_op(op: str, args: list, dtype: torch.dtype, q_pos, k_pos, device) -> torch.Tensor:
+    # A literal is filled in on the device (a kernel), never copied from the host: a
+    # host-to-device copy per block and layer would wait on the host.
     if op == "cast":
-        return torch.as_tensor(args[0], device=device).to(dtype)
+        x = args[0]
+        if not isinstance(x, torch.Tensor):  # as torch.as_tensor would type the literal
+            x = torch.full((), x, dtype=_literal_dtype(x), device=device)
+        return x.to(device=device, dtype=dtype)
     if op == "const":
-        return torch.tensor(args[0], dtype=dtype, device=device)
+        if isinstance(args[0], torch.Tensor):  # a value the graph computed
+            return args[0].to(device=device, dtype=dtype)
+        return torch.full((), args[0], dtype=dtype, device=device)
     if op == "embed":  # table[index] with the table's columns (heads) before queries x keys
         table, index = args
         return as_4d(table[index.reshape(index.shape[-2:])].permute(2, 0, 1))
@@ -161,6 +168,12 @@ def run_op(op: str, args: list, dtype: torch.dtype, q_pos, k_pos, device) -> tor
         return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
     name, overload = op.rsplit(".", 1)
     return getattr(getattr(aten, name), overload)(*args)
+
+
+def _literal_dtype(x) -> torch.dtype:
+    if isinstance(x, bool):
+        return torch.bool
+    return torch.int64 if isinstance(x, int) else torch.get_default_dtype()
 
 
 def tile_bounds(x: torch.Tensor, role: str, starts, stops):
