@@ -70,6 +70,7 @@ class TileMasks:
         self._run_inputs, self._device = self.inputs, _HOST  # until ``bound_to`` a call
         self._kept: KeptMasks | None = None
         self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
+        self._steps: dict[tuple, tuple] = {}  # a step's blocks and pair counts (``pairs``)
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
@@ -83,7 +84,7 @@ class TileMasks:
     def working_on(self, queries) -> TileMasks:
         """These masks with ``queries(rank)`` the query tiles of each rank."""
         moved = copy.copy(self)
-        moved._queries, moved._last = queries, {}
+        moved._queries, moved._last, moved._steps = queries, {}, {}
         return moved
 
     def bound_to(
@@ -147,7 +148,30 @@ class TileMasks:
         evaluation or bias is larger than a block. ``biased``: every block that is not
         hidden carries its bias, even a zero one (a learned program's gradient needs it).
         The step's unmasked whole pairs come last, joined into few calls (``calls.py``;
-        ``joinable``: the held tiles lie side by side in memory)."""
+        ``joinable``: the held tiles lie side by side in memory).
+
+        Under a program the blocks of a step are the same in every call of the plan: they
+        are worked out once and kept; each call adds only its masked blocks' biases."""
+        if self.mask is not None:  # a mask tensor: the call's own, biases and all
+            yield from self._pairs(mine, held, acc, _counts if count else None, biased, joinable)
+            return
+        key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable)
+        if key not in self._steps:
+            counts: Counter = Counter()
+            blocks = list(self._pairs(mine, held, acc, counts, biased, joinable))
+            self._steps[key] = (blocks, counts)
+        blocks, counts = self._steps[key]
+        if count:
+            _counts.update(counts)
+        for b in blocks:
+            if b.seen is Visibility.MASKED:  # a program's block: its mask as a bias
+                bias = additive_mask(self._mask_at(b.at), acc)
+                b = Block(b.held, b.rows, b.cols, b.seen, bias, b.at, b.empty_rows, b.tiles)
+            yield b
+
+    def _pairs(self, mine, held, acc, counts: Counter | None, biased: bool, joinable: bool):
+        """``pairs``, counting each pair's visibility into ``counts`` (if not None); under a
+        program, its masked blocks carry no bias yet."""
         whole: dict[tuple[int, int], Block] = {}
         for i, k_tile in enumerate(held):
             keys = self.keys(k_tile)
@@ -163,12 +187,12 @@ class TileMasks:
                             whole[a, i] = block
                         elif block.seen is not Visibility.HIDDEN:
                             yield block
-                    if count:  # the pair's: its blocks' if they agree, else masked
+                    if counts is not None:  # the pair's: its blocks' if they agree, else masked
                         one = len(seen_blocks) == 1
-                        _counts[seen_blocks.pop() if one else Visibility.MASKED] += 1
+                        counts[seen_blocks.pop() if one else Visibility.MASKED] += 1
                     continue
-                if count:
-                    _counts[seen] += 1
+                if counts is not None:
+                    counts[seen] += 1
                 if seen is not Visibility.HIDDEN:
                     at = (q_tile.positions(q_tile.length), k_tile.positions(keys))
                     block = Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
@@ -194,16 +218,15 @@ class TileMasks:
         return None, None
 
     def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
-        """Every ``Block`` of an open pair: its visibility from the host's classification
-        (made once per plan), its bias, where it needs one, evaluated on the device. Without a
-        bias, blocks run as few calls (``open_blocks.coalesced``)."""
+        """Every ``Block`` of an open pair, its visibility from the host's classification
+        (made once per plan); one that needs its mask is MASKED, its bias added by ``pairs``
+        in each call. Without a bias, blocks run as few calls (``open_blocks.coalesced``)."""
         blocks, coalesced = self._open_blocks(q_tile, k_tile, keys)
         for rows, cols, seen, at, empty in blocks if biased else coalesced:
             if seen is Visibility.HIDDEN or not (seen is Visibility.MASKED or biased):
                 yield Block(held, rows, cols, seen, None, at)
                 continue
-            bias = additive_mask(self._mask_at(at), acc)
-            yield Block(held, rows, cols, Visibility.MASKED, bias, at, empty or biased)
+            yield Block(held, rows, cols, Visibility.MASKED, None, at, empty or biased)
 
     def _mask_at(self, at: tuple[slice, slice]) -> torch.Tensor:
         """The program's mask at a block's positions on the call's device: kept from an
