@@ -73,12 +73,8 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     chain = [node]
     while chain[-1].target in _PASSED_ON:
         chain.append(chain[-1].args[0])
-    # the detach_ export puts on the copy uses it in place: it goes first, if it is unused
-    for user in [u for u in node.users if u.target is aten.detach_.default and not u.users]:
-        graph.erase_node(user)
-    for step in chain:
-        extra = [u for u in step.users if u.target is aten.detach_.default and not u.users]
-        for user in extra:
+    for step in chain:  # the detach_ export puts on a copy goes first, if nothing reads it
+        for user in [u for u in step.users if u.target is aten.detach_.default and not u.users]:
             graph.erase_node(user)
         if step.users:
             return

@@ -38,21 +38,24 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor shaped like ``q`` whose dims lie in memory in q's order (by stride),
     densely: unlike ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
-    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # outermost first; stable
-    dense = torch.empty([q.shape[d] for d in order], dtype=dtype, device=q.device)
-    return dense.permute([order.index(d) for d in range(q.dim())])
+    return torch.empty_strided(q.shape, _dense_strides(q), dtype=dtype, device=q.device)
 
 
 def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is (strides
     compared without allocating: nothing launched), else a copy."""
-    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))
+    if out.stride() == _dense_strides(q):
+        return out
+    return empty_in_dim_order_of(q, out.dtype).copy_(out)
+
+
+def _dense_strides(q: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a dense tensor of q's shape whose dims lie in memory in q's order."""
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # outermost first; stable
     strides, size = [0] * q.dim(), 1
     for d in reversed(order):
         strides[d], size = size, size * q.shape[d]
-    if list(out.stride()) == strides:
-        return out
-    return empty_in_dim_order_of(q, out.dtype).copy_(out)
+    return tuple(strides)
 
 
 def empty_attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

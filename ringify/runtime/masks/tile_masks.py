@@ -14,6 +14,7 @@ round the ring each rank's key tiles are needed: beyond that step they are not s
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 import torch
@@ -165,8 +166,7 @@ class TileMasks:
             _counts.update(counts)
         for b in blocks:
             if b.seen is Visibility.MASKED:  # a program's block: its mask as a bias
-                bias = additive_mask(self._mask_at(b.at), acc)
-                b = Block(b.held, b.rows, b.cols, b.seen, bias, b.at, b.empty_rows, b.tiles)
+                b = dataclasses.replace(b, bias=additive_mask(self._mask_at(b.at), acc))
             yield b
 
     def _pairs(self, mine, held, acc, counts: Counter | None, biased: bool, joinable: bool):
