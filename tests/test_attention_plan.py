@@ -92,3 +92,21 @@ def test_one_plan_per_step_whatever_the_layers(ranks, backend, checkpointing, fi
         assert same == {"by handle": calls, "host copies": 1, "built": 0}, same
         assert other == {"by handle": calls, "host copies": 1, "built": 1}, other
         assert error <= 1.0  # relative to the tolerance
+
+
+def test_a_handles_entry_lives_as_long_as_the_handle():
+    """Plans and kept masks are found by the handle tensor itself: its entry goes when the
+    graph frees it, and a later tensor that happens to get its id finds nothing."""
+    import gc
+
+    from ringify.runtime.masks.handles import HandleMap
+
+    kept, handle = HandleMap(), torch.tensor([1])
+    kept[handle] = "plan"
+    assert kept.get(handle) == "plan" and kept.get(torch.tensor([1])) is None
+    old_id = id(handle)
+    del handle
+    gc.collect()
+    assert len(kept) == 0
+    later = [torch.tensor([1]) for _ in range(64)]  # some may take the old id: none is found
+    assert all(kept.get(t) is None for t in later), old_id

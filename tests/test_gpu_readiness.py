@@ -95,10 +95,12 @@ class _ProgramOps(TorchDispatchMode):
 @pytest.mark.parametrize("name", ["packed", "window"])
 def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
     """The first call of a step evaluates each masked block's mask on the device and keeps it
-    for the step (the plan handle's life): another layer's forward and every backward evaluate
-    nothing. A call with no handle (outside a ringified graph) evaluates its own."""
+    for the step (the plan handle's life), as the kernel's bias: another layer's forward and
+    every backward evaluate nothing and make no bias. A call with no handle (outside a
+    ringified graph) evaluates its own."""
     program, host, _ = _case(name)
     ops = {"packed": {"eq.Tensor"}, "window": {"lt.Scalar"}}[name]  # the program's own ops
+    ops |= {"log_.default"}  # a bool mask made a bias (``additive_mask``)
     geometry = ("", "contiguous", KEYS)
     meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")
     q, dout, k, v = meta(1, 4, N, 64), meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64)

@@ -12,10 +12,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from ringify.runtime.attention.blocks import DTYPES
 from ringify.runtime.attention.dilated_ops import dilated_attention_op
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_op
+from ringify.runtime.attention.outputs import DTYPES
 from ringify.runtime.collectives.agreement import check_ranks_agree
 from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring
 from ringify.runtime.tiling.layout import check_layout

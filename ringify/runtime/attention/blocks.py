@@ -27,44 +27,6 @@ from ringify.runtime.attention.flash import flash_backward, flash_forward
 
 aten = torch.ops.aten
 
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Blocks are merged in float32, or float64 when the inputs are float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor shaped like ``q`` whose dims lie in memory in q's order (by stride),
-    densely: unlike ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
-    return torch.empty_strided(q.shape, _dense_strides(q), dtype=dtype, device=q.device)
-
-
-def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is (strides
-    compared without allocating: nothing launched), else a copy."""
-    if out.stride() == _dense_strides(q):
-        return out
-    return empty_in_dim_order_of(q, out.dtype).copy_(out)
-
-
-def _dense_strides(q: torch.Tensor) -> tuple[int, ...]:
-    """The strides of a dense tensor of q's shape whose dims lie in memory in q's order."""
-    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # outermost first; stable
-    strides, size = [0] * q.dim(), 1
-    for d in reversed(order):
-        strides[d], size = size, size * q.shape[d]
-    return tuple(strides)
-
-
-def empty_attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out, lse)`` as the attention ops return them: ``out`` in q's dim order, ``lse``
-    (B, H, S) in the accumulation dtype. The ops' fake kernels are this, so the graph
-    pass, which fills ``meta["val"]`` from the fake kernels, states shapes exactly once."""
-    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-    return empty_in_dim_order_of(q, q.dtype), lse
-
 
 def block_forward(
     q_BHsD: torch.Tensor,
@@ -179,10 +141,17 @@ def block_backward(
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias."""
-    if mask.dtype == torch.bool:  # two kernels: log(1) = 0 and log(0) = -inf, exactly (IEEE)
-        return mask.to(dtype).log_()
-    return mask.to(dtype)
+    """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias;
+    on an accelerator with rows 16-byte aligned, as the efficient kernel takes it as it is
+    (``_cuda_bias``: a kept bias is then never copied again)."""
+    if mask.device.type == "cpu":
+        bias = mask.to(dtype)
+    else:
+        t = mask.shape[-1]
+        padded = torch.empty(*mask.shape[:-1], t + (-t % 8), dtype=dtype, device=mask.device)
+        bias = padded[..., :t].copy_(mask)
+    # log(1) = 0 and log(0) = -inf, exactly (IEEE)
+    return bias.log_() if mask.dtype == torch.bool else bias
 
 
 def _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale):

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention.blocks import (
-    accumulation_dtype,
-    additive_mask,
-    block_forward,
-    empty_attention_outputs,
-    merge_block,
-)
+from ringify.runtime.attention.blocks import additive_mask, block_forward, merge_block
 from ringify.runtime.attention.memory import merge_over_ring
+from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
 
 
 @torch.library.custom_op("ringify::decode_attention", mutates_args=())

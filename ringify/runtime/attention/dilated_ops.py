@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention.blocks import (
+from ringify.runtime.attention.blocks import block_backward, block_forward, merge_block
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.outputs import (
     accumulation_dtype,
-    block_backward,
-    block_forward,
     empty_attention_outputs,
     empty_in_dim_order_of,
     in_dim_order_of,
-    merge_block,
 )
-from ringify.runtime.attention.dilation import Dilation
-from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.collectives.ring import ring_by_name, sub_ring_name
 
 

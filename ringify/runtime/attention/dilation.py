@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.attention.blocks import accumulation_dtype
+from ringify.runtime.attention.outputs import accumulation_dtype
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention.blocks import (
-    accumulation_dtype,
     additive_mask,
     bias_backward,
     block_backward,
     block_forward,
-    empty_attention_outputs,
 )
+from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
 from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
 from ringify.runtime.collectives.ring import LOCAL, ring_by_name
 from ringify.runtime.tiling.layout import shard_for_rank

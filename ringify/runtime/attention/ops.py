@@ -40,14 +40,17 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention.blocks import (
-    accumulation_dtype,
     bias_backward,
     block_backward,
     block_forward,
+    merge_block,
+)
+from ringify.runtime.attention.outputs import (
+    accumulation_dtype,
+    bias_dtype,
     empty_attention_outputs,
     empty_in_dim_order_of,
     in_dim_order_of,
-    merge_block,
 )
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring, ring_by_name
@@ -55,7 +58,7 @@ from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import count_call, plan_for
 from ringify.runtime.masks.step_masks import kept_masks
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.moves import ShardRows, move_home, rows_in
+from ringify.runtime.tiling.moves import ShardRows, move_home, narrow_rows, rows_in
 from ringify.runtime.tiling.schedule import GradSlots, ring_visits
 from ringify.runtime.tiling.tiles import Visibility
 
@@ -91,15 +94,16 @@ def ring_attention_op(
     (q_at,) = rows_in(ring, [q], home, queries)
     mine = queries(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
+    bias_in = bias_dtype(q)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     out_rows, lse_rows = ShardRows(out_acc), ShardRows(lse_acc)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
         if held is None:  # no query here sees them: they were not sent
-            masks.skip(mine, len(own))
+            masks.skip(mine, len(own.tiles))
             continue
-        for b in masks.pairs(mine, held, acc, count=True, joinable=kv.joined):
+        for b in masks.pairs(mine, held, bias_in, count=True, joinable=kv.joined):
             k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
@@ -173,7 +177,7 @@ def ring_attention_backward_op(
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
     delivery = None  # the previous step's exchange: dK/dV travelling on, and arriving home
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
-        last = masks.last_steps(own[0].sub_ring)
+        last = masks.last_steps(own.tiles[0].sub_ring)
         if step == 0:  # a sub-ring's trip begins
             slots = GradSlots(own, k, v)
         here = None
@@ -232,7 +236,8 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
     gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(slots.shapes)
-    for b in masks.pairs(mine, held, acc, biased=learned is not None, joinable=kv.joined):
+    bias_in = bias_dtype(q.tensor)  # q: ShardRows
+    for b in masks.pairs(mine, held, bias_in, biased=learned is not None, joinable=kv.joined):
         i, r, cols = b.held, b.rows, b.cols
         block = (grad_out[r], q[r], *kv.keys(b.held, b.tiles, cols), out[r], lse[r])
         causal = b.seen is Visibility.DIAGONAL
@@ -250,7 +255,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
         dq_rows[r].add_(dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in _slot_parts(slots, which, b):
-                _accumulate(here, slot, _rows(grad, part) if part else grad, slots, rows, acc)
+                _accumulate(here, slot, narrow_rows(grad, part) if part else grad, slots, rows, acc)
     return here
 
 
@@ -266,10 +271,6 @@ def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice
         parts.append((slot, rows, slice(start, start + length)))
         start += length
     return parts
-
-
-def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
-    return x.narrow(2, rows.start, rows.stop - rows.start)  # one view op, where [:, :, r] is two
 
 
 def _added(dkv, here, slots: GradSlots, acc, device):
@@ -296,7 +297,7 @@ def _accumulate(grads: list, slot: int, grad: torch.Tensor, slots: GradSlots, ro
         return
     if grads[slot] is None:
         grads[slot] = torch.zeros(shape, dtype=acc, device=grad.device)
-    _rows(grads[slot], rows).add_(grad)
+    narrow_rows(grads[slot], rows).add_(grad)
 
 
 @ring_attention_backward_op.register_fake

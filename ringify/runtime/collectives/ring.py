@@ -80,12 +80,20 @@ def sub_ring_name(ring: Ring, size: int) -> str:
     return _sub_rings[key]
 
 
+_LOCAL_RING = Ring(None, 0, 1)
+_rings: dict[str, Ring] = {}  # by group name: every ring call asks, and rank and size are fixed
+
+
 def ring_by_name(group_name: str) -> Ring:
-    """The ring a custom op was given by name."""
+    """The ring a custom op was given by name (kept while the name resolves to its group:
+    a group destroyed and made anew under the same name is resolved again)."""
     if group_name == LOCAL:
-        return Ring(None, 0, 1)
+        return _LOCAL_RING
     group = _resolve_process_group(group_name)
-    return Ring(group, dist.get_rank(group), dist.get_world_size(group))
+    ring = _rings.get(group_name)
+    if ring is None or ring.group is not group:
+        ring = _rings[group_name] = Ring(group, dist.get_rank(group), dist.get_world_size(group))
+    return ring
 
 
 def served_devices(ring: Ring) -> set[str]:

@@ -29,9 +29,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
+from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
 from ringify.runtime.tiling.balance import balanced_tiling, count_plan
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
@@ -42,7 +42,7 @@ MAX_PLANS = 32
 
 _lookups: Counter = Counter()  # how calls found their plans (``plan_lookups``)
 _plans: OrderedDict[int | tuple, Plan] = OrderedDict()  # by content, or by geometry alone
-_handles: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by the handle an attention_plan made
+_handles = HandleMap()  # by the handle an attention_plan made
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,23 @@ the kernels here take a bias, so the first call of a step keeps each mask it eva
 on its device, for the later calls of the step: the kept masks live as long as the plan
 handle (``masks/plan.py``), which the graph frees after the step's backward.
 
-Kept masks are the program's own output (bool for HF's masks), at most ``KEPT_BYTES_PER_ROW``
-bytes per query row of the rank: O(S x block) per rank, as a sliding window's or a document
+A block is kept with its bias, ready for the kernel, at most ``KEPT_BYTES_PER_ROW`` bytes
+per query row of the rank: O(S x block) per rank, as a sliding window's or a document
 boundary's masked blocks need; blocks beyond the budget are evaluated in each call. On the
 CPU none are kept (``kept_bytes_per_row``).
 """
 
 from __future__ import annotations
 
-import torch
-from torch.utils.weak import WeakIdKeyDictionary
+from typing import Any
 
+import torch
+
+from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.tiling import tiles
 
-# Per query row: a bool mask 8192 keys wide (a window's or a document's edge blocks).
-KEPT_BYTES_PER_ROW = 8 * 1024
+# Per query row: a bf16 bias 8192 keys wide (a window's or a document's edge blocks).
+KEPT_BYTES_PER_ROW = 16 * 1024
 
 
 def kept_bytes_per_row(device_type: str) -> int:
@@ -31,27 +33,29 @@ def kept_bytes_per_row(device_type: str) -> int:
     return KEPT_BYTES_PER_ROW if tiles.on_accelerator(device_type) else 0
 
 
-_by_handle: WeakIdKeyDictionary = WeakIdKeyDictionary()  # plan handle -> {device: KeptMasks}
+_by_handle = HandleMap()  # plan handle -> {device: KeptMasks}
 
 
 class KeptMasks:
-    """One step's masks on one device, by the block's global positions, within a byte budget."""
+    """One step's masked blocks on one device, each with its bias (the kernels' additive
+    mask, made once: no call of the step launches it again), by the block's global positions
+    and the bias dtype, within a byte budget."""
 
     def __init__(self, budget: int):
         self.budget, self.bytes = budget, 0
-        self._masks: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._blocks: dict[tuple, Any] = {}
 
-    def get(self, key: tuple[int, int, int, int]) -> torch.Tensor | None:
-        return self._masks.get(key)
+    def get(self, key: tuple) -> Any:
+        return self._blocks.get(key)
 
-    def keep(self, key: tuple[int, int, int, int], mask: torch.Tensor) -> None:
-        size = mask.numel() * mask.element_size()
+    def keep(self, key: tuple, block: Any) -> None:
+        size = block.bias.numel() * block.bias.element_size()
         if self.bytes + size <= self.budget:
-            self._masks[key] = mask
+            self._blocks[key] = block
             self.bytes += size
 
     def __len__(self) -> int:
-        return len(self._masks)
+        return len(self._blocks)
 
 
 def kept_masks(handle: torch.Tensor | None, device: torch.device, rows: int) -> KeptMasks | None:
@@ -61,7 +65,9 @@ def kept_masks(handle: torch.Tensor | None, device: torch.device, rows: int) -> 
     budget = kept_bytes_per_row(device.type) * rows
     if handle is None or budget == 0:
         return None
-    per_device = _by_handle.setdefault(handle, {})
+    per_device = _by_handle.get(handle)
+    if per_device is None:
+        per_device = _by_handle[handle] = {}
     if device not in per_device:
         per_device[device] = KeptMasks(budget)
     return per_device[device]

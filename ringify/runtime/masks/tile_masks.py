@@ -39,13 +39,15 @@ from ringify.runtime.tiling.tiles import (
 )
 
 _HOST = torch.device("cpu")
-_counts: Counter = Counter()  # tile pairs of the forward passes, by what they saw
+_HIDDEN = Visibility.HIDDEN.value
+# tile pairs of the forward passes, by the value of what they saw (an Enum hashes in Python)
+_counts: Counter = Counter()
 
 
 def tile_counts() -> dict[Visibility, int]:
     """How many tile pairs the forward passes of this process skipped, ran causal, ran
     with no mask and ran with a bias, since the last ``reset_tile_counts``."""
-    return {v: _counts[v] for v in Visibility}
+    return {v: _counts[v.value] for v in Visibility}
 
 
 def reset_tile_counts() -> None:
@@ -72,6 +74,7 @@ class TileMasks:
         self._kept: KeptMasks | None = None
         self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
         self._steps: dict[tuple, tuple] = {}  # a step's blocks and pair counts (``pairs``)
+        self._bound: tuple | None = None  # the last ``bound_to``: (its key, it, what it holds)
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
@@ -85,7 +88,7 @@ class TileMasks:
     def working_on(self, queries) -> TileMasks:
         """These masks with ``queries(rank)`` the query tiles of each rank."""
         moved = copy.copy(self)
-        moved._queries, moved._last, moved._steps = queries, {}, {}
+        moved._queries, moved._last, moved._steps, moved._bound = queries, {}, {}, None
         return moved
 
     def bound_to(
@@ -95,10 +98,15 @@ class TileMasks:
         program's inputs as the running call holds them) on ``device``; ``kept``: the
         step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to.
         (An op's body runs below autograd: nothing it computes from ``inputs`` is recorded.)"""
-        bound = copy.copy(self)
-        bound._run_inputs, bound._device = inputs, device
-        bound._kept = kept
-        return bound
+        # every layer of a step binds the same inputs: the last binding is kept (it holds
+        # them, so their ids stay theirs)
+        key = (*map(id, inputs), device, id(kept))
+        if self._bound is None or self._bound[0] != key:
+            bound = copy.copy(self)
+            bound._run_inputs, bound._device, bound._kept = inputs, device, kept
+            bound._bound = None
+            self._bound = (key, bound, kept)
+        return self._bound[1]
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
         n = len(tiles)
@@ -137,10 +145,10 @@ class TileMasks:
 
     def skip(self, mine: list[Tile], held: int) -> None:
         """Count the pairs of a step at which the held tiles did not come: all hidden."""
-        _counts[Visibility.HIDDEN] += len(mine) * held
+        _counts[_HIDDEN] += len(mine) * held
 
     def pairs(
-        self, mine, held, acc: torch.dtype, count: bool = False, biased: bool = False,
+        self, mine, held, dtype: torch.dtype, count: bool = False, biased: bool = False,
         joinable: bool = False,
     ):  # fmt: skip
         """Every ``Block`` with work. A pair is one block, except a pair of a program its
@@ -154,22 +162,24 @@ class TileMasks:
         Under a program the blocks of a step are the same in every call of the plan: they
         are worked out once and kept; each call adds only its masked blocks' biases."""
         if self.mask is not None:  # a mask tensor: the call's own, biases and all
-            yield from self._pairs(mine, held, acc, _counts if count else None, biased, joinable)
+            counts = Counter()
+            yield from self._pairs(mine, held, dtype, counts, biased, joinable)
+            if count:
+                _counts.update({seen.value: n for seen, n in counts.items()})
             return
         key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable)
         if key not in self._steps:
             counts: Counter = Counter()
-            blocks = list(self._pairs(mine, held, acc, counts, biased, joinable))
-            self._steps[key] = (blocks, counts)
+            blocks = list(self._pairs(mine, held, dtype, counts, biased, joinable))
+            self._steps[key] = (blocks, tuple((v.value, n) for v, n in counts.items()))
         blocks, counts = self._steps[key]
         if count:
-            _counts.update(counts)
+            for seen, n in counts:
+                _counts[seen] += n
         for b in blocks:
-            if b.seen is Visibility.MASKED:  # a program's block: its mask as a bias
-                b = dataclasses.replace(b, bias=additive_mask(self._mask_at(b.at), acc))
-            yield b
+            yield self._biased(b, dtype) if b.seen is Visibility.MASKED else b
 
-    def _pairs(self, mine, held, acc, counts: Counter | None, biased: bool, joinable: bool):
+    def _pairs(self, mine, held, dtype, counts: Counter | None, biased: bool, joinable: bool):
         """``pairs``, counting each pair's visibility into ``counts`` (if not None); under a
         program, its masked blocks carry no bias yet."""
         whole: dict[tuple[int, int], Block] = {}
@@ -178,10 +188,10 @@ class TileMasks:
             if keys <= 0:
                 continue
             for a, q_tile in enumerate(mine):
-                seen, bias = self._settled_pair(q_tile, k_tile, keys, acc, biased)
+                seen, bias = self._settled_pair(q_tile, k_tile, keys, dtype, biased)
                 if seen is None:  # open: block by block, each bias freed after its use
                     seen_blocks = set()
-                    for block in self._blocks(i, q_tile, k_tile, keys, acc, biased):
+                    for block in self._blocks(i, q_tile, k_tile, keys, dtype, biased):
                         seen_blocks.add(block.seen)
                         if _whole(block, q_tile, k_tile):
                             whole[a, i] = block
@@ -203,7 +213,7 @@ class TileMasks:
         if whole:
             yield from joined(whole, mine, held, self._queries is self.home, joinable)
 
-    def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, acc: torch.dtype, biased):
+    def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, dtype: torch.dtype, biased):
         """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
         qi, ki = self._index[q_tile.key], self._index[k_tile.key]
         if not self._maybe_list[qi][ki]:
@@ -212,12 +222,12 @@ class TileMasks:
             seen = visibility(q_tile, k_tile, self.is_causal)
             if self.mask is None:
                 return seen, None
-            return seen, additive_mask(tile_of(self.mask, q_tile.rows, k_tile, keys), acc)
+            return seen, additive_mask(tile_of(self.mask, q_tile.rows, k_tile, keys), dtype)
         if self._full[qi][ki] and not biased:
             return Visibility.FULL, None
         return None, None
 
-    def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, acc, biased: bool):
+    def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, dtype, biased: bool):
         """Every ``Block`` of an open pair, its visibility from the host's classification
         (made once per plan); one that needs its mask is MASKED, its bias added by ``pairs``
         in each call. Without a bias, blocks run as few calls (``open_blocks.coalesced``)."""
@@ -228,16 +238,19 @@ class TileMasks:
                 continue
             yield Block(held, rows, cols, Visibility.MASKED, None, at, empty or biased)
 
-    def _mask_at(self, at: tuple[slice, slice]) -> torch.Tensor:
-        """The program's mask at a block's positions on the call's device: kept from an
-        earlier call of the step, or evaluated (and kept, within the step's budget)."""
-        key = (at[0].start, at[0].stop, at[1].start, at[1].stop)
-        mask = None if self._kept is None else self._kept.get(key)
-        if mask is None:
+    def _biased(self, block: Block, dtype: torch.dtype) -> Block:
+        """A program's masked block with its mask as a bias in ``dtype`` on the call's device:
+        kept from an earlier call of the step, or evaluated (and kept, within the step's
+        budget)."""
+        at = block.at
+        key = (at[0].start, at[0].stop, at[1].start, at[1].stop, dtype)
+        biased = None if self._kept is None else self._kept.get(key)
+        if biased is None:
             mask = evaluate(self.program, self._run_inputs, *at, self._device)
+            biased = dataclasses.replace(block, bias=additive_mask(mask, dtype))
             if self._kept is not None:
-                self._kept.keep(key, mask)
-        return mask
+                self._kept.keep(key, biased)
+        return biased
 
     def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list]:
         """``(query rows, key rows, visibility, global positions)`` of each block of an open

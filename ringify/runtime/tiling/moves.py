@@ -11,6 +11,8 @@ costs is the moved rows, not a copy of every buffer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ringify.runtime.collectives.courier import Courier, Parcel
@@ -42,7 +44,7 @@ class ShardRows:
                 return buffer.narrow(2, rows.start - slot.start, rows.stop - rows.start)
         if rows.start == 0 and rows.stop == self.tensor.shape[2]:
             return self.tensor  # a call over all the shard's rows: no view to launch
-        return self.tensor.narrow(2, rows.start, rows.stop - rows.start)
+        return narrow_rows(self.tensor, rows)
 
     def moved_rows(self) -> int:
         return sum(slot.stop - slot.start for slot, _ in self._moved_in)
@@ -68,26 +70,45 @@ def move_home(ring: Ring, tensors: list[torch.Tensor], plan: Tiling, home: Tilin
     slots, received = _exchange(ring, tensors, plan, home)
     for rows, parts in zip(slots, received, strict=True):
         for x, part in zip(tensors, parts, strict=True):
-            x[:, :, rows] = part
+            narrow_rows(x, rows).copy_(part)
 
 
 def _exchange(ring: Ring, tensors, src: Tiling, dst: Tiling):
     """Send the rows of this rank's tiles that ``dst`` puts elsewhere; receive those that
     ``dst`` puts here from elsewhere: ``(their local rows under dst, received buffers)``,
     waited for (the sends too, so their slots may be written next)."""
-    at_src = {t.key: (r, t.rows) for r in range(ring.size) for t in src(r)}
-    at_dst = {t.key: r for r in range(ring.size) for t in dst(r)}
-    courier, slots = Courier(ring, Parcel.QUERY_ROWS), []
-    for t in sorted(src(ring.rank), key=lambda t: t.key):
-        if at_dst[t.key] != ring.rank:
-            courier.send(at_dst[t.key], [x[:, :, t.rows] for x in tensors])
-    for t in sorted(dst(ring.rank), key=lambda t: t.key):
-        peer, rows = at_src[t.key]
-        if peer == ring.rank:
-            assert rows == t.rows, "a tile that stays keeps its local rows"
-            continue
-        courier.receive(str(len(slots)), peer, [x[:, :, t.rows] for x in tensors])
-        slots.append(t.rows)
+    sends, receives = _moves(src, dst, ring.rank, ring.size)
+    courier = Courier(ring, Parcel.QUERY_ROWS)
+    for peer, rows in sends:
+        courier.send(peer, [narrow_rows(x, rows) for x in tensors])
+    for i, (peer, rows) in enumerate(receives):
+        courier.receive(str(i), peer, [narrow_rows(x, rows) for x in tensors])
     delivery = courier.start()
     arrived = delivery.wait() if delivery is not None else {}
-    return slots, [arrived[str(i)] for i in range(len(slots))]
+    return [rows for _, rows in receives], [arrived[str(i)] for i in range(len(receives))]
+
+
+def narrow_rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` (dim 2) of ``x``."""
+    return x.narrow(2, rows.start, rows.stop - rows.start)  # one view op, where [:, :, r] is two
+
+
+@functools.lru_cache(maxsize=256)  # the same for every call of a plan
+def _moves(src: Tiling, dst: Tiling, rank: int, size: int) -> tuple[list, list]:
+    """``(sends, receives)`` of rank ``rank`` from tiling ``src`` to ``dst``, each a list of
+    (peer, local rows: under ``src`` for a send, under ``dst`` for a receive), by tile key."""
+    at_src = {t.key: (r, t.rows) for r in range(size) for t in src(r)}
+    at_dst = {t.key: r for r in range(size) for t in dst(r)}
+    sends = [
+        (at_dst[t.key], t.rows)
+        for t in sorted(src(rank), key=lambda t: t.key)
+        if at_dst[t.key] != rank
+    ]
+    receives = []
+    for t in sorted(dst(rank), key=lambda t: t.key):
+        peer, rows = at_src[t.key]
+        if peer == rank:
+            assert rows == t.rows, "a tile that stays keeps its local rows"
+            continue
+        receives.append((peer, t.rows))
+    return sends, receives

@@ -8,14 +8,16 @@ same arguments, so the sub-rings line up.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring
-from ringify.runtime.tiling.tiles import Tile, rank_tiles, sub_ring_tiles, tiles_per_chunk
+from ringify.runtime.tiling.tiles import Tile, Tiling, rank_tiles, sub_ring_tiles, tiles_per_chunk
 
 
 def needs_positions(masked: bool, is_causal: bool, key_len: int, total_rows: int) -> bool:
@@ -38,7 +40,7 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
 
     ``tiling(rank)`` gives a rank's tiles; ``last_steps(sub_ring)`` the last step at
     which each rank's tiles of that sub-ring are seen (``TileMasks.last_steps``): they
-    travel no further. ``own``: this rank's tiles of the sub-ring; ``held``: the tiles
+    travel no further. ``own``: this rank's ``SubRing``; ``held``: the tiles
     of rank ``src`` = (rank - step) held at this step, and ``kv`` their ``HeldKV`` (both
     None at a step where nothing is held). The sends of the next step start before
     yielding, so they are in flight while the caller computes.
@@ -47,10 +49,8 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
     for K and one for V: the held tiles then join into one view (``HeldKV.keys``), and a
     tile passed on is sent as it arrived, without a copy.
     """
-    mine = tiling(ring.rank)
-    for j in sorted({t.sub_ring for t in mine}):
-        own = sub_ring_tiles(mine, j)
-        last = last_steps(j)
+    for own in sub_rings(tiling, ring.rank):
+        j, last = own.tiles[0].sub_ring, last_steps(own.tiles[0].sub_ring)
         kv = HeldKV(own, None, None, k, v)
         for step in range(ring.size):
             src, nxt = (ring.rank - step) % ring.size, (ring.rank - step - 1) % ring.size
@@ -62,11 +62,34 @@ def ring_visits(ring: Ring, k, v, tiling, last_steps) -> Iterator[tuple]:
                 received = HeldKV(own, *(_sequence_major(x, own) for x in (k, v)))
                 courier.receive_into("kv", courier.peer(-1), received.wire())
             delivery = courier.start()
-            held = sub_ring_tiles(tiling(src), j) if step <= last[src] else None
+            held = sub_ring(tiling, src, j).tiles if step <= last[src] else None
             yield own, step, src, held, kv if held is not None else None
             if delivery is not None:  # the sends are waited for too: their buffers outlive them
                 delivery.wait()
             kv = received
+
+
+class SubRing(NamedTuple):
+    """A rank's tiles of one sub-ring, in local order: where each starts with the tiles side
+    by side (and the last ends), and whether they are adjacent rows of the shard."""
+
+    tiles: list[Tile]
+    starts: list[int]
+    adjacent: bool
+
+
+@functools.lru_cache(maxsize=1024)  # asked in every call: the same few tilings each time
+def sub_ring(tiling: Tiling, rank: int, j: int) -> SubRing:
+    """Rank ``rank``'s tiles of sub-ring ``j`` under ``tiling``."""
+    tiles = sub_ring_tiles(tiling(rank), j)
+    adjacent = all(a.rows.stop == b.rows.start for a, b in itertools.pairwise(tiles))
+    return SubRing(tiles, [0, *itertools.accumulate(t.length for t in tiles)], adjacent)
+
+
+@functools.lru_cache(maxsize=1024)
+def sub_rings(tiling: Tiling, rank: int) -> list[SubRing]:
+    """Rank ``rank``'s tiles under ``tiling``, sub-ring by sub-ring."""
+    return [sub_ring(tiling, rank, j) for j in sorted({t.sub_ring for t in tiling(rank)})]
 
 
 class HeldKV(Sequence):
@@ -75,14 +98,14 @@ class HeldKV(Sequence):
     or own tiles of adjacent rows) give the keys of several tiles as one view (``keys``),
     and travel as one tensor each (``wire``)."""
 
-    def __init__(self, own: list[Tile], k_rows, v_rows, k=None, v=None):
+    def __init__(self, own: SubRing, k_rows, v_rows, k=None, v=None):
         # received: (rows, B, K, D) buffers; own: k and v themselves (adjacent rows, or not)
-        self._own, self._rows, self._kv, self._views = own, (k_rows, v_rows), (k, v), {}
-        self.starts = _starts(own)
+        self._sub, self._rows, self._kv, self._views = own, (k_rows, v_rows), (k, v), {}
+        self._own, self.starts = own.tiles, own.starts
 
     @property
     def joined(self) -> bool:
-        return self._rows[0] is not None or _adjacent(self._own)
+        return self._rows[0] is not None or self._sub.adjacent
 
     def __len__(self) -> int:
         return 2 * len(self._own)
@@ -124,27 +147,18 @@ class HeldKV(Sequence):
         """What travels: K then V, sequence-major: one tensor each where the sub-ring's tiles
         are adjacent rows (so on every rank), else one per tile (received side by side)."""
         if self._rows[0] is not None:  # received: sent on as they arrived
-            if _adjacent(self._own):
+            if self._sub.adjacent:
                 return list(self._rows)
             return [x[a:b] for x in self._rows for a, b in itertools.pairwise(self.starts)]
-        if _adjacent(self._own):
+        if self._sub.adjacent:
             return [self._span(x, 0, self.starts[-1]).permute(2, 0, 1, 3) for x in (0, 1)]
         return [self[i].permute(2, 0, 1, 3) for i in range(len(self))]
 
 
-def _adjacent(own: list[Tile]) -> bool:
-    return all(a.rows.stop == b.rows.start for a, b in itertools.pairwise(own))
-
-
-def _starts(own: list[Tile]) -> list[int]:
-    """Where each tile of ``own`` starts, and the last ends, with the tiles side by side."""
-    return [0, *itertools.accumulate(t.length for t in own)]
-
-
-def _sequence_major(x: torch.Tensor, own: list[Tile]) -> torch.Tensor:
+def _sequence_major(x: torch.Tensor, own: SubRing) -> torch.Tensor:
     """A receive buffer (rows, B, K, D) for the sub-ring's tiles of ``x``, side by side."""
     b, heads, _, d = x.shape
-    return torch.empty(_starts(own)[-1], b, heads, d, dtype=x.dtype, device=x.device)
+    return torch.empty(own.starts[-1], b, heads, d, dtype=x.dtype, device=x.device)
 
 
 class GradSlots:
@@ -152,10 +166,10 @@ class GradSlots:
     K and one for V, every tile side by side, where the tiles are adjacent rows (as K/V then
     travel, on every rank); else one slot per tile, K tiles then V tiles."""
 
-    def __init__(self, own: list[Tile], k, v):
-        self.joined, self._own, self._kv = _adjacent(own), own, (k, v)
-        self.starts = _starts(own)
-        rows = [self.starts[-1]] if self.joined else [t.length for t in own]
+    def __init__(self, own: SubRing, k, v):
+        self.joined, self._own, self._kv = own.adjacent, own.tiles, (k, v)
+        self.starts = own.starts
+        rows = [self.starts[-1]] if self.joined else [t.length for t in self._own]
         self.shapes = [(*x.shape[:2], r, x.shape[3]) for x in (k, v) for r in rows]
 
     def at(self, which: int, tile: int, cols: slice) -> tuple[int, slice]:
