@@ -17,8 +17,10 @@ from ringify.runtime import shard
 from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.balance import (
+    DEVICE_MOVE_AREA,
     MIN_GAIN,
     balanced_tiling,
+    min_gain_area,
     ring_time,
     tile_costs,
     tile_owners,
@@ -38,9 +40,12 @@ def _home(world: int, seq: int, layout: str = "zigzag"):
 
 def _plan(home, world: int, lengths: list[int]):
     """The op's balanced plan for documents of ``lengths`` (None: kept home)."""
-    program, inputs = document_causal_program(), document_inputs(lengths)
-    masks = TileMasks(home, world, None, False, sum(lengths), program, inputs)
+    masks = TileMasks(home, world, None, False, sum(lengths), *_documents(lengths))
     return balanced_tiling(masks)
+
+
+def _documents(lengths: list[int]) -> tuple[str, list[torch.Tensor]]:
+    return document_causal_program(), document_inputs(lengths)
 
 
 @pytest.mark.parametrize(("world", "layout"), [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
@@ -70,6 +75,19 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
         for n, o in owners.items()
     }
     assert busiest["work"] < busiest["home"]
+
+
+def test_an_accelerator_balances_only_where_the_kernels_gain_more_than_the_moves_cost():
+    """On an accelerator a plan must also save ``DEVICE_MOVE_AREA`` of kernel area (its moves
+    cost every call's host ~50 launches): the uneven documents scaled 64x gain ~1100^2 (kept
+    home there, balanced on the CPU), scaled 128x ~2200^2 (balanced on both)."""
+    assert min_gain_area("cpu") == 0 and min_gain_area("cuda") == DEVICE_MOVE_AREA
+    for scale, on_an_accelerator in ((64, False), (128, True)):
+        lengths = [n * scale for n in UNEVEN[2]]
+        seq = sum(lengths)
+        masks = TileMasks(_home(2, seq), 2, None, False, seq, *_documents(lengths))
+        assert balanced_tiling(masks, min_gain_area("cpu")) is not None
+        assert (balanced_tiling(masks, min_gain_area("cuda")) is not None) == on_an_accelerator
 
 
 def test_one_document_keeps_zigzag():

@@ -33,7 +33,7 @@ import torch
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
-from ringify.runtime.tiling.balance import balanced_tiling, count_plan
+from ringify.runtime.tiling.balance import balanced_tiling, count_plan, min_gain_area
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
 from ringify.runtime.tiling.tiles import Tiling
 
@@ -124,7 +124,7 @@ def _build(ring: Ring, geometry: tuple, program: str, host: list[torch.Tensor], 
     masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host)
     if not (balance and ring.size > 1):
         return Plan(home, home, masks, None, geometry, key)
-    queries = balanced_tiling(masks)
+    queries = balanced_tiling(masks, min_gain_area(device_type))
     if queries is None:
         return Plan(home, home, masks, False, geometry, key)
     return Plan(home, queries, masks.working_on(queries), True, geometry, key)

@@ -36,6 +36,7 @@ import torch
 
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.masks.tile_masks import TileMasks, settled_pairs
+from ringify.runtime.tiling import tiles as tiling_sizes
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile, Tiling, all_tiles
 
 # A balanced plan moves rows between ranks (bytes, and their buffers): keep it only when
@@ -45,6 +46,17 @@ MIN_GAIN = 0.05
 MAX_COST_BLOCKS = 512
 # Swaps tried per plan at most, per rank of the ring (each costs O(tiles^2) to choose).
 MAX_SWAPS_PER_RANK = 8
+# On an accelerator a balanced plan's moves cost the host of every call ~25 launches forward
+# and as many backward (its query rows out, the results home: ~0.5 ms per layer measured,
+# benchmarks/RESULTS.md); an H100 runs that long a 2048 x 2048 block at Llama-8B's heads,
+# forward and backward. So there a plan must also save at least that much kernel area.
+DEVICE_MOVE_AREA = 2048 * 2048
+
+
+def min_gain_area(device_type: str) -> float:
+    """The kernel area (query rows x keys) a balanced plan must save on ``device_type``."""
+    return DEVICE_MOVE_AREA if tiling_sizes.on_accelerator(device_type) else 0.0
+
 
 _plans: Counter = Counter()  # calls of this process that were balanced, and that were not
 
@@ -122,11 +134,12 @@ def ring_time(costs: torch.Tensor, queries, keys, sub_rings: torch.Tensor, ring_
     return max(clock)
 
 
-def balanced_tiling(masks: TileMasks) -> Tiling | None:
+def balanced_tiling(masks: TileMasks, min_area: float = 0.0) -> Tiling | None:
     """The query tiles of each rank, if working on them makes the ring time at least
-    ``MIN_GAIN`` shorter than on its own tiles (``masks.home``) under ``masks``' program,
-    with the same local rows on every rank (tiles change rank, never shape); None when
-    the home tiling is as good. Key tiles stay home."""
+    ``MIN_GAIN`` and ``min_area`` (``min_gain_area``) shorter than on its own tiles
+    (``masks.home``) under ``masks``' program, with the same local rows on every rank
+    (tiles change rank, never shape); None when the home tiling is as good. Key tiles
+    stay home."""
     ring_size = masks.ring_size
     tiles = all_tiles(masks.home, ring_size)
     home = tile_owners(masks.home, tiles, ring_size)
@@ -144,7 +157,7 @@ def balanced_tiling(masks: TileMasks) -> Tiling | None:
     anew = modelled(dealt)
     if anew < (1 - MIN_GAIN) * after:  # dealing anew moves most rows: it must clearly win
         owners, after = dealt, anew
-    if after > (1 - MIN_GAIN) * before:
+    if after > (1 - MIN_GAIN) * before or before - after < min_area:
         return None
     plan = {r: [] for r in range(ring_size)}
     for i in owners.argsort(stable=True).tolist():  # by rank, then global order

@@ -41,6 +41,8 @@ class ShardRows:
         for slot, buffer in self._moved_in:
             if slot.start <= rows.start < slot.stop:
                 assert rows.stop <= slot.stop, (rows, slot)
+                if rows == slot:  # the whole buffer: no view to launch
+                    return buffer
                 return buffer.narrow(2, rows.start - slot.start, rows.stop - rows.start)
         if rows.start == 0 and rows.stop == self.tensor.shape[2]:
             return self.tensor  # a call over all the shard's rows: no view to launch
@@ -81,8 +83,10 @@ def _exchange(ring: Ring, tensors, src: Tiling, dst: Tiling):
     courier = Courier(ring, Parcel.QUERY_ROWS)
     for peer, rows in sends:
         courier.send(peer, [narrow_rows(x, rows) for x in tensors])
-    for i, (peer, rows) in enumerate(receives):
-        courier.receive(str(i), peer, [narrow_rows(x, rows) for x in tensors])
+    for i, (peer, rows) in enumerate(receives):  # buffers shaped from the sizes: no view
+        n = rows.stop - rows.start
+        buffers = [x.new_empty((*x.shape[:2], n, *x.shape[3:])) for x in tensors]
+        courier.receive_into(str(i), peer, buffers)
     delivery = courier.start()
     arrived = delivery.wait() if delivery is not None else {}
     return [rows for _, rows in receives], [arrived[str(i)] for i in range(len(receives))]
