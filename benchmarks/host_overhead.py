@@ -5,8 +5,9 @@ slicing, launching) is hidden behind them only if it is shorter. Here the block 
 (``block_forward``, ``block_backward``, ``merge_block``, and ``additive_mask``, a mask's bias)
 are replaced by stubs that allocate their outputs (on this CPU, writing a block-sized bias
 evicts the host's caches, which a GPU's kernels never touch), and ``start_exchange`` by one
-that moves nothing (it counts the bytes a real exchange would send), so a call's time under
-``torch.profiler`` is its host work alone; each call is measured replayed on its own too
+that moves nothing (it counts the bytes a real exchange would send: ``kernel_stubs.py``), so
+a call's time under ``torch.profiler`` is its host work alone; open pairs run as FA2 varlen
+calls, as bf16 on a GPU does; each call is measured replayed on its own too
 (``op_replay.py``): the criterion's figure.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
@@ -36,7 +37,7 @@ from unittest import mock
 import torch
 from tabulate import tabulate
 
-from benchmarks import op_replay
+from benchmarks import kernel_stubs, op_replay
 from ringify.testing import RankPool
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
@@ -46,50 +47,6 @@ HEADERS = (
     *("in-step fwd µs", "in-step bwd µs", "fwd kernels", "bwd kernels", "masks µs/step"),
     *("plan µs/step", "KV MiB/layer-step repeated", "KV MiB/layer-step folded"),
 )
-
-
-def _stubs(sent: list[float]):
-    """The block kernels and the P2P exchange replaced, in every runtime module using them
-    (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
-    would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
-    CPU tensors."""
-    from ringify.runtime.collectives import p2p
-    from ringify.runtime.tiling import tiles
-
-    def work(q, k, is_causal=False, **_):  # the FLOPs the kernel would run (a product: 2)
-        b, h, s, d = q.shape
-        return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
-
-    def forward(q, k, v, **kwargs):
-        sent[1] += work(q, k, **kwargs)
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-    def backward(dout, q, k, v, out, lse, **kwargs):
-        sent[1] += 2.5 * work(q, k, **kwargs)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    def exchange(ring, sends, receives, *, tag=0):
-        sent[0] += sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
-        return p2p.PendingStep([], [batch for _, batch in receives], [])
-
-    def bias(mask, dtype):  # a kernel: its output allocated, not written (2 launches on a GPU)
-        return torch.empty(mask.shape, dtype=dtype, device=mask.device)
-
-    patches = [
-        ("block_forward", forward),
-        ("block_backward", backward),
-        ("merge_block", lambda *a: None),
-        ("additive_mask", bias),
-        ("start_exchange", exchange),
-    ]
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
-    for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
-        module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
-        for attribute, stub in patches:
-            if hasattr(module, attribute):
-                stack.enter_context(mock.patch.object(module, attribute, stub))
-    return stack
 
 
 def _model_and_inputs(case: str, seq: int):
@@ -147,35 +104,6 @@ def _step(case: str, seq: int, fold: bool):
     return step
 
 
-def _torch_ring_stubs():
-    """PyTorch's ring (``_templated_ring_attention``) under the same stubs: its K/V and dK/dV
-    rotations move nothing, its per-step merge (``_SDPAMerger``, as our stubbed
-    ``merge_block``) keeps the first block's result."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-    class Rotater:
-        def exchange_buffers(self, buffer):
-            self.buffer = buffer
-
-        def next_buffer(self):
-            return torch.empty_like(self.buffer)
-
-    class Merger:
-        def __init__(self, *args, **kwargs):
-            self.first = None
-
-        def step(self, out, lse, partial):
-            self.first = self.first or (out, lse)
-
-        def results(self):
-            return self.first
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(cp, "_create_rotater", lambda *a, **k: Rotater()))
-    stack.enter_context(mock.patch.object(cp, "_SDPAMerger", Merger))
-    return stack
-
-
 def torch_ring_times(seq: int) -> dict[str, float]:
     """On every rank: µs per call of PyTorch's ring attention forward and backward (causal,
     its round-robin load balance: our zigzag), kernels and rotations stubbed."""
@@ -221,7 +149,7 @@ def torch_ring_times(seq: int) -> dict[str, float]:
             for name in calls:
                 calls[name].append(got[name])
 
-    with _torch_ring_stubs():
+    with kernel_stubs.torch_ring_stubs():
         op_replay.one_rank_at_a_time(steps)
     fwd, bwd = (
         [op_replay.median_cost(per_call) for per_call in zip(*calls[name], strict=True)]
@@ -243,7 +171,7 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
     sent = [0, 0.0]
     calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
     plan_us = []
-    with _stubs(sent):
+    with kernel_stubs.ringify_stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
         replayed = op_replay.replayed_costs(op_replay.captured_calls(step), repeats, _host_cost)

@@ -31,8 +31,9 @@ import sys
 import torch
 from tabulate import tabulate
 
+from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import parse
-from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
+from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.balance import (
     balanced_tiling,
     ring_time,

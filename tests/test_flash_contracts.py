@@ -54,6 +54,38 @@ class FlashCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+VARLEN = {
+    aten._flash_attention_forward.default: "forward",
+    aten._flash_attention_backward.default: "backward",
+}
+
+
+class VarlenCalls(TorchDispatchMode):
+    """Every FA2 varlen call (``masks/varlen.py``): (direction, its arguments by name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in VARLEN:
+            self.calls.append((VARLEN[func], _by_name(func, args, kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+    def check_contracts(self, heads: tuple[int, int]) -> None:
+        """What FA2 reads unchecked: sequences on q's device as int32, (rows, heads, D) views
+        with a contiguous last dim, GQA's K/V heads as they are (``heads``: query, key), a
+        window of ints >= -1, and (backward) a dense lse."""
+        for direction, call in self.calls:
+            for cu in (call["cum_seq_q"], call["cum_seq_k"]):
+                assert cu.device == call["query"].device and cu.dtype == torch.int32
+            assert all(call[x].stride(-1) == 1 for x in ("query", "key", "value"))
+            assert (call["query"].shape[1], call["key"].shape[1]) == heads
+            for side in ("window_size_left", "window_size_right"):
+                assert isinstance(call[side], int) and call[side] >= -1
+            assert direction == "forward" or call["logsumexp"].is_contiguous()
+
+
 def _by_name(func, args, kwargs) -> dict:
     """A call's arguments by their schema names, defaults filled in."""
     schema = func._schema.arguments

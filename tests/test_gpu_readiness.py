@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_flash_contracts import FlashCalls
+from test_flash_contracts import FlashCalls, VarlenCalls
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,6 +41,25 @@ def _case(name: str):
         return document_causal_program(), document_inputs(lengths), False
     bias = torch.randn(1, N, dtype=torch.float32)  # "learned": a per-key float input
     return document_causal_program(learned=True), [*document_inputs(lengths), bias], True
+
+
+GEOMETRY = ("", "contiguous", KEYS)
+
+
+def meta_tensors() -> tuple[torch.Tensor, ...]:
+    """(q, k, v, dout) on meta in bfloat16: 4 query heads on 2 kv heads (GQA)."""
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+    return meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64), meta(1, 4, N, 64)
+
+
+def layer_bodies(program: str, inputs, handle, q, k, v, dout) -> None:
+    """One layer's ring op bodies (not their fake kernels), forward then backward."""
+    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0, True, handle)
+    out, lse = ring_attention_op._init_fn(q, k, v, *args)
+    ring_attention_backward_op._init_fn(
+        dout, q, k, v, out, lse, None, False, 0.125, *GEOMETRY, program, inputs, 0,
+        balance=True, plan=handle,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["causal", "packed", "window", "learned"])
@@ -101,27 +120,16 @@ def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
     program, host, _ = _case(name)
     ops = {"packed": {"eq.Tensor"}, "window": {"lt.Scalar"}}[name]  # the program's own ops
     ops |= {"log_.default"}  # a bool mask made a bias (``additive_mask``)
-    geometry = ("", "contiguous", KEYS)
-    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-    q, dout, k, v = meta(1, 4, N, 64), meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64)
+    q, k, v, dout = meta_tensors()
     inputs = [x.to("meta") for x in host]
-
-    def layer(handle, q, k, v, dout, inputs):
-        args = (None, False, 0.125, *geometry, program, inputs, 0, True, handle)
-        out, lse = ring_attention_op._init_fn(q, k, v, *args)
-        ring_attention_backward_op._init_fn(
-            dout, q, k, v, out, lse, None, False, 0.125, *geometry, program, inputs, 0,
-            balance=True, plan=handle,
-        )  # fmt: skip
-
-    handle = torch.ops.ringify.attention_plan(program, host, N, False, *geometry)
+    handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
     with _ProgramOps(ops) as first:
-        layer(handle, q, k, v, dout, inputs)
+        layer_bodies(program, inputs, handle, q, k, v, dout)
     with _ProgramOps(ops) as later:
-        layer(handle, q, k, v, dout, inputs)
+        layer_bodies(program, inputs, handle, q, k, v, dout)
     small = [torch.zeros(*x.shape[:3], 2) for x in (q, k, v, dout)]  # no handle: on the host
     with _ProgramOps(ops) as unplanned:
-        layer(None, *small[:3], small[3], host)
+        layer_bodies(program, host, None, *small[:3], small[3])
     assert first.count > 0 and later.count == 0
     assert unplanned.count >= 2 * first.count  # its forward and its backward, each
 
@@ -175,7 +183,8 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     of its graph and every ring op body takes its CUDA branch, and a meta tensor can neither be
     read nor mixed with a host tensor. Its plan's one host copy (the only read a GPU run makes)
     is replayed from a CPU run on the same inputs. Every flash call keeps its contracts, GQA's
-    K/V reach it unexpanded, and every ring call finds its plan by the graph's handle."""
+    K/V reach it unexpanded, packed documents and a window run as FA2 varlen calls, and every
+    ring call finds its plan by the graph's handle."""
     from unittest import mock
 
     from ringify import ringify
@@ -196,6 +205,7 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     with (
         mock.patch.object(attention_plan, "_host_copy", lambda x: next(replayed)),
         FlashCalls() as log,
+        VarlenCalls() as varlen,
         _RingifyBodies() as bodies,
     ):
         loss = ringified(**on_meta).loss
@@ -205,7 +215,10 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
     lookups = plan_lookups()
     assert lookups["by handle"] == 2 * 2 and lookups["host copies"] <= 1, lookups  # 2 layers
-    assert log.calls or log.biases  # the CUDA kernels were reached
+    assert log.calls or log.biases or varlen.calls  # the CUDA kernels were reached
+    varlen.check_contracts(heads=(4, 2))
+    if case in ("packed", "window"):  # open pairs as FA2 varlen calls, no bias
+        assert varlen.calls and not log.biases
     for direction, rows, keys, causal, dense in log.calls:
         assert not causal or rows == keys, log.calls
         assert direction == "forward" or dense, log.calls

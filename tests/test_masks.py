@@ -314,7 +314,7 @@ def test_an_open_pair_runs_as_few_kernel_calls():
     tile = Tile(slice(0, n), (0, 0), 0)
     for key_len, want in ((n, n), (n - 5, n - 5)):
         masks = TileMasks(lambda rank: [tile], 1, None, False, key_len, causal, inputs)
-        blocks, coalesced = masks._open_blocks(tile, tile, min(n, key_len))
+        blocks, coalesced, _ = masks._open_blocks(tile, tile, min(n, key_len))
         assert len(blocks) == 16
         assert [(b[0], b[1], b[2]) for b in coalesced] == [
             (slice(0, n), slice(0, want), Visibility.DIAGONAL)
@@ -331,7 +331,7 @@ def test_an_open_pair_runs_as_few_kernel_calls():
     masks = TileMasks(
         lambda rank: [tile], 1, None, False, n, padded, [positions.view(1, -1) < valid]
     )
-    _, coalesced = masks._open_blocks(tile, tile, n)
+    _, coalesced, _ = masks._open_blocks(tile, tile, n)
     assert [(b[0], b[1], b[2]) for b in coalesced] == [
         (slice(0, n), slice(0, valid), Visibility.DIAGONAL)
     ]
@@ -348,7 +348,7 @@ def test_an_open_pair_runs_as_few_kernel_calls():
     tile, positions = Tile(slice(0, n), (0, 0), 0), torch.arange(n)
     inputs = [positions.view(-1, 1), positions.view(1, -1)]
     masks = TileMasks(lambda rank: [tile], 1, None, False, n, window, inputs)
-    blocks, coalesced = masks._open_blocks(tile, tile, n)
+    blocks, coalesced, _ = masks._open_blocks(tile, tile, n)
     seen = [b[2] for b in coalesced if b[2] is not Visibility.HIDDEN]
     assert len(seen) < sum(b[2] is not Visibility.HIDDEN for b in blocks)
     assert Visibility.MASKED in seen  # the window's edge keeps its mask
@@ -367,6 +367,6 @@ def test_a_program_of_query_positions_only_keeps_every_key():
     valid[-5:] = False  # the last queries are padding
     tile = Tile(slice(0, n), (0, 0), 0)
     masks = TileMasks(lambda rank: [tile], 1, None, False, n, program, [valid])
-    blocks, _ = masks._open_blocks(tile, tile, n)
+    blocks, _, _ = masks._open_blocks(tile, tile, n)
     masked = [b for b in blocks if b[2] is Visibility.MASKED]
     assert masked and all(b[1].stop - b[1].start == MIN_TILE_ROWS for b in masked), blocks

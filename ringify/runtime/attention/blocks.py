@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.attention.flash import flash_backward, flash_forward
+from ringify.runtime.attention.flash import (
+    flash_backward,
+    flash_forward,
+    varlen_backward,
+    varlen_forward,
+)
+from ringify.runtime.masks.varlen import Varlen
 
 aten = torch.ops.aten
 
@@ -37,14 +43,18 @@ def block_forward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
+    varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
     ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
     ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
+    ``varlen``: the block is FA2 varlen calls' sequences (``flash.serves_varlen``), no bias.
     """
     q_BHsD, k_BKtD, v_BKtD = _unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
+    if varlen is not None:
+        return varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen, scale=scale)
     if bias is not None:
         out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
         if not empty_rows:
@@ -86,6 +96,7 @@ def block_backward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
+    varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
 
@@ -96,6 +107,9 @@ def block_backward(
     dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _unit_last_stride(
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
     )
+    if varlen is not None:
+        blocks = (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs)
+        return varlen_backward(*blocks, varlen, scale=scale)
     if bias is not None:
         # A row masked everywhere (lse = -inf) has no gradient: lse = +inf makes its
         # recomputed probabilities exp(s - lse) exactly 0 instead of NaN.

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from ringify.runtime.masks.varlen import Varlen
+
 aten = torch.ops.aten
 
 
@@ -103,3 +105,41 @@ def _backward_kernel(dout, q, k, v, out, lse, is_causal, scale):
         dout, q, k, v, out, lse.float(), None, None, s, t, 0.0, is_causal, no_rng, no_rng,
         scale=scale,
     )  # fmt: skip
+
+
+def serves_varlen(q: torch.Tensor) -> bool:
+    """Whether a block of ``q`` may run as FA2 varlen calls (``masks/varlen.py``): FA2's own
+    blocks (fp16/bf16 off the CPU), one sequence (the calls' rows are the batch's), and a
+    head dim FA2 takes as it is (a multiple of 8, at most 256)."""
+    fa2 = q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+    return fa2 and q.shape[0] == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen: Varlen, *, scale: float):
+    """``(out, lse)`` of one varlen call: q's rows and k/v's keys are its sequences', side by
+    side. FA2 takes them as (rows, heads, D) views of one sequence (its row and head strides
+    are arguments) and GQA's K/V heads as they are."""
+    q, k, v = (x[0].transpose(0, 1) for x in (q_BHsD, k_BKtD, v_BKtD))
+    cu_q, cu_k = varlen.cu
+    out, lse, *_ = aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, varlen.max_rows, varlen.max_keys, 0.0, varlen.is_causal, False,
+        scale=scale, window_size_left=varlen.window[0], window_size_right=varlen.window[1],
+    )  # fmt: skip
+    return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # lse: (heads, rows)
+
+
+def varlen_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, varlen: Varlen, *,
+                    scale: float):  # fmt: skip
+    """``(dq, dk, dv)`` of one varlen call from the merged ``out`` and ``lse``; the lse is
+    made dense (FA2 reads it through its pointer), dK/dV come back with K heads."""
+    dout, q, k, v, out = (
+        x[0].transpose(0, 1) for x in (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD)
+    )
+    cu_q, cu_k = varlen.cu
+    no_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+    grads = aten._flash_attention_backward(
+        dout, q, k, v, out, lse_BHs[0].float().contiguous(), cu_q, cu_k, varlen.max_rows,
+        varlen.max_keys, 0.0, varlen.is_causal, no_rng, no_rng, scale=scale,
+        window_size_left=varlen.window[0], window_size_right=varlen.window[1],
+    )  # fmt: skip
+    return tuple(g.transpose(0, 1).unsqueeze(0) for g in grads)

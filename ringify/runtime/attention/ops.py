@@ -45,6 +45,7 @@ from ringify.runtime.attention.blocks import (
     block_forward,
     merge_block,
 )
+from ringify.runtime.attention.flash import serves_varlen
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
@@ -94,7 +95,7 @@ def ring_attention_op(
     (q_at,) = rows_in(ring, [q], home, queries)
     mine = queries(ring.rank)
     out_acc = empty_in_dim_order_of(q, acc).zero_()
-    bias_in = bias_dtype(q)
+    bias_in, varlen = bias_dtype(q), serves_varlen(q)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     out_rows, lse_rows = ShardRows(out_acc), ShardRows(lse_acc)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
@@ -103,11 +104,11 @@ def ring_attention_op(
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own.tiles))
             continue
-        for b in masks.pairs(mine, held, bias_in, count=True, joinable=kv.joined):
+        for b in masks.pairs(mine, held, bias_in, count=True, joinable=kv.joined, varlen=varlen):
             k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
             out_blk, lse_blk = block_forward(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
-                scale=scale, bias=b.bias, empty_rows=b.empty_rows,
+                scale=scale, bias=b.bias, empty_rows=b.empty_rows, varlen=b.varlen,
             )  # fmt: skip
             merge_block(out_rows[b.rows], lse_rows[b.rows], out_blk, lse_blk)
     out = out_acc.to(q.dtype)
@@ -236,14 +237,16 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
     gradients), into the program's."""
     grad_out, q, out, lse = saved
     here = [None] * len(slots.shapes)
-    bias_in = bias_dtype(q.tensor)  # q: ShardRows
-    for b in masks.pairs(mine, held, bias_in, biased=learned is not None, joinable=kv.joined):
+    bias_in, varlen = bias_dtype(q.tensor), serves_varlen(q.tensor)  # q: ShardRows
+    biased = learned is not None
+    for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
         i, r, cols = b.held, b.rows, b.cols
         block = (grad_out[r], q[r], *kv.keys(b.held, b.tiles, cols), out[r], lse[r])
         causal = b.seen is Visibility.DIAGONAL
         dq_blk, dk_blk, dv_blk = block_backward(
-            *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
-        )
+            *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows,
+            varlen=b.varlen,
+        )  # fmt: skip
         if b.bias is not None and (dmask is not None or learned is not None):
             dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
             if dmask is not None:

@@ -1,1 +1,2 @@
-"""Masks as programs: evaluation, bounds, gradients, each tile pair's visibility, and the per-step plan."""
+"""Masks as programs: evaluation, bounds, gradients, each tile pair's visibility (or FA2 varlen
+calls), and the per-step plan."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringify.runtime.masks.varlen import Varlen
 from ringify.runtime.tiling.tiles import Tile, Visibility
 
 
@@ -40,6 +41,7 @@ class Block:
     at: tuple[slice, slice] | None  # global query and key positions (None: joined pairs)
     empty_rows: bool = True  # may a query row see no key of the block (False: surely not)
     tiles: int = 1
+    varlen: Varlen | None = None  # FA2's sequences and window (``masks/varlen.py``), or None
 
 
 def joined(whole: dict[tuple[int, int], Block], mine: list[Tile], held: list[Tile],

@@ -32,7 +32,9 @@ import torch
 
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.handles import HandleMap
-from ringify.runtime.masks.tile_masks import TileMasks, program_tiles_per_chunk
+from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
+from ringify.runtime.masks.tile_masks import TileMasks
+from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.balance import balanced_tiling, count_plan, min_gain_area
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
 from ringify.runtime.tiling.tiles import Tiling
@@ -74,12 +76,14 @@ def plan_for(
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, [])
         return Plan(home, home, masks, None, geometry, 0)
+    # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
+    sized = (*geometry, tiles.on_accelerator(device_type))
     if not program:  # nothing to read: kept by geometry alone
-        if geometry not in _plans:
+        if sized not in _plans:
             home = _home(ring, geometry, None, "")
             masks = TileMasks(home, ring.size, None, is_causal, key_len, "", [])
-            _keep(geometry, Plan(home, home, masks, None, geometry, 0))
-        return _used(geometry)
+            _keep(sized, Plan(home, home, masks, None, geometry, 0))
+        return _used(sized)
     if handle is not None:
         kept = _handles.get(handle)  # the handle tensor itself is the key: nothing is read
         # made for this geometry (a plan made for another device's tile size is still exact)
@@ -88,7 +92,7 @@ def plan_for(
             return kept
     host = _host_copy(inputs)
     _lookups["host copies"] += bool(inputs)
-    key = _content_key(geometry, program, host)
+    key = _content_key(sized, program, host)
     if key not in _plans:
         _keep(key, _build(ring, geometry, program, host, key))
         _lookups["built"] += 1
@@ -121,7 +125,8 @@ def _build(ring: Ring, geometry: tuple, program: str, host: list[torch.Tensor], 
     if not per_chunk:
         per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
     home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
-    masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host)
+    varlen = tiles.on_accelerator(device_type)  # FA2 varlen calls for open pairs (GPU tiles)
+    masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host, varlen)
     if not (balance and ring.size > 1):
         return Plan(home, home, masks, None, geometry, key)
     queries = balanced_tiling(masks, min_gain_area(device_type))

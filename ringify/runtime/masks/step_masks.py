@@ -38,8 +38,8 @@ _by_handle = HandleMap()  # plan handle -> {device: KeptMasks}
 
 class KeptMasks:
     """One step's masked blocks on one device, each with its bias (the kernels' additive
-    mask, made once: no call of the step launches it again), by the block's global positions
-    and the bias dtype, within a byte budget."""
+    mask, made once: no call of the step launches it again) or its varlen sequences, by the
+    block's global positions and the bias dtype, within a byte budget."""
 
     def __init__(self, budget: int):
         self.budget, self.bytes = budget, 0
@@ -48,8 +48,8 @@ class KeptMasks:
     def get(self, key: tuple) -> Any:
         return self._blocks.get(key)
 
-    def keep(self, key: tuple, block: Any) -> None:
-        size = block.bias.numel() * block.bias.element_size()
+    def keep(self, key: tuple, block: Any, size: int) -> None:
+        """Keep ``block`` if its ``size`` bytes on the device fit in the budget."""
         if self.bytes + size <= self.budget:
             self._blocks[key] = block
             self.bytes += size

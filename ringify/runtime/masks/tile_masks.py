@@ -20,21 +20,18 @@ from collections import Counter
 import torch
 
 from ringify.runtime.attention.blocks import additive_mask
-from ringify.runtime.masks.bounds import program_bounds, settled
 from ringify.runtime.masks.calls import Block, joined
 from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
-from ringify.runtime.masks.program import evaluate, parse, tile_bounds
+from ringify.runtime.masks.pair_bounds import settled_pairs
+from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks
-from ringify.runtime.tiling.layout import chunks_per_rank
+from ringify.runtime.masks.varlen import RowSpans, VarlenCall
 from ringify.runtime.tiling.tiles import (
-    MAX_BANDED_TILES_PER_CHUNK,
     MIN_TILE_ROWS,
     Tile,
     Visibility,
     all_tiles,
     sub_ring_tiles,
-    tile_rows,
-    tiles_per_chunk,
     visibility,
 )
 
@@ -65,10 +62,13 @@ class TileMasks:
     that need their mask evaluate it from the inputs of the call they run in, on its
     device (``bound_to``): device work, no host read."""
 
-    def __init__(self, home, ring_size, attn_mask, is_causal, key_len, program, inputs):
+    def __init__(
+        self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, varlen=False
+    ):
         self.home, self._queries, self.ring_size = home, home, ring_size
         self.mask, self.is_causal, self.key_len = attn_mask, is_causal, key_len
         self.program = parse(program) if program else None
+        self.varlen = varlen and self.program is not None  # work out open pairs' varlen calls
         self.inputs = [x.detach() for x in inputs]
         self._run_inputs, self._device = self.inputs, _HOST  # until ``bound_to`` a call
         self._kept: KeptMasks | None = None
@@ -149,7 +149,7 @@ class TileMasks:
 
     def pairs(
         self, mine, held, dtype: torch.dtype, count: bool = False, biased: bool = False,
-        joinable: bool = False,
+        joinable: bool = False, varlen: bool = False,
     ):  # fmt: skip
         """Every ``Block`` with work. A pair is one block, except a pair of a program its
         bounds leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
@@ -157,29 +157,38 @@ class TileMasks:
         evaluation or bias is larger than a block. ``biased``: every block that is not
         hidden carries its bias, even a zero one (a learned program's gradient needs it).
         The step's unmasked whole pairs come last, joined into few calls (``calls.py``;
-        ``joinable``: the held tiles lie side by side in memory).
+        ``joinable``: the held tiles lie side by side in memory). ``varlen``: an open pair whose
+        rows each see one run of keys is instead FA2 varlen calls (``masks/varlen.py``), where
+        the plan worked them out (on an accelerator).
 
         Under a program the blocks of a step are the same in every call of the plan: they
         are worked out once and kept; each call adds only its masked blocks' biases."""
         if self.mask is not None:  # a mask tensor: the call's own, biases and all
             counts = Counter()
-            yield from self._pairs(mine, held, dtype, counts, biased, joinable)
+            yield from self._pairs(mine, held, dtype, counts, biased, joinable, False)
             if count:
                 _counts.update({seen.value: n for seen, n in counts.items()})
             return
-        key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable)
+        varlen = varlen and not biased  # a learned program's gradient needs every bias
+        key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable, varlen)
         if key not in self._steps:
             counts: Counter = Counter()
-            blocks = list(self._pairs(mine, held, dtype, counts, biased, joinable))
+            blocks = list(self._pairs(mine, held, dtype, counts, biased, joinable, varlen))
             self._steps[key] = (blocks, tuple((v.value, n) for v, n in counts.items()))
         blocks, counts = self._steps[key]
         if count:
             for seen, n in counts:
                 _counts[seen] += n
-        for b in blocks:
-            yield self._biased(b, dtype) if b.seen is Visibility.MASKED else b
+        moved = self._varlen_on_device(key, blocks) if varlen else {}
+        for i, b in enumerate(blocks):
+            if b.varlen is not None:
+                yield moved[i]
+            elif b.seen is Visibility.MASKED:
+                yield self._biased(b, dtype)
+            else:
+                yield b
 
-    def _pairs(self, mine, held, dtype, counts: Counter | None, biased: bool, joinable: bool):
+    def _pairs(self, mine, held, dtype, counts: Counter | None, biased, joinable, varlen):
         """``pairs``, counting each pair's visibility into ``counts`` (if not None); under a
         program, its masked blocks carry no bias yet."""
         whole: dict[tuple[int, int], Block] = {}
@@ -189,6 +198,12 @@ class TileMasks:
                 continue
             for a, q_tile in enumerate(mine):
                 seen, bias = self._settled_pair(q_tile, k_tile, keys, dtype, biased)
+                calls = self._open_blocks(q_tile, k_tile, keys)[2] if seen is None else None
+                if varlen and calls is not None:  # open: as FA2 varlen calls
+                    yield from _varlen_blocks(i, q_tile, k_tile, calls)
+                    if counts is not None:
+                        counts[Visibility.MASKED if calls else Visibility.HIDDEN] += 1
+                    continue
                 if seen is None:  # open: block by block, each bias freed after its use
                     seen_blocks = set()
                     for block in self._blocks(i, q_tile, k_tile, keys, dtype, biased):
@@ -231,7 +246,7 @@ class TileMasks:
         """Every ``Block`` of an open pair, its visibility from the host's classification
         (made once per plan); one that needs its mask is MASKED, its bias added by ``pairs``
         in each call. Without a bias, blocks run as few calls (``open_blocks.coalesced``)."""
-        blocks, coalesced = self._open_blocks(q_tile, k_tile, keys)
+        blocks, coalesced, _ = self._open_blocks(q_tile, k_tile, keys)
         for rows, cols, seen, at, empty in blocks if biased else coalesced:
             if seen is Visibility.HIDDEN or not (seen is Visibility.MASKED or biased):
                 yield Block(held, rows, cols, seen, None, at)
@@ -249,13 +264,34 @@ class TileMasks:
             mask = evaluate(self.program, self._run_inputs, *at, self._device)
             biased = dataclasses.replace(block, bias=additive_mask(mask, dtype))
             if self._kept is not None:
-                self._kept.keep(key, biased)
+                self._kept.keep(key, biased, biased.bias.numel() * biased.bias.element_size())
         return biased
 
-    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list]:
+    def _varlen_on_device(self, step: tuple, blocks: list[Block]) -> dict[int, Block]:
+        """The step's varlen blocks (by index) with their sequences on the call's device: kept
+        from an earlier call of the step, or copied there, all in one host-to-device copy."""
+        key = ("varlen", step)
+        moved = None if self._kept is None else self._kept.get(key)
+        if moved is None:
+            at = [i for i, b in enumerate(blocks) if b.varlen is not None]
+            if not at:
+                return {}
+            host = [blocks[i].varlen.cu for i in at]
+            device = torch.cat(host, 1).to(self._device, non_blocking=True)
+            cus = device.split([cu.shape[1] for cu in host], 1)
+            moved = {
+                i: dataclasses.replace(b, varlen=dataclasses.replace(b.varlen, cu=cu))
+                for i, b, cu in zip(at, (blocks[i] for i in at), cus, strict=True)
+            }
+            if self._kept is not None:
+                self._kept.keep(key, moved, device.numel() * device.element_size())
+        return moved
+
+    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list, list]:
         """``(query rows, key rows, visibility, global positions)`` of each block of an open
         pair, classified on the host once and kept for every later call of the plan: each
-        block, and the blocks coalesced."""
+        block, the blocks coalesced, and (where ``varlen``) the pair as FA2 varlen calls or
+        None."""
         key = (q_tile.key, q_tile.rows.start, k_tile.key, keys)
         if key in self._open:
             return self._open[key]
@@ -271,16 +307,22 @@ class TileMasks:
         ]
         hidden, full = settled_pairs(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
         hidden, full = hidden.tolist(), full.tolist()  # host tensors: no device read
+        spans = RowSpans(q_tile.length) if self.varlen else None  # each row's run of keys
         grid = []
         for a, qb in enumerate(q_blocks):
             grid.append([])
             for b, kb in enumerate(k_blocks):
                 at = (qb.positions(qb.length), kb.positions(kb.length))
+                rows = slice(a * step, a * step + qb.length)  # of the pair
                 if hidden[a][b] or full[a][b]:
                     seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
                     grid[-1].append(OpenBlock(qb.rows, kb.rows, seen, at))
+                    if spans is not None and full[a][b]:
+                        spans.add_full(rows, kb.rows)
                     continue
                 mask = evaluate(self.program, self.inputs, *at, _HOST)
+                if spans is not None:
+                    spans.add_mask(rows, kb.rows.start, mask)
                 seen, kept, empty = classify(mask.expand(*mask.shape[:-2], qb.length, kb.length))
                 # keys that no query of the block sees, at its end (padding): cut off
                 cols = slice(kb.rows.start, kb.rows.start + kept)
@@ -288,8 +330,18 @@ class TileMasks:
                 grid[-1].append(OpenBlock(qb.rows, cols, seen, at, empty))
         blocks = [block for row in grid for block in row]
         nominal = [kb.rows for kb in k_blocks]
-        self._open[key] = (blocks, coalesced(grid, q_tile, k_tile, nominal))
+        calls = spans.calls() if spans is not None else None
+        self._open[key] = (blocks, coalesced(grid, q_tile, k_tile, nominal), calls)
         return self._open[key]
+
+
+def _varlen_blocks(held: int, q_tile: Tile, k_tile: Tile, calls: list[VarlenCall]):
+    """An open pair's varlen calls as blocks (rows of the shard, key rows of the held tile)."""
+    for call in calls:
+        rows = slice(q_tile.rows.start + call.rows.start, q_tile.rows.start + call.rows.stop)
+        at = (slice(q_tile.start + call.rows.start, q_tile.start + call.rows.stop),
+              slice(k_tile.start + call.cols.start, k_tile.start + call.cols.stop))  # fmt: skip
+        yield Block(held, rows, call.cols, Visibility.MASKED, None, at, False, 1, call.varlen)
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
@@ -306,41 +358,3 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     q_part = rows if mask.shape[2] > 1 else slice(None)
     k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
     return mask[:, :, q_part, k_part]
-
-
-def settled_pairs(program, inputs, q_tiles, k_tiles, key_len):
-    """(surely hidden, surely fully visible): (n, m) bool tensors over the tile pairs."""
-    q_starts = [t.start for t in q_tiles]
-    q_stops = [t.start + t.length for t in q_tiles]
-    k_starts = [t.start for t in k_tiles]
-    # padding keys are cut off before the mask is read; a tile of padding keeps one row
-    k_stops = [max(t.start + 1, min(t.start + t.length, key_len)) for t in k_tiles]
-    bounds = []
-    for x, role in zip(inputs, program.roles, strict=True):
-        starts, stops = (q_starts, q_stops) if role == "q" else (k_starts, k_stops)
-        bounds.append(tile_bounds(x, role, starts, stops))
-    q_pos = tuple(torch.tensor(v, dtype=torch.float64).view(-1, 1) for v in (q_starts, q_stops))
-    q_pos = (q_pos[0], q_pos[1] - 1)
-    k_pos = tuple(torch.tensor(v, dtype=torch.float64).view(1, -1) for v in (k_starts, k_stops))
-    k_pos = (k_pos[0], k_pos[1] - 1)
-    lo, hi = program_bounds(program, bounds, q_pos, k_pos)
-    n, m = len(q_tiles), len(k_tiles)
-    return tuple(x.expand(n, m).clone() for x in settled(lo, hi, program.dtype))
-
-
-def program_tiles_per_chunk(
-    program: str, inputs, rows: int, ring_size: int, layout: str, device_type: str = "cpu"
-) -> int:
-    """Tiles per chunk for a program's mask: finer when each query sees a short span of
-    keys (a sliding window, short documents), so that the work skipped grows with S."""
-    default = tiles_per_chunk(rows, layout, device_type)
-    chunk = rows // chunks_per_rank(layout)
-    block = min(MIN_TILE_ROWS, chunk)
-    total = rows * ring_size
-    grid = [Tile(slice(a, min(a + block, total)), (a, 0), a) for a in range(0, total, block)]
-    hidden, _ = settled_pairs(parse(program), [x.detach() for x in inputs], grid, grid, total)
-    span = int((~hidden).sum(1).max()) * block
-    if span * default >= chunk:
-        return default
-    banded = chunk // max(span, tile_rows(device_type))
-    return min(MAX_BANDED_TILES_PER_CHUNK, max(default, banded))

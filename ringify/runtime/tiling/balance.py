@@ -34,8 +34,9 @@ from collections import Counter
 
 import torch
 
+from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import MaskProgram
-from ringify.runtime.masks.tile_masks import TileMasks, settled_pairs
+from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles as tiling_sizes
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile, Tiling, all_tiles
 

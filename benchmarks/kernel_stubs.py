@@ -1,0 +1,107 @@
+"""The kernels and transfers of a ring call replaced by stubs, for ``host_overhead.py``.
+
+A stub allocates its outputs and does nothing else, so that a call's time is its host work
+alone: ringify's block kernels (``block_forward``, ``block_backward``, ``merge_block``,
+``additive_mask``) and P2P exchange, and PyTorch's ring's rotations and merger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+
+def ringify_stubs(sent: list[float]):
+    """The block kernels and the P2P exchange replaced, in every runtime module using them
+    (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
+    would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
+    CPU tensors."""
+    from ringify.runtime.collectives import p2p
+    from ringify.runtime.tiling import tiles
+
+    areas: dict[int, float] = {}
+
+    def work(q, k, is_causal=False, varlen=None, **_):  # the FLOPs the kernel would run
+        b, h, s, d = q.shape
+        if varlen is not None:  # the keys its window leaves each row (worked out once)
+            if id(varlen) not in areas:
+                areas[id(varlen)] = _varlen_area(varlen)
+            return 2 * 2 * b * h * areas[id(varlen)] * d
+        return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
+
+    def forward(q, k, v, **kwargs):
+        sent[1] += work(q, k, **kwargs)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def backward(dout, q, k, v, out, lse, **kwargs):
+        sent[1] += 2.5 * work(q, k, **kwargs)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def exchange(ring, sends, receives, *, tag=0):
+        sent[0] += sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
+        return p2p.PendingStep([], [batch for _, batch in receives], [])
+
+    def bias(mask, dtype):  # a kernel: its output allocated, not written (2 launches on a GPU)
+        return torch.empty(mask.shape, dtype=dtype, device=mask.device)
+
+    patches = [
+        ("block_forward", forward),
+        ("block_backward", backward),
+        ("merge_block", lambda *a: None),
+        ("additive_mask", bias),
+        ("start_exchange", exchange),
+    ]
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
+    # these CPU tensors stand for bf16 ones on a GPU: open pairs run as FA2 varlen calls
+    stack.enter_context(mock.patch("ringify.runtime.attention.ops.serves_varlen", lambda q: True))
+    for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
+        module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
+        for attribute, stub in patches:
+            if hasattr(module, attribute):
+                stack.enter_context(mock.patch.object(module, attribute, stub))
+    return stack
+
+
+def _varlen_area(varlen) -> float:
+    """The (query, key) pairs a varlen call's window leaves (FA2's documented semantics)."""
+    (cu_q, cu_k), (left, right) = varlen.cu.tolist(), varlen.window
+    area = 0.0
+    for i in range(len(cu_q) - 1):
+        s, t = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        j = torch.arange(s)
+        first = torch.zeros(s) if left < 0 else (j + t - s - left).clamp(min=0)
+        stop = torch.full((s,), t) if right < 0 else (j + t - s + right + 1).clamp(max=t)
+        area += float((stop - first).clamp(min=0).sum())
+    return area
+
+
+def torch_ring_stubs():
+    """PyTorch's ring (``_templated_ring_attention``) under the same stubs: its K/V and dK/dV
+    rotations move nothing, its per-step merge (``_SDPAMerger``, as our stubbed
+    ``merge_block``) keeps the first block's result."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    class Rotater:
+        def exchange_buffers(self, buffer):
+            self.buffer = buffer
+
+        def next_buffer(self):
+            return torch.empty_like(self.buffer)
+
+    class Merger:
+        def __init__(self, *args, **kwargs):
+            self.first = None
+
+        def step(self, out, lse, partial):
+            self.first = self.first or (out, lse)
+
+        def results(self):
+            return self.first
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(cp, "_create_rotater", lambda *a, **k: Rotater()))
+    stack.enter_context(mock.patch.object(cp, "_SDPAMerger", Merger))
+    return stack

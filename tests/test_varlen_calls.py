@@ -1,0 +1,251 @@
+"""Open tile pairs as FlashAttention-2 varlen calls (``ringify/runtime/masks/varlen.py``).
+
+FA2 runs only on a GPU, so its documented semantics stand in for it here, written out
+independently of the code under test (``fa2_visible``): sequences side by side by
+``cu_seqlens``; query j of a sequence of s queries and t keys sees keys
+``[j + t - s - left, j + t - s + right]``, -1 leaving a side open. The calls must cover
+exactly what each row sees, for every mask whose rows see one run of keys; the ring op on
+them (an accelerator's plan, FA2 replaced by that stand-in) must be exact in float64 against
+SDPA on the full sequence, forward and backward, in fewer calls; and on meta tensors (CUDA's
+branches) every call keeps FA2's contracts.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_flash_contracts import VarlenCalls
+
+from ringify.runtime import shard
+from ringify.runtime.attention.blocks import math_backward, math_forward
+from ringify.runtime.masks.varlen import RowSpans, Varlen
+from ringify.testing.tolerance import EXACT, relative_difference
+
+N = 40
+POS = torch.arange(N)
+Q, K = POS.view(-1, 1), POS.view(1, -1)
+DOCS = torch.tensor([0] * 7 + [1] * 20 + [2] * 13)
+MASKS = {
+    "documents": (K <= Q) & (DOCS.view(-1, 1) == DOCS.view(1, -1)),
+    "window": (K <= Q) & (Q - K < 5),
+    "window, padding keys": (K <= Q) & (Q - K < 5) & (K < 33),
+    "window, keys of the tile before": (K <= Q + N) & (Q + N - K < 5),
+    "a rectangle": (K >= 10) & (K < 30) & (Q < 12),
+    "documents, keys of the tile before": DOCS.view(-1, 1)[:, :1] == DOCS.view(1, -1),
+    "both sides": (Q - K).abs() < 4,
+    "causal, padding keys": (K <= Q) & (K < 30),
+    "hidden": torch.zeros(N, N, dtype=torch.bool),
+}
+
+
+def fa2_visible(rows: int, keys: int, calls) -> torch.Tensor:
+    """(rows, keys) bool: what FA2 lets each query see, by its documented semantics."""
+    seen = torch.zeros(rows, keys, dtype=torch.bool)
+    for row0, col0, varlen in calls:
+        (cu_q, cu_k), (left, right) = varlen.cu.tolist(), varlen.window
+        for i in range(len(cu_q) - 1):
+            s, t = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+            for j in range(s):
+                first = 0 if left < 0 else max(0, j + t - s - left)
+                stop = t if right < 0 else min(t, j + t - s + right + 1)
+                seen[row0 + cu_q[i] + j, col0 + cu_k[i] + first : col0 + cu_k[i] + stop] = True
+    return seen
+
+
+def _calls(mask: torch.Tensor, block: int = 16):
+    """The pair's varlen calls, its spans gathered block by block as the plan does."""
+    spans = RowSpans(mask.shape[0])
+    for a in range(0, mask.shape[0], block):
+        for b in range(0, mask.shape[1], block):
+            part = mask[a : a + block, b : b + block]
+            if part.all():
+                spans.add_full(slice(a, a + part.shape[0]), slice(b, b + part.shape[1]))
+            else:
+                additive = torch.zeros(part.shape).masked_fill(~part, float("-inf"))
+                spans.add_mask(slice(a, a + part.shape[0]), b, additive.view(1, 1, *part.shape))
+    return spans.calls()
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_the_calls_cover_exactly_what_each_row_sees(name):
+    mask = MASKS[name]
+    calls = _calls(mask)
+    assert calls is not None
+    got = fa2_visible(*mask.shape, [(c.rows.start, c.cols.start, c.varlen) for c in calls])
+    assert torch.equal(got, mask)
+    if name == "documents":  # three documents, one call: three causal sequences
+        assert len(calls) == 1 and calls[0].varlen.is_causal
+        assert calls[0].varlen.cu.tolist() == [[0, 7, 27, 40], [0, 7, 27, 40]]
+    if name == "window":  # its first rows cut at the tile's first key: still one call
+        assert [c.varlen.window for c in calls] == [(4, 0)]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [(K % 2 == 0) & (K <= Q), DOCS.view(-1, 1) != DOCS.view(1, -1)],
+    ids=["every other key", "two runs a row"],
+)
+def test_rows_that_see_more_than_one_run_of_keys_make_no_calls(mask):
+    assert _calls(mask) is None
+
+
+def test_a_bias_is_no_window():
+    spans = RowSpans(4)
+    spans.add_mask(slice(0, 4), 0, torch.full((4, 4), 0.5))
+    assert spans.calls() is None
+
+
+def _fa2_stand_in(calls: list):
+    """FA2's varlen kernels as ``fa2_visible`` has them, in float64 (counted in ``calls``)."""
+
+    def bias(q, k, varlen: Varlen):
+        seen = fa2_visible(q.shape[2], k.shape[2], [(0, 0, varlen)])
+        assert bool(seen.any(-1).all())  # every row of a call sees a key
+        return torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+
+    def expand(q, kv):
+        return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+
+    def forward(q, k, v, varlen, *, scale):
+        calls.append(varlen)
+        return math_forward(q, expand(q, k), expand(q, v), is_causal=False, scale=scale,
+                            bias=bias(q, k, varlen))  # fmt: skip
+
+    def backward(dout, q, k, v, out, lse, varlen, *, scale):
+        assert varlen.cu.device == q.device
+        dq, dk, dv = math_backward(
+            dout, q, expand(q, k), expand(q, v), out, lse, is_causal=False, scale=scale,
+            bias=bias(q, k, varlen),
+        )  # fmt: skip
+        groups = q.shape[1] // k.shape[1]
+        return dq, *(g.view(*k.shape[:2], groups, *k.shape[2:]).sum(2) for g in (dk, dv))
+
+    return forward, backward
+
+
+def varlen_layers(name: str):
+    """On every rank: the largest relative difference from SDPA of two layers on an
+    accelerator's plan with FA2's varlen calls (a stand-in), the varlen calls and all the
+    kernel calls of the forwards."""
+    import torch.distributed as dist
+    from test_accelerator_plan import SEQ, _case
+
+    from ringify.runtime.attention import blocks, ops
+    from ringify.runtime.tiling import tiles
+
+    program, inputs, mask = _case(name)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, h, SEQ, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.5, enable_gqa=True)
+    want.backward(full[3])
+    expected = [want.detach(), *(x.grad for x in leaves)]
+    varlen_calls, kernels, block = [], [], ops.block_forward
+    forward, backward = _fa2_stand_in(varlen_calls)
+
+    def counted(*args, **kwargs):
+        kernels.append(kwargs.get("varlen") is not None)
+        return block(*args, **kwargs)
+
+    group, worst = dist.group.WORLD.group_name, 0.0
+    with (
+        mock.patch.object(tiles, "on_accelerator", lambda _: True),
+        mock.patch.object(ops, "serves_varlen", lambda q: True),
+        mock.patch.object(ops, "block_forward", counted),
+        mock.patch.object(blocks, "varlen_forward", forward),
+        mock.patch.object(blocks, "varlen_backward", backward),
+    ):
+        handle = torch.ops.ringify.attention_plan(
+            program, inputs, SEQ // 2, False, group, "zigzag", SEQ
+        )
+        for _ in range(2):  # two layers of one step
+            q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
+            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, handle)
+            out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+            out.backward(shard(full[3], 2, layout="zigzag"))
+            for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
+                worst = max(
+                    worst, relative_difference(got.detach(), shard(ref, 2, layout="zigzag"))
+                )
+    return worst, len(varlen_calls), len(kernels)
+
+
+@pytest.mark.parametrize("name", ["packed", "window"])
+def test_a_ring_on_varlen_calls_is_exact(ranks, name):
+    from test_accelerator_plan import two_layers_on_an_accelerator_plan
+
+    blocks = ranks(2).run(two_layers_on_an_accelerator_plan, name)
+    for (worst, varlen, kernels), (_, _, block_calls) in zip(
+        ranks(2).run(varlen_layers, name), blocks, strict=True
+    ):
+        assert worst <= EXACT, worst
+        assert varlen > 0  # the open pairs ran as varlen calls
+        assert kernels / 2 <= block_calls  # per layer, no more calls than the blocks make
+
+
+@pytest.mark.parametrize("name", ["packed", "window"])
+def test_varlen_calls_keep_fa2s_contracts_on_a_device(name):
+    """The ops' bodies on meta tensors (CUDA's branches) with an accelerator's plan: every
+    varlen call gets its sequences on q's device as int32, last-dim-contiguous (rows, heads,
+    D) views, GQA's K/V heads unexpanded, a window of ints >= -1, and (backward) a dense lse."""
+    from test_gpu_readiness import GEOMETRY, N, _case, layer_bodies, meta_tensors
+
+    from ringify.runtime.tiling import tiles
+
+    program, host, _ = _case(name)
+    inputs = [x.to("meta") for x in host]
+    with mock.patch.object(tiles, "on_accelerator", lambda _: True), VarlenCalls() as log:
+        handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+        layer_bodies(program, inputs, handle, *meta_tensors())
+    log.check_contracts(heads=(4, 2))
+    assert {"forward", "backward"} <= {direction for direction, _ in log.calls}
+
+
+def hf_model_on_varlen_calls(case: str):
+    """On every rank: a ringified HF model (Llama with packed documents, Mistral with a window)
+    on an accelerator's plan whose open pairs run as FA2 varlen calls (the stand-in), in
+    float64: its logits' and gradients' largest differences from the unmodified model's, and
+    its forward's varlen calls."""
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.runtime.attention import blocks, ops
+    from ringify.runtime.tiling import tiles
+    from ringify.testing import hf_models
+
+    torch.manual_seed(0)
+    seq = 4096  # zigzag chunks of 1024 rows at 2 ranks: pairs open at documents and windows
+    if case == "window":
+        model = hf_models.mistral(700, heads=4, kv_heads=2).double()
+        kwargs = {}
+    else:
+        model = hf_models.llama(max_len=seq, heads=4, kv_heads=2).double()
+        lengths = (900, 2100, seq - 3000)
+        kwargs = {"position_ids": torch.cat([torch.arange(n) for n in lengths]).view(1, -1)}
+    ids = torch.randint(1, 64, (1, seq))
+    want = model(input_ids=ids, labels=ids, **kwargs)
+    want.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    calls: list = []
+    forward, backward = _fa2_stand_in(calls)
+    with (
+        mock.patch.object(tiles, "on_accelerator", lambda _: True),
+        mock.patch.object(ops, "serves_varlen", lambda q: True),
+        mock.patch.object(blocks, "varlen_forward", forward),
+        mock.patch.object(blocks, "varlen_backward", backward),
+    ):
+        got = ringify(model, ring_size=dist.get_world_size())(input_ids=ids, labels=ids, **kwargs)
+        got.loss.backward()
+    grads = max(relative_difference(p.grad, want_grads[n]) for n, p in model.named_parameters())
+    return relative_difference(got.logits, want.logits), grads, len(calls)
+
+
+@pytest.mark.parametrize("case", ["packed", "window"])
+def test_an_hf_model_on_varlen_calls_matches_the_unmodified_model(ranks, case):
+    for logits, grads, calls in ranks(2).run(hf_model_on_varlen_calls, case):
+        assert logits <= EXACT and grads <= EXACT, (logits, grads)
+        assert calls > 0
