@@ -126,7 +126,7 @@ def _fa2_stand_in(calls: list):
     return forward, backward
 
 
-def varlen_layers(name: str):
+def varlen_layers(name: str, per_chunk: int = 0):
     """On every rank: the largest relative difference from SDPA of two layers on an
     accelerator's plan with FA2's varlen calls (a stand-in), the varlen calls and all the
     kernel calls of the forwards."""
@@ -159,11 +159,12 @@ def varlen_layers(name: str):
         mock.patch.object(blocks, "varlen_backward", backward),
     ):
         handle = torch.ops.ringify.attention_plan(
-            program, inputs, SEQ // 2, False, group, "zigzag", SEQ
+            program, inputs, SEQ // 2, False, group, "zigzag", SEQ, per_chunk
         )
         for _ in range(2):  # two layers of one step
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
-            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, handle)
+            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, per_chunk, True)
+            args += (handle,)
             out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
@@ -173,17 +174,31 @@ def varlen_layers(name: str):
     return worst, len(varlen_calls), len(kernels)
 
 
-@pytest.mark.parametrize("name", ["packed", "window"])
+@pytest.mark.parametrize("name", ["packed", "window", "padded"])
 def test_a_ring_on_varlen_calls_is_exact(ranks, name):
+    """Exact, in no more calls than the blocks make; a pair the blocks run as one unmasked
+    call (HF's causal mask with padding: the shard's one causal call per step) stays so."""
     from test_accelerator_plan import two_layers_on_an_accelerator_plan
 
     blocks = ranks(2).run(two_layers_on_an_accelerator_plan, name)
-    for (worst, varlen, kernels), (_, _, block_calls) in zip(
-        ranks(2).run(varlen_layers, name), blocks, strict=True
+    for rank, ((worst, varlen, kernels), (_, _, block_calls)) in enumerate(
+        zip(ranks(2).run(varlen_layers, name), blocks, strict=True)
     ):
         assert worst <= EXACT, worst
-        assert varlen > 0  # the open pairs ran as varlen calls
         assert kernels / 2 <= block_calls  # per layer, no more calls than the blocks make
+        if name == "padded":
+            assert varlen == 0 and kernels / 2 == 2
+        else:
+            assert varlen > 0  # the open pairs ran as varlen calls
+        if name == "window" and rank == 0:  # its own two bands are one call, as is_causal's
+            assert kernels / 2 == 2, kernels  # triangles: a call per step
+
+
+def test_varlen_calls_join_across_tiles_that_travel_apart(ranks):
+    """Two tiles per chunk: a sub-ring's tiles are not adjacent rows, so their dK/dV travel
+    in a slot each, and a varlen call joined across held tiles adds into both."""
+    for worst, varlen, _ in ranks(2).run(varlen_layers, "window", 2):
+        assert worst <= EXACT and varlen > 0, (worst, varlen)
 
 
 @pytest.mark.parametrize("name", ["packed", "window"])

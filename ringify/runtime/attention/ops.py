@@ -264,15 +264,18 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
 
 def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice | None]]:
     """``(slot, its key rows, the block's key rows or None for all)`` for K (0) or V (1) of
-    block ``b``: one slot where the tiles are joined, else one per tile the block spans."""
+    block ``b``: one slot where the tiles are joined, else one per tile the block's keys
+    reach (side by side, they may start inside the first and stop inside the last)."""
     if slots.joined or b.tiles == 1:
         return [(*slots.at(which, b.held, b.cols), None)]
-    parts, start = [], 0
-    for t in range(b.held, b.held + b.tiles):  # the last tile's keys may be cut off
-        length = min(slots.starts[t + 1] - slots.starts[t], b.cols.stop - start)
-        slot, rows = slots.at(which, t, slice(0, length))
-        parts.append((slot, rows, slice(start, start + length)))
-        start += length
+    first = slots.starts[b.held] + b.cols.start
+    end = slots.starts[b.held] + b.cols.stop
+    parts = []
+    for t in range(b.held, b.held + b.tiles):
+        lo, hi = max(first, slots.starts[t]), min(end, slots.starts[t + 1])
+        if lo < hi:
+            slot, rows = slots.at(which, t, slice(lo - slots.starts[t], hi - slots.starts[t]))
+            parts.append((slot, rows, slice(lo - first, hi - first)))
     return parts
 
 

@@ -104,3 +104,33 @@ def _adjacent_rows(queries: list[int], mine: list[Tile], join: bool) -> list[sli
         else:
             spans.append(rows)
     return spans
+
+
+def joined_varlen(blocks: list[Block], held: list[Tile], rows_joined: bool, keys_joined: bool):
+    """A step's FA2 varlen blocks as few calls: one whose query rows and keys run on from
+    another's, with the same window, joins it as more sequences (the shard's own tiles at the
+    first step under a window: one call, as ``is_causal`` makes one)."""
+    starts = list(itertools.accumulate((t.length for t in held), initial=0))
+    calls: list[Block] = []
+    for b in sorted(blocks, key=lambda b: b.rows.start):
+        last = calls[-1] if calls else None
+        key_end = last and starts[last.held] + last.cols.stop  # in the held tiles side by side
+        if (
+            last is not None and rows_joined and keys_joined
+            and last.varlen.window == b.varlen.window and last.rows.stop == b.rows.start
+            and key_end == starts[b.held] + b.cols.start
+        ):  # fmt: skip
+            calls[-1] = _join(last, b, starts)
+        else:
+            calls.append(b)
+    return calls
+
+
+def _join(a: Block, b: Block, starts: list[int]) -> Block:
+    cu = torch.cat([a.varlen.cu, b.varlen.cu[:, 1:] + a.varlen.cu[:, -1:]], 1)
+    longest = (max(a.varlen.max_rows, b.varlen.max_rows), max(a.varlen.max_keys, b.varlen.max_keys))
+    varlen = Varlen(cu, *longest, a.varlen.window)
+    rows = slice(a.rows.start, b.rows.stop)
+    cols = slice(a.cols.start, starts[b.held] + b.cols.stop - starts[a.held])
+    tiles = b.held - a.held + 1
+    return Block(a.held, rows, cols, a.seen, None, None, False, tiles, varlen)

@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 
 from ringify.runtime.attention.blocks import additive_mask
-from ringify.runtime.masks.calls import Block, joined
+from ringify.runtime.masks.calls import Block, joined, joined_varlen
 from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
 from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import evaluate, parse
@@ -192,15 +192,18 @@ class TileMasks:
         """``pairs``, counting each pair's visibility into ``counts`` (if not None); under a
         program, its masked blocks carry no bias yet."""
         whole: dict[tuple[int, int], Block] = {}
+        varlen_blocks: list[Block] = []
         for i, k_tile in enumerate(held):
             keys = self.keys(k_tile)
             if keys <= 0:
                 continue
             for a, q_tile in enumerate(mine):
                 seen, bias = self._settled_pair(q_tile, k_tile, keys, dtype, biased)
-                calls = self._open_blocks(q_tile, k_tile, keys)[2] if seen is None else None
-                if varlen and calls is not None:  # open: as FA2 varlen calls
-                    yield from _varlen_blocks(i, q_tile, k_tile, calls)
+                calls = (
+                    self._varlen_calls(q_tile, k_tile, keys) if varlen and seen is None else None
+                )
+                if calls is not None:  # open: as FA2 varlen calls
+                    varlen_blocks += _varlen_blocks(i, q_tile, k_tile, calls)
                     if counts is not None:
                         counts[Visibility.MASKED if calls else Visibility.HIDDEN] += 1
                     continue
@@ -225,8 +228,10 @@ class TileMasks:
                         whole[a, i] = block
                     else:
                         yield block
+        rows_joined = self._queries is self.home
         if whole:
-            yield from joined(whole, mine, held, self._queries is self.home, joinable)
+            yield from joined(whole, mine, held, rows_joined, joinable)
+        yield from joined_varlen(varlen_blocks, held, rows_joined, joinable)
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, dtype: torch.dtype, biased):
         """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
@@ -287,6 +292,15 @@ class TileMasks:
                 self._kept.keep(key, moved, device.numel() * device.element_size())
         return moved
 
+    def _varlen_calls(self, q_tile: Tile, k_tile: Tile, keys: int) -> list[VarlenCall] | None:
+        """An open pair's FA2 varlen calls, where the plan worked them out and they are fewer
+        calls than its coalesced blocks or spare a bias; None where its blocks run as well
+        (one unmasked call, which may join the step's others: HF's causal mask)."""
+        _, coalesced, calls = self._open_blocks(q_tile, k_tile, keys)
+        runs = [b for b in coalesced if b.seen is not Visibility.HIDDEN]
+        masked = any(b.seen is Visibility.MASKED for b in runs)
+        return calls if calls is not None and (masked or len(calls) < len(runs)) else None
+
     def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list, list]:
         """``(query rows, key rows, visibility, global positions)`` of each block of an open
         pair, classified on the host once and kept for every later call of the plan: each
@@ -335,13 +349,17 @@ class TileMasks:
         return self._open[key]
 
 
-def _varlen_blocks(held: int, q_tile: Tile, k_tile: Tile, calls: list[VarlenCall]):
+def _varlen_blocks(held: int, q_tile: Tile, k_tile: Tile, calls: list[VarlenCall]) -> list:
     """An open pair's varlen calls as blocks (rows of the shard, key rows of the held tile)."""
+    blocks = []
     for call in calls:
         rows = slice(q_tile.rows.start + call.rows.start, q_tile.rows.start + call.rows.stop)
         at = (slice(q_tile.start + call.rows.start, q_tile.start + call.rows.stop),
               slice(k_tile.start + call.cols.start, k_tile.start + call.cols.stop))  # fmt: skip
-        yield Block(held, rows, call.cols, Visibility.MASKED, None, at, False, 1, call.varlen)
+        blocks.append(
+            Block(held, rows, call.cols, Visibility.MASKED, None, at, False, 1, call.varlen)
+        )
+    return blocks
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
