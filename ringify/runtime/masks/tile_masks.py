@@ -25,7 +25,7 @@ from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
 from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks
-from ringify.runtime.masks.varlen import RowSpans, VarlenCall
+from ringify.runtime.masks.varlen import RowSpans, Varlen, VarlenCall
 from ringify.runtime.tiling.tiles import (
     MIN_TILE_ROWS,
     Tile,
@@ -229,6 +229,9 @@ class TileMasks:
                     else:
                         yield block
         rows_joined = self._queries is self.home
+        if varlen_blocks and all(map(_square_causal, whole.values())):  # join them as sequences
+            varlen_blocks += [_as_varlen(b) for b in whole.values()]
+            whole = {}
         if whole:
             yield from joined(whole, mine, held, rows_joined, joinable)
         yield from joined_varlen(varlen_blocks, held, rows_joined, joinable)
@@ -360,6 +363,18 @@ def _varlen_blocks(held: int, q_tile: Tile, k_tile: Tile, calls: list[VarlenCall
             Block(held, rows, call.cols, Visibility.MASKED, None, at, False, 1, call.varlen)
         )
     return blocks
+
+
+def _square_causal(block: Block) -> bool:
+    n = block.rows.stop - block.rows.start
+    return block.seen is Visibility.DIAGONAL and block.cols == slice(0, n)
+
+
+def _as_varlen(block: Block) -> Block:
+    """A square causal block as one FA2 sequence (top-left and bottom-right agree on it)."""
+    n = block.rows.stop - block.rows.start
+    cu = torch.tensor([[0, n], [0, n]], dtype=torch.int32)
+    return dataclasses.replace(block, varlen=Varlen(cu, n, n, (-1, 0)), empty_rows=False)
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
