@@ -73,12 +73,13 @@ class VarlenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def check_contracts(self, heads: tuple[int, int]) -> None:
-        """What FA2 reads unchecked: sequences on q's device as int32, (rows, heads, D) views
+        """What FA2 reads unchecked: sequences on q's device as dense int32, (rows, heads, D) views
         with a contiguous last dim, GQA's K/V heads as they are (``heads``: query, key), a
         window of ints >= -1, and (backward) a dense lse."""
         for direction, call in self.calls:
             for cu in (call["cum_seq_q"], call["cum_seq_k"]):
                 assert cu.device == call["query"].device and cu.dtype == torch.int32
+                assert cu.is_contiguous()
             assert all(call[x].stride(-1) == 1 for x in ("query", "key", "value"))
             assert (call["query"].shape[1], call["key"].shape[1]) == heads
             for side in ("window_size_left", "window_size_right"):

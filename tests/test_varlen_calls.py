@@ -264,3 +264,25 @@ def test_an_hf_model_on_varlen_calls_matches_the_unmodified_model(ranks, case):
     for logits, grads, calls in ranks(2).run(hf_model_on_varlen_calls, case):
         assert logits <= EXACT and grads <= EXACT, (logits, grads)
         assert calls > 0
+
+
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_a_program_of_one_sides_positions_makes_calls_over_whole_rows_and_keys(role):
+    """A program with no key input (query-side padding: ViT's padded cls sequence) evaluates
+    to one broadcast key column, one with no query input to one query row: a plan's calls
+    cover every key (or query) the broadcast stands for, not one."""
+    from ringify.runtime.masks.program import MaskProgram
+    from ringify.runtime.masks.tile_masks import TileMasks
+    from ringify.runtime.tiling.tiles import MIN_TILE_ROWS, Tile
+
+    n = 2 * MIN_TILE_ROWS
+    program = MaskProgram((role,), (("cast", ({"in": 0},), "bool"),)).text()
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[-5:] = False  # the last queries (or keys) are padding
+    valid = valid.view(-1, 1) if role == "q" else valid.view(1, -1)
+    tile = Tile(slice(0, n), (0, 0), 0)
+    masks = TileMasks(lambda rank: [tile], 1, None, False, n, program, [valid], varlen=True)
+    calls = masks._open_blocks(tile, tile, n)[2]
+    mask = valid.expand(n, n)
+    got = fa2_visible(n, n, [(c.rows.start, c.cols.start, c.varlen) for c in calls])
+    assert torch.equal(got, mask)

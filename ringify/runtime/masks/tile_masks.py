@@ -338,9 +338,10 @@ class TileMasks:
                         spans.add_full(rows, kb.rows)
                     continue
                 mask = evaluate(self.program, self.inputs, *at, _HOST)
+                mask = mask.expand(*mask.shape[:-2], qb.length, kb.length)  # a broadcast dim
                 if spans is not None:
                     spans.add_mask(rows, kb.rows.start, mask)
-                seen, kept, empty = classify(mask.expand(*mask.shape[:-2], qb.length, kb.length))
+                seen, kept, empty = classify(mask)
                 # keys that no query of the block sees, at its end (padding): cut off
                 cols = slice(kb.rows.start, kb.rows.start + kept)
                 at = (at[0], slice(at[1].start, at[1].start + kept))

@@ -64,7 +64,8 @@ class RowSpans:
         self._add(rows, torch.tensor(cols.start), torch.tensor(cols.stop), cols.stop - cols.start)
 
     def add_mask(self, rows: slice, col0: int, mask: torch.Tensor) -> None:
-        """A block's evaluated mask (bool, or additive), (..., s, t) with unit leading dims."""
+        """A block's evaluated mask (bool, or additive), (..., s, t) expanded to the block's
+        rows and keys, with unit leading dims."""
         if mask.shape[:-2].numel() != 1:  # per batch or head: not one run per row
             self.pure = False
             return
@@ -74,7 +75,6 @@ class RowSpans:
         else:
             seen = mask == 0
             self.pure &= bool((seen | (mask == float("-inf"))).all())
-        seen = seen.expand(rows.stop - rows.start, -1)
         t = seen.shape[-1]
         any_ = seen.any(-1)
         first = torch.where(any_, seen.int().argmax(-1), t)
