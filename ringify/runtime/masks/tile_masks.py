@@ -159,10 +159,13 @@ class TileMasks:
         The step's unmasked whole pairs come last, joined into few calls (``calls.py``;
         ``joinable``: the held tiles lie side by side in memory). ``varlen``: an open pair whose
         rows each see one run of keys is instead FA2 varlen calls (``masks/varlen.py``), where
-        the plan worked them out (on an accelerator).
+        the plan worked them out (on an accelerator); a step's varlen calls, and its square
+        causal pairs with them, join as one call's sequences where they run on
+        (``calls.joined_varlen``).
 
         Under a program the blocks of a step are the same in every call of the plan: they
-        are worked out once and kept; each call adds only its masked blocks' biases."""
+        are worked out once and kept; each call adds only its masked blocks' biases, or its
+        varlen calls' sequences on the device (both made by the step's first call)."""
         if self.mask is not None:  # a mask tensor: the call's own, biases and all
             counts = Counter()
             yield from self._pairs(mine, held, dtype, counts, biased, joinable, False)
