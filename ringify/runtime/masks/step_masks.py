@@ -23,8 +23,8 @@ import torch
 from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.tiling import tiles
 
-# Per query row: a bf16 bias 8192 keys wide (a window's or a document's edge blocks).
-KEPT_BYTES_PER_ROW = 16 * 1024
+# Per query row: a bf16 bias 4096 keys wide (a GPU tile pair's masked call, its widest).
+KEPT_BYTES_PER_ROW = 8 * 1024
 
 
 def kept_bytes_per_row(device_type: str) -> int:
