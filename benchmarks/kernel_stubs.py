@@ -21,14 +21,14 @@ def ringify_stubs(sent: list[float]):
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
-    areas: dict[int, float] = {}
+    areas: dict[int, tuple] = {}  # by id, each with its call held: no other takes the id
 
     def work(q, k, is_causal=False, varlen=None, **_):  # the FLOPs the kernel would run
         b, h, s, d = q.shape
         if varlen is not None:  # the keys its window leaves each row (worked out once)
             if id(varlen) not in areas:
-                areas[id(varlen)] = _varlen_area(varlen)
-            return 2 * 2 * b * h * areas[id(varlen)] * d
+                areas[id(varlen)] = (varlen, _varlen_area(varlen))
+            return 2 * 2 * b * h * areas[id(varlen)][1] * d
         return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
 
     def forward(q, k, v, **kwargs):

@@ -113,17 +113,18 @@ def joined_varlen(blocks: list[Block], held: list[Tile], rows_joined: bool, keys
     starts = list(itertools.accumulate((t.length for t in held), initial=0))
     calls: list[Block] = []
     for b in sorted(blocks, key=lambda b: b.rows.start):
-        last = calls[-1] if calls else None
-        key_end = last and starts[last.held] + last.cols.stop  # in the held tiles side by side
-        if (
-            last is not None and rows_joined and keys_joined
-            and last.varlen.window == b.varlen.window and last.rows.stop == b.rows.start
-            and key_end == starts[b.held] + b.cols.start
-        ):  # fmt: skip
-            calls[-1] = _join(last, b, starts)
+        if calls and rows_joined and keys_joined and _runs_on(calls[-1], b, starts):
+            calls[-1] = _join(calls[-1], b, starts)
         else:
             calls.append(b)
     return calls
+
+
+def _runs_on(a: Block, b: Block, starts: list[int]) -> bool:
+    """Whether ``b``'s rows and keys (in the held tiles side by side) start where ``a``'s
+    stop, under the same window."""
+    keys_on = starts[a.held] + a.cols.stop == starts[b.held] + b.cols.start
+    return a.varlen.window == b.varlen.window and a.rows.stop == b.rows.start and keys_on
 
 
 def _join(a: Block, b: Block, starts: list[int]) -> Block:

@@ -25,7 +25,7 @@ from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
 from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks
-from ringify.runtime.masks.varlen import RowSpans, Varlen, VarlenCall
+from ringify.runtime.masks.varlen import RowSpans, VarlenCall, sequences_call
 from ringify.runtime.tiling.tiles import (
     MIN_TILE_ROWS,
     Tile,
@@ -212,7 +212,7 @@ class TileMasks:
                     continue
                 if seen is None:  # open: block by block, each bias freed after its use
                     seen_blocks = set()
-                    for block in self._blocks(i, q_tile, k_tile, keys, dtype, biased):
+                    for block in self._blocks(i, q_tile, k_tile, keys, biased):
                         seen_blocks.add(block.seen)
                         if _whole(block, q_tile, k_tile):
                             whole[a, i] = block
@@ -253,7 +253,7 @@ class TileMasks:
             return Visibility.FULL, None
         return None, None
 
-    def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, dtype, biased: bool):
+    def _blocks(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, biased: bool):
         """Every ``Block`` of an open pair, its visibility from the host's classification
         (made once per plan); one that needs its mask is MASKED, its bias added by ``pairs``
         in each call. Without a bias, blocks run as few calls (``open_blocks.coalesced``)."""
@@ -377,8 +377,8 @@ def _square_causal(block: Block) -> bool:
 def _as_varlen(block: Block) -> Block:
     """A square causal block as one FA2 sequence (top-left and bottom-right agree on it)."""
     n = block.rows.stop - block.rows.start
-    cu = torch.tensor([[0, n], [0, n]], dtype=torch.int32)
-    return dataclasses.replace(block, varlen=Varlen(cu, n, n, (-1, 0)), empty_rows=False)
+    call = sequences_call([(0, n, 0, n)], (-1, 0))
+    return dataclasses.replace(block, varlen=call.varlen, empty_rows=False)
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:

@@ -117,7 +117,7 @@ def varlen_calls(lo: torch.Tensor, hi: torch.Tensor) -> list[VarlenCall] | None:
             last[0].append((a, b, c, e))
         else:
             calls.append([[(a, b, c, e)], window])
-    return [_call(sequences, window) for sequences, window in calls]
+    return [sequences_call(sequences, window) for sequences, window in calls]
 
 
 def piece(lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
@@ -144,7 +144,11 @@ def _side(width: torch.Tensor, bounded: torch.Tensor, to_edge: torch.Tensor) -> 
     return w
 
 
-def _call(sequences: list[tuple[int, int, int, int]], window: tuple[int, int]) -> VarlenCall:
+def sequences_call(
+    sequences: list[tuple[int, int, int, int]], window: tuple[int, int]
+) -> VarlenCall:
+    """One call of ``sequences``, each (first row, row stop, first key, key stop), side by side
+    in rows and keys, under one FA2 ``window``."""
     rows = [b - a for a, b, _, _ in sequences]
     keys = [e - c for _, _, c, e in sequences]
     cu = torch.tensor([[0, *rows], [0, *keys]], dtype=torch.int32).cumsum(1, dtype=torch.int32)
