@@ -84,7 +84,8 @@ def _step(case: str, seq: int, fold: bool):
 
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, h, seq, 32, generator=g) for h in (4, 2, 2)]
-        qkv = [shard(t, 2, layout="zigzag").requires_grad_() for t in full]  # as ringify's
+        # as ringify's, laid out as a model's: (B, H, S, D) views of (B, S, H, D)
+        qkv = [_as_models(shard(t, 2, layout="zigzag")).requires_grad_() for t in full]
 
         def step():
             for _ in range(LAYERS):
@@ -104,6 +105,11 @@ def _step(case: str, seq: int, fold: bool):
     return step
 
 
+def _as_models(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, H, S, D) laid out as a model's attention gets it: a view of (B, S, H, D)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def torch_ring_times(seq: int) -> dict[str, float]:
     """On every rank: µs per call of PyTorch's ring attention forward and backward (causal,
     its round-robin load balance: our zigzag), kernels and rotations stubbed."""
@@ -114,7 +120,7 @@ def torch_ring_times(seq: int) -> dict[str, float]:
     world = dist.get_world_size()
     rows = seq // world
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout, out = (torch.randn(1, 4, rows, 32, generator=g) for _ in range(5))
+    q, k, v, dout, out = (_as_models(torch.randn(1, 4, rows, 32, generator=g)) for _ in range(5))
     lse = torch.zeros(1, 4, rows)  # its CP expands GQA's K/V before the ring: 4 heads each
 
     def forward_op(q, k, v, is_causal, **_):

@@ -39,8 +39,9 @@ def ringify_stubs(sent: list[float]):
         sent[1] += 2.5 * work(q, k, **kwargs)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def exchange(ring, sends, receives, *, tag=0):
-        sent[0] += sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
+    def exchange(ring, sends, receives, *, tag=0):  # what the real one launches: dense sends
+        batches = [[t.contiguous() for t in ts] for _, ts in sends]
+        sent[0] += sum(t.numel() * t.element_size() for ts in batches for t in ts)
         return p2p.PendingStep([], [batch for _, batch in receives], [])
 
     def bias(mask, dtype):  # a kernel: its output allocated, not written (2 launches on a GPU)
@@ -57,7 +58,12 @@ def ringify_stubs(sent: list[float]):
     stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
     # these CPU tensors stand for bf16 ones on a GPU: open pairs run as FA2 varlen calls
     stack.enter_context(mock.patch("ringify.runtime.attention.ops.serves_varlen", lambda q: True))
-    for name in ("attention.ops", "collectives.courier", "masks.tile_masks"):
+    for name in (
+        "attention.ops",
+        "attention.accumulator",
+        "collectives.courier",
+        "masks.tile_masks",
+    ):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:
             if hasattr(module, attribute):

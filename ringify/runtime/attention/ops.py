@@ -39,18 +39,17 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.attention.accumulator import Accumulator, RowSum
 from ringify.runtime.attention.blocks import (
     bias_backward,
     block_backward,
     block_forward,
-    merge_block,
 )
 from ringify.runtime.attention.flash import serves_varlen
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
     empty_attention_outputs,
-    empty_in_dim_order_of,
     in_dim_order_of,
 )
 from ringify.runtime.collectives.courier import Courier, Parcel
@@ -59,7 +58,7 @@ from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import count_call, plan_for
 from ringify.runtime.masks.step_masks import kept_masks
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.moves import ShardRows, move_home, narrow_rows, rows_in
+from ringify.runtime.tiling.moves import move_home, narrow_rows, rows_in
 from ringify.runtime.tiling.schedule import GradSlots, ring_visits
 from ringify.runtime.tiling.tiles import Visibility
 
@@ -94,10 +93,8 @@ def ring_attention_op(
     )  # fmt: skip
     (q_at,) = rows_in(ring, [q], home, queries)
     mine = queries(ring.rank)
-    out_acc = empty_in_dim_order_of(q, acc).zero_()
+    merged = Accumulator(q, acc)
     bias_in, varlen = bias_dtype(q), serves_varlen(q)
-    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    out_rows, lse_rows = ShardRows(out_acc), ShardRows(lse_acc)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
@@ -110,8 +107,9 @@ def ring_attention_op(
                 q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                 scale=scale, bias=b.bias, empty_rows=b.empty_rows, varlen=b.varlen,
             )  # fmt: skip
-            merge_block(out_rows[b.rows], lse_rows[b.rows], out_blk, lse_blk)
-    out = out_acc.to(q.dtype)
+            merged.merge(b.rows, out_blk, lse_blk)
+    out_acc, lse_acc = merged.results()
+    out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)  # float32: no launch
     del q_at  # free the moved-in rows before the results move home
     move_home(ring, [out, lse_acc], queries, home)
     return in_dim_order_of(q, out), lse_acc
@@ -167,9 +165,8 @@ def ring_attention_backward_op(
     )  # fmt: skip
     saved = rows_in(ring, [grad_out, q, out, lse], home, queries)
     mine = queries(ring.rank)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dq_rows = ShardRows(dq_acc)
-    dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    dq_sum = RowSum(q.shape, acc, q.device)
+    dk, dv = (RowSum(t.shape, t.dtype, t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     dinputs = [
         torch.zeros(x.shape, dtype=acc, device=x.device) if want else None
@@ -184,7 +181,7 @@ def ring_attention_backward_op(
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, slots, mine, masks, saved, dq_rows, dmask, learned, scale=scale, acc=acc
+                held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, scale=scale, acc=acc
             )
         arrived, delivery = delivery.wait() if delivery is not None else {}, None
         if "home" in arrived:
@@ -211,10 +208,11 @@ def ring_attention_backward_op(
                 slots.store_home(arrived["home"], dk, dv)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     dinputs = [d.to(x.dtype) for d, x in zip(dinputs, mask_inputs, strict=True) if d is not None]
-    dq = dq_acc.to(q.dtype)
+    dq_acc = dq_sum.result()
+    dq = dq_acc if dq_acc.dtype == q.dtype else dq_acc.to(q.dtype)
     del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
     move_home(ring, [dq], queries, home)
-    return dq, dk, dv, dmask, dinputs
+    return dq, dk.result(), dv.result(), dmask, dinputs
 
 
 def _planned(
@@ -230,9 +228,9 @@ def _planned(
     return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
 
 
-def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned, *, scale, acc):
+def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc):
     """This rank's share of the held tiles' dK/dV (per slot of ``slots``, None where no query
-    here sees it); its queries' share is added into ``dq_rows`` (dq's ``ShardRows``), the
+    here sees it); its queries' share is added into ``dq_sum`` (a ``RowSum``), the
     mask's into ``dmask`` (a learned bias) or, with ``learned`` = (program, inputs, their
     gradients), into the program's."""
     grad_out, q, out, lse = saved
@@ -255,7 +253,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_rows, dmask, learned
                 tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
             if learned is not None:
                 add_program_grads(*learned, *b.at, dbias)
-        dq_rows[r].add_(dq_blk)
+        dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in _slot_parts(slots, which, b):
                 _accumulate(here, slot, narrow_rows(grad, part) if part else grad, slots, rows, acc)
@@ -295,11 +293,12 @@ def _added(dkv, here, slots: GradSlots, acc, device):
 
 def _accumulate(grads: list, slot: int, grad: torch.Tensor, slots: GradSlots, rows, acc) -> None:
     """Add one block's dK or dV (over the slot's key rows ``rows``: padding keys and keys no
-    query of the block sees are left out) into ``grads[slot]``, kept contiguous so that it
-    can be sent as it is."""
+    query of the block sees are left out) into ``grads[slot]``. A block of the whole slot is
+    taken as it is, in ``acc``: made dense only where it is sent (``start_exchange``), not
+    where it is added into a slot arriving (``_added``)."""
     shape = slots.shapes[slot]
     if grads[slot] is None and rows.start == 0 and rows.stop == shape[2]:
-        grads[slot] = grad.to(acc, memory_format=torch.contiguous_format)
+        grads[slot] = grad if grad.dtype == acc else grad.to(acc)
         return
     if grads[slot] is None:
         grads[slot] = torch.zeros(shape, dtype=acc, device=grad.device)

@@ -37,9 +37,14 @@ def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is (strides
     compared without allocating: nothing launched), else a copy."""
-    if out.stride() == _dense_strides(q):
+    if is_in_dim_order_of(q, out):
         return out
     return empty_in_dim_order_of(q, out.dtype).copy_(out)
+
+
+def is_in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` (q's shape) lies densely in memory in q's dim order."""
+    return out.stride() == _dense_strides(q)
 
 
 def _dense_strides(q: torch.Tensor) -> tuple[int, ...]:

@@ -186,15 +186,14 @@ class GradSlots:
         return [torch.empty(shape, dtype=dtype, device=device) for shape in self.shapes]
 
     def store_home(self, totals: list[torch.Tensor], dk, dv) -> None:
-        """This rank's own tiles' dK and dV, complete (``totals``, one per slot): into ``dk``
-        and ``dv``."""
+        """This rank's own tiles' dK and dV, complete (``totals``, one per slot): added into
+        ``dk`` and ``dv`` (``attention/accumulator.py``'s ``RowSum``: each row arrives once)."""
         if self.joined:
-            first, rows = self._own[0].rows.start, self.starts[-1]
-            whole = first == 0 and rows == dk.shape[2]  # no view to launch
-            (dk if whole else dk.narrow(2, first, rows)).copy_(totals[0])
-            (dv if whole else dv.narrow(2, first, rows)).copy_(totals[1])
+            rows = slice(self._own[0].rows.start, self._own[0].rows.start + self.starts[-1])
+            dk.add(rows, totals[0])
+            dv.add(rows, totals[1])
             return
         n = len(self._own)
         for t, dk_home, dv_home in zip(self._own, totals[:n], totals[n:], strict=True):
-            dk.narrow(2, t.rows.start, t.length).copy_(dk_home)
-            dv.narrow(2, t.rows.start, t.length).copy_(dv_home)
+            dk.add(t.rows, dk_home)
+            dv.add(t.rows, dv_home)
