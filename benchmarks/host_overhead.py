@@ -17,9 +17,10 @@ stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a 
 Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
-``is_causal=True`` and no mask on the same shapes. Per case: host µs per call, forward and
-backward (the op's own time plus ``LAUNCH_US`` per kernel it launches, ``_host_cost``; the
-mean over a step's calls, replayed, and in the step, whose first forward is left out: it
+``is_causal=True`` and no mask on the same shapes, laid out as a model's (``_as_models``;
+PyTorch's ring gets the same layout). Per case: host µs per call, forward and backward
+(the op's own time plus ``LAUNCH_US`` per kernel it launches, ``_host_cost``; the mean over
+a step's calls, replayed, and in the step, whose first forward is left out: it
 evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
 step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
 a paper model of a GPU step (labelled so, ``paper_model``).
