@@ -57,8 +57,9 @@ def test_plan_keeps_shapes_and_pays_off(world, layout):
     assert work is not None
     tiles = all_tiles(home, world)
     assert sorted(t.key for t in all_tiles(work, world)) == [t.key for t in tiles]
-    for r in range(world):  # same local rows, same sub-ring in each slot: buffers keep shape
-        assert [(t.rows, t.sub_ring) for t in work(r)] == [(t.rows, t.sub_ring) for t in home(r)]
+    for r in range(world):  # same local rows, same tiles per sub-ring: buffers keep shape
+        assert [t.rows for t in work(r)] == [t.rows for t in home(r)]
+        assert sorted(t.sub_ring for t in work(r)) == sorted(t.sub_ring for t in home(r))
         for t in work(r):  # a tile's rows are its global positions' count
             assert t.length == next(h.length for h in tiles if h.key == t.key)
         own = {t.key: t.rows for t in home(r)}  # a tile that stays keeps its rows
@@ -104,7 +105,7 @@ def test_tile_costs_count_what_the_program_leaves_visible():
     assert torch.equal(costs, torch.eye(4, dtype=torch.float64) * 64)
 
 
-def balanced_ring(world, lengths, learned):
+def balanced_ring(world, lengths, learned, models_layout=False):
     """The ring op with a document program, balanced and not, vs SDPA on the whole
     sequence: forward, q/k/v gradients and (``learned``) the per-key bias's."""
     import torch.distributed as dist
@@ -128,7 +129,10 @@ def balanced_ring(world, lengths, learned):
     name = dist.group.WORLD.group_name
     results = {}
     for balance in (True, False):
-        local = [shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
+        local = [shard(t, 2, layout="zigzag") for t in (q, k, v)]
+        if models_layout:  # (B, H, S, D) views of (B, S, H, D): moved rows travel as they lie
+            local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
+        local = [x.requires_grad_() for x in local]
         inputs = [q_docs, k_docs]
         if learned:
             inputs.append(bias.clone().requires_grad_())
@@ -148,10 +152,12 @@ def balanced_ring(world, lengths, learned):
     return results, expected
 
 
-@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize(
+    ("learned", "models_layout"), [(False, False), (True, False), (False, True)]
+)
 @pytest.mark.parametrize("world", [2, 4])
-def test_balanced_ring_is_exact(ranks, world, learned):
-    per_rank = ranks(world).run(balanced_ring, world, UNEVEN[world], learned)
+def test_balanced_ring_is_exact(ranks, world, learned, models_layout):
+    per_rank = ranks(world).run(balanced_ring, world, UNEVEN[world], learned, models_layout)
     for results, expected in per_rank:
         for balance in (True, False):
             for got, want in zip(results[balance][0], expected, strict=True):
@@ -194,3 +200,22 @@ def test_only_moved_tiles_travel(ranks, world):
         assert moved == arrived
         assert home_again
     assert sum(moved for moved, _, _ in per_rank) > 0
+
+
+def test_tiles_side_by_side_travel_as_one_message():
+    """A balanced plan places arriving tiles in the order their home ranks send them, so that
+    tiles side by side on both ranks move as one message, every row once."""
+    from ringify.runtime.tiling.moves import _moves
+
+    lengths = UNEVEN[2]
+    home = _home(2, sum(lengths))
+    plan = _plan(home, 2, lengths)
+    for r in range(2):
+        sends, receives = _moves(home, plan, r, 2)
+        moved_in = [t for t in plan(r) if t.key not in {h.key for h in home(r)}]
+        moved_out = [t for t in home(r) if t.key not in {p.key for p in plan(r)}]
+        assert sum(rows.stop - rows.start for _, rows in receives) == sum(
+            t.length for t in moved_in
+        )
+        assert sum(rows.stop - rows.start for _, rows in sends) == sum(t.length for t in moved_out)
+        assert len(receives) < len(moved_in) and len(sends) < len(moved_out)

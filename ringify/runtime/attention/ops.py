@@ -229,12 +229,13 @@ def _planned(
 
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc):
-    """This rank's share of the held tiles' dK/dV (per slot of ``slots``, None where no query
-    here sees it); its queries' share is added into ``dq_sum`` (a ``RowSum``), the
+    """This rank's share of the held tiles' dK/dV: per slot of ``slots``, its blocks'
+    ``(key rows, grad)`` (none where no query here sees it), added up by ``_added``; its
+    queries' share is added into ``dq_sum`` (a ``RowSum``), the
     mask's into ``dmask`` (a learned bias) or, with ``learned`` = (program, inputs, their
     gradients), into the program's."""
     grad_out, q, out, lse = saved
-    here = [None] * len(slots.shapes)
+    here: list[list] = [[] for _ in slots.shapes]
     bias_in, varlen = bias_dtype(q.tensor), serves_varlen(q.tensor)  # q: ShardRows
     biased = learned is not None
     for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
@@ -256,7 +257,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
         dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in _slot_parts(slots, which, b):
-                _accumulate(here, slot, narrow_rows(grad, part) if part else grad, slots, rows, acc)
+                here[slot].append((rows, narrow_rows(grad, part) if part else grad))
     return here
 
 
@@ -277,32 +278,30 @@ def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice
     return parts
 
 
-def _added(dkv, here, slots: GradSlots, acc, device):
-    """``here`` (this rank's share) added into the arriving ``dkv``, or, at the first step
-    (None), the start of it."""
-    if dkv is None:  # zero for a slot no query here sees (all padding, masked)
-        return [
-            torch.zeros(shape, dtype=acc, device=device) if g is None else g
-            for g, shape in zip(here, slots.shapes, strict=True)
-        ]
-    for total, g in zip(dkv, here, strict=True):
-        if g is not None:
-            total += g
-    return dkv
+def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.Tensor]:
+    """``here`` (this rank's share: per slot, its blocks' ``(key rows, grad)``; padding keys
+    and keys no query of a block sees are left out) added into the arriving ``dkv``, each
+    block into its rows in place: no zeroed buffer per block. At the first step (``dkv``
+    None) a slot starts from its first block where that covers every row, taken as it is
+    (in ``acc``; made dense only where it is sent, ``start_exchange``), else from zeros."""
+    totals = []
+    for i, (parts, shape) in enumerate(zip(here, slots.shapes, strict=True)):
+        total = dkv[i] if dkv is not None else None
+        if total is None and parts and _all_rows(parts[0][0], shape[2]):
+            total, parts = (
+                parts[0][1] if parts[0][1].dtype == acc else parts[0][1].to(acc),
+                parts[1:],
+            )
+        elif total is None:
+            total = torch.zeros(shape, dtype=acc, device=device)
+        for rows, grad in parts:
+            (total if _all_rows(rows, shape[2]) else narrow_rows(total, rows)).add_(grad)
+        totals.append(total)
+    return totals
 
 
-def _accumulate(grads: list, slot: int, grad: torch.Tensor, slots: GradSlots, rows, acc) -> None:
-    """Add one block's dK or dV (over the slot's key rows ``rows``: padding keys and keys no
-    query of the block sees are left out) into ``grads[slot]``. A block of the whole slot is
-    taken as it is, in ``acc``: made dense only where it is sent (``start_exchange``), not
-    where it is added into a slot arriving (``_added``)."""
-    shape = slots.shapes[slot]
-    if grads[slot] is None and rows.start == 0 and rows.stop == shape[2]:
-        grads[slot] = grad if grad.dtype == acc else grad.to(acc)
-        return
-    if grads[slot] is None:
-        grads[slot] = torch.zeros(shape, dtype=acc, device=grad.device)
-    narrow_rows(grads[slot], rows).add_(grad)
+def _all_rows(rows: slice, n: int) -> bool:
+    return rows.start == 0 and rows.stop == n
 
 
 @ring_attention_backward_op.register_fake

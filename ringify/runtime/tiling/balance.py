@@ -163,7 +163,8 @@ def balanced_tiling(masks: TileMasks, min_area: float = 0.0) -> Tiling | None:
     plan = {r: [] for r in range(ring_size)}
     for i in owners.argsort(stable=True).tolist():  # by rank, then global order
         plan[int(owners[i])].append(tiles[i])
-    placed = {r: _in_home_slots(masks.home(r), plan[r]) for r in range(ring_size)}
+    homes = {t.key: (r, t.rows.start) for r in range(ring_size) for t in masks.home(r)}
+    placed = {r: _in_home_slots(masks.home(r), plan[r], homes) for r in range(ring_size)}
     return placed.__getitem__
 
 
@@ -205,17 +206,19 @@ def _longest_first(work, home, sub_rings, ring_size) -> torch.Tensor:
     return owners
 
 
-def _in_home_slots(home: list[Tile], mine: list[Tile]) -> list[Tile]:
+def _in_home_slots(home: list[Tile], mine: list[Tile], homes: dict[tuple, tuple]) -> list[Tile]:
     """``mine`` placed in the local rows of ``home``: a tile that stays keeps its own
     rows (nothing to copy, ``tiling/moves.py``); the others take the slots that the tiles
-    leaving free, a slot of each sub-ring to a tile of that sub-ring, in global order."""
+    leaving free, in local order, a slot of its own length to each, in the order their
+    home ranks send them (``homes``: a tile's (home rank, local rows start) by key), so that
+    tiles side by side on their home arrive side by side and travel as one message."""
     staying = {t.key for t in mine} & {t.key for t in home}
-    arriving: dict[int, list[Tile]] = {}
-    for t in mine:
-        if t.key not in staying:
-            arriving.setdefault(t.sub_ring, []).append(t)
+    arriving = sorted((t for t in mine if t.key not in staying), key=lambda t: homes[t.key])
     placed = []
     for slot in home:
-        t = slot if slot.key in staying else arriving[slot.sub_ring].pop(0)
+        t = slot
+        if slot.key not in staying:
+            t = next(a for a in arriving if a.length == slot.length)
+            arriving.remove(t)
         placed.append(Tile(slot.rows, t.key, t.start))
     return placed

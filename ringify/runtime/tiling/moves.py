@@ -66,7 +66,8 @@ def rows_in(ring: Ring, tensors: list[torch.Tensor], home: Tiling, plan: Tiling)
 
 def move_home(ring: Ring, tensors: list[torch.Tensor], plan: Tiling, home: Tiling) -> None:
     """Lay ``tensors`` out by ``home`` in place, from ``plan``: the rows of the tiles that
-    moved are sent back and their own rows received into the slots they leave."""
+    moved are sent back and their own rows received into the slots they leave (through
+    buffers: those slots are the ones sent from)."""
     if plan is home:
         return
     slots, received = _exchange(ring, tensors, plan, home)
@@ -82,14 +83,36 @@ def _exchange(ring: Ring, tensors, src: Tiling, dst: Tiling):
     sends, receives = _moves(src, dst, ring.rank, ring.size)
     courier = Courier(ring, Parcel.QUERY_ROWS)
     for peer, rows in sends:
-        courier.send(peer, [narrow_rows(x, rows) for x in tensors])
+        courier.send(peer, [_wire(narrow_rows(x, rows)) for x in tensors])
     for i, (peer, rows) in enumerate(receives):  # buffers shaped from the sizes: no view
-        n = rows.stop - rows.start
-        buffers = [x.new_empty((*x.shape[:2], n, *x.shape[3:])) for x in tensors]
-        courier.receive_into(str(i), peer, buffers)
+        courier.receive_into(
+            str(i), peer, [_wire_buffer(x, rows.stop - rows.start) for x in tensors]
+        )
     delivery = courier.start()
     arrived = delivery.wait() if delivery is not None else {}
-    return [rows for _, rows in receives], [arrived[str(i)] for i in range(len(receives))]
+    received = [[_unwire(b) for b in arrived[str(i)]] for i in range(len(receives))]
+    return [rows for _, rows in receives], received
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 2) as they travel, in one order on every rank whatever its strides: a
+    (B, H, S, D) tensor sequence-major, (rows, B, H, D), as K/V tiles travel: a view that is
+    dense where the tensor is a model's (B, S, H, D) with B = 1, so nothing is copied
+    (``start_exchange`` makes any other dense); a tensor of other dims as it is."""
+    return x.permute(2, 0, 1, 3) if x.dim() == 4 else x
+
+
+def _unwire(buffer: torch.Tensor) -> torch.Tensor:
+    """A received ``_wire`` buffer as the rows it carries."""
+    return buffer.permute(1, 2, 0, 3) if buffer.dim() == 4 else buffer
+
+
+def _wire_buffer(x: torch.Tensor, n: int) -> torch.Tensor:
+    """An empty receive buffer for ``n`` rows of ``x``, in its wire order."""
+    shape = (*x.shape[:2], n, *x.shape[3:])
+    if x.dim() == 4:
+        shape = (n, *x.shape[:2], x.shape[3])
+    return x.new_empty(shape)
 
 
 def narrow_rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -100,19 +123,25 @@ def narrow_rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)  # the same for every call of a plan
 def _moves(src: Tiling, dst: Tiling, rank: int, size: int) -> tuple[list, list]:
     """``(sends, receives)`` of rank ``rank`` from tiling ``src`` to ``dst``, each a list of
-    (peer, local rows: under ``src`` for a send, under ``dst`` for a receive), by tile key."""
-    at_src = {t.key: (r, t.rows) for r in range(size) for t in src(r)}
-    at_dst = {t.key: r for r in range(size) for t in dst(r)}
-    sends = [
-        (at_dst[t.key], t.rows)
-        for t in sorted(src(rank), key=lambda t: t.key)
-        if at_dst[t.key] != rank
-    ]
-    receives = []
-    for t in sorted(dst(rank), key=lambda t: t.key):
-        peer, rows = at_src[t.key]
-        if peer == rank:
-            assert rows == t.rows, "a tile that stays keeps its local rows"
-            continue
-        receives.append((peer, t.rows))
+    (peer, local rows: under ``src`` for a send, under ``dst`` for a receive). Every rank
+    works out the same moves, in the order their senders send them; tiles that lie side by
+    side on both ranks, in the same order, travel as one."""
+    at_dst = {t.key: (r, t.rows) for r in range(size) for t in dst(r)}
+    moved = sorted(
+        (r, *at_dst[t.key], t.rows) for r in range(size) for t in src(r) if at_dst[t.key][0] != r
+    )  # (from, to, rows there, rows here), by sender, receiver and rows here
+    runs: list[list] = []
+    for a, b, there, here in moved:
+        last = runs[-1] if runs else None
+        if (
+            last
+            and last[:2] == [a, b]
+            and last[3].stop == here.start
+            and last[2].stop == there.start
+        ):
+            last[2], last[3] = slice(last[2].start, there.stop), slice(last[3].start, here.stop)
+        else:
+            runs.append([a, b, there, here])
+    sends = [(b, here) for a, b, _, here in runs if a == rank]
+    receives = [(a, there) for a, b, there, _ in runs if b == rank]
     return sends, receives
