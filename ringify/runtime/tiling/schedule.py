@@ -133,15 +133,24 @@ class HeldKV(Sequence):
 
     def _span(self, which: int, start: int, length: int) -> torch.Tensor:
         """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D): each view op costs a
-        GPU's host a dispatch, so a span of all the rows is the tensor itself."""
-        if self._rows[which] is not None:
-            key = ("all", which)  # the received buffer as (B, K, rows, D), made once
-            if key not in self._views:
-                self._views[key] = self._rows[which].permute(1, 2, 0, 3)
-            x = self._views[key]
-        else:  # own adjacent tiles: rows of k and v themselves
+        GPU's host a dispatch, so a span is one view (a span of own rows, a narrow; of a
+        received buffer, one ``as_strided``, not a permute and a narrow), and a span of all
+        the rows of own tiles is the tensor itself."""
+        buffer = self._rows[which]
+        if buffer is None:  # own adjacent tiles: rows of k and v themselves
             x, start = self._kv[which], self._own[0].rows.start + start
-        return x if start == 0 and length == x.shape[2] else x.narrow(2, start, length)
+            return x if start == 0 and length == x.shape[2] else x.narrow(2, start, length)
+        rows, b, heads, d = buffer.shape  # sequence-major: (rows, B, K, D)
+        if start == 0 and length == rows:  # the whole buffer, made once
+            if ("all", which) not in self._views:
+                self._views["all", which] = buffer.permute(1, 2, 0, 3)
+            return self._views["all", which]
+        stride = buffer.stride()
+        return buffer.as_strided(
+            (b, heads, length, d),
+            (stride[1], stride[2], stride[0], stride[3]),
+            buffer.storage_offset() + start * stride[0],
+        )
 
     def wire(self) -> list[torch.Tensor]:
         """What travels: K then V, sequence-major: one tensor each where the sub-ring's tiles
