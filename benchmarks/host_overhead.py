@@ -17,7 +17,7 @@ stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a 
 Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
-``is_causal=True`` and no mask on the same shapes, laid out as a model's (``_as_models``;
+``is_causal=True`` and no mask on the same shapes, laid out as a model's (``model_layout``;
 PyTorch's ring gets the same layout). Per case: host µs per call, forward and backward
 (the op's own time plus ``LAUNCH_US`` per kernel it launches, ``_host_cost``; the mean over
 a step's calls, replayed, and in the step, whose first forward is left out: it
@@ -40,6 +40,7 @@ from tabulate import tabulate
 
 from benchmarks import kernel_stubs, op_replay
 from ringify.testing import RankPool
+from ringify.testing.attention import model_layout
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
@@ -86,7 +87,7 @@ def _step(case: str, seq: int, fold: bool):
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, h, seq, 32, generator=g) for h in (4, 2, 2)]
         # as ringify's, laid out as a model's: (B, H, S, D) views of (B, S, H, D)
-        qkv = [_as_models(shard(t, 2, layout="zigzag")).requires_grad_() for t in full]
+        qkv = [model_layout(shard(t, 2, layout="zigzag")).requires_grad_() for t in full]
 
         def step():
             for _ in range(LAYERS):
@@ -106,11 +107,6 @@ def _step(case: str, seq: int, fold: bool):
     return step
 
 
-def _as_models(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (B, H, S, D) laid out as a model's attention gets it: a view of (B, S, H, D)."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 def torch_ring_times(seq: int) -> dict[str, float]:
     """On every rank: µs per call of PyTorch's ring attention forward and backward (causal,
     its round-robin load balance: our zigzag), kernels and rotations stubbed."""
@@ -121,7 +117,7 @@ def torch_ring_times(seq: int) -> dict[str, float]:
     world = dist.get_world_size()
     rows = seq // world
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout, out = (_as_models(torch.randn(1, 4, rows, 32, generator=g)) for _ in range(5))
+    q, k, v, dout, out = (model_layout(torch.randn(1, 4, rows, 32, generator=g)) for _ in range(5))
     lse = torch.zeros(1, 4, rows)  # its CP expands GQA's K/V before the ring: 4 heads each
 
     def forward_op(q, k, v, is_causal, **_):

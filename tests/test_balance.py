@@ -27,7 +27,7 @@ from ringify.runtime.tiling.balance import (
 )
 from ringify.runtime.tiling.schedule import shard_tiles
 from ringify.runtime.tiling.tiles import all_tiles
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.attention import document_causal_program, document_inputs, model_layout
 
 PER_CHUNK = 4
 # (ring size, document lengths): zigzag leaves these unbalanced at 4 tiles per chunk
@@ -131,7 +131,7 @@ def balanced_ring(world, lengths, learned, models_layout=False):
     for balance in (True, False):
         local = [shard(t, 2, layout="zigzag") for t in (q, k, v)]
         if models_layout:  # (B, H, S, D) views of (B, S, H, D): moved rows travel as they lie
-            local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
+            local = [model_layout(x) for x in local]
         local = [x.requires_grad_() for x in local]
         inputs = [q_docs, k_docs]
         if learned:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ringify.runtime import gather, ring_attention, shard
 from ringify.runtime.tiling.layout import unshard
 from ringify.testing import RankPool
+from ringify.testing.attention import model_layout
 
 
 def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
@@ -25,8 +26,8 @@ def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
 
 
 def as_model_layout(t):
-    """The same values laid out as a model's q.view(B, S, H, D).transpose(1, 2): non-contiguous."""
-    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    """The same values laid out as a model's (``model_layout``), a leaf that needs its grad."""
+    return model_layout(t.detach()).requires_grad_()
 
 
 def opcheck_ops():

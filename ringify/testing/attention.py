@@ -9,6 +9,12 @@ from ringify.runtime import ring_attention, shard
 from ringify.runtime.masks.program import MaskProgram
 
 
+def model_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, S, D) with the same values laid out as a model's attention gets them,
+    ``q.view(B, S, H, D).transpose(1, 2)``: a non-contiguous view."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (

@@ -28,7 +28,7 @@ class Accumulator:
     def merge(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Fold the block of query rows ``rows`` in."""
         if self._out is None and rows.start == 0 and rows.stop == self._q.shape[2]:
-            self._out, self._lse = ShardRows(self._as_out(out)), ShardRows(self._as_lse(lse))
+            self._out, self._lse = ShardRows(self._as_out(out)), ShardRows(dense(lse, self._dtype))
             return
         if self._out is None:
             self._start_empty()
@@ -52,18 +52,19 @@ class Accumulator:
             return out
         return empty_in_dim_order_of(self._q, self._dtype).copy_(out)
 
-    def _as_lse(self, lse: torch.Tensor) -> torch.Tensor:
-        return dense(lse, self._dtype)
-
 
 class RowSum:
     """A sum of blocks of rows (dim 2) of a tensor shaped ``shape``, in ``dtype``, dense: a
-    call's dQ, or its dK/dV arriving home. The first block that covers every row is taken
-    as the sum (0 + x is x), so that no zeroed buffer is filled and added to."""
+    call's dQ, a slot's dK/dV on its way round the ring (``start``: the total arriving, added
+    to in place), or its dK/dV arriving home. With no ``start``, the first block that covers
+    every row is taken as the sum (0 + x is x), so that no zeroed buffer is filled and
+    added to."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, shape, dtype: torch.dtype, device: torch.device, start: torch.Tensor | None = None
+    ):
         self._shape, self._dtype, self._device = shape, dtype, device
-        self._sum: ShardRows | None = None
+        self._sum = None if start is None else ShardRows(start)
 
     def add(self, rows: slice, grad: torch.Tensor) -> None:
         """Add ``grad`` into rows ``rows``."""

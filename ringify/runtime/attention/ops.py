@@ -230,10 +230,10 @@ def _planned(
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc):
     """This rank's share of the held tiles' dK/dV: per slot of ``slots``, its blocks'
-    ``(key rows, grad)`` (none where no query here sees it), added up by ``_added``; its
-    queries' share is added into ``dq_sum`` (a ``RowSum``), the
-    mask's into ``dmask`` (a learned bias) or, with ``learned`` = (program, inputs, their
-    gradients), into the program's."""
+    ``(key rows, grad)`` (none where no query here sees it), added up by ``_added``. Its
+    queries' share is added into ``dq_sum`` (a ``RowSum``), the mask's into ``dmask`` (a
+    learned bias) or, with ``learned`` = (program, inputs, their gradients), into the
+    program's."""
     grad_out, q, out, lse = saved
     here: list[list] = [[] for _ in slots.shapes]
     bias_in, varlen = bias_dtype(q.tensor), serves_varlen(q.tensor)  # q: ShardRows
@@ -281,27 +281,15 @@ def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice
 def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.Tensor]:
     """``here`` (this rank's share: per slot, its blocks' ``(key rows, grad)``; padding keys
     and keys no query of a block sees are left out) added into the arriving ``dkv``, each
-    block into its rows in place: no zeroed buffer per block. At the first step (``dkv``
-    None) a slot starts from its first block where that covers every row, taken as it is
-    (in ``acc``; made dense only where it is sent, ``start_exchange``), else from zeros."""
+    block into its rows in place; or, at the first step (``dkv`` None), the start of it
+    (``RowSum``: zeros for a slot no query here sees)."""
     totals = []
     for i, (parts, shape) in enumerate(zip(here, slots.shapes, strict=True)):
-        total = dkv[i] if dkv is not None else None
-        if total is None and parts and _all_rows(parts[0][0], shape[2]):
-            total, parts = (
-                parts[0][1] if parts[0][1].dtype == acc else parts[0][1].to(acc),
-                parts[1:],
-            )
-        elif total is None:
-            total = torch.zeros(shape, dtype=acc, device=device)
+        total = RowSum(shape, acc, device, start=None if dkv is None else dkv[i])
         for rows, grad in parts:
-            (total if _all_rows(rows, shape[2]) else narrow_rows(total, rows)).add_(grad)
-        totals.append(total)
+            total.add(rows, grad)
+        totals.append(total.result())
     return totals
-
-
-def _all_rows(rows: slice, n: int) -> bool:
-    return rows.start == 0 and rows.stop == n
 
 
 @ring_attention_backward_op.register_fake

@@ -127,21 +127,23 @@ def _moves(src: Tiling, dst: Tiling, rank: int, size: int) -> tuple[list, list]:
     works out the same moves, in the order their senders send them; tiles that lie side by
     side on both ranks, in the same order, travel as one."""
     at_dst = {t.key: (r, t.rows) for r in range(size) for t in dst(r)}
-    moved = sorted(
-        (r, *at_dst[t.key], t.rows) for r in range(size) for t in src(r) if at_dst[t.key][0] != r
-    )  # (from, to, rows there, rows here), by sender, receiver and rows here
+    moved = sorted(  # (from, to, rows at the sender, rows at the receiver), in sending order
+        [(r, at_dst[t.key][0], t.rows, at_dst[t.key][1]) for r in range(size) for t in src(r)],
+        key=lambda m: (m[0], m[1], m[2].start),
+    )
     runs: list[list] = []
-    for a, b, there, here in moved:
+    for a, b, here, there in moved:
+        if a == b:  # stays
+            continue
         last = runs[-1] if runs else None
         if (
             last
             and last[:2] == [a, b]
-            and last[3].stop == here.start
-            and last[2].stop == there.start
+            and (last[2].stop, last[3].stop) == (here.start, there.start)
         ):
-            last[2], last[3] = slice(last[2].start, there.stop), slice(last[3].start, here.stop)
+            last[2], last[3] = slice(last[2].start, here.stop), slice(last[3].start, there.stop)
         else:
-            runs.append([a, b, there, here])
-    sends = [(b, here) for a, b, _, here in runs if a == rank]
-    receives = [(a, there) for a, b, there, _ in runs if b == rank]
+            runs.append([a, b, here, there])
+    sends = [(b, here) for a, b, here, _ in runs if a == rank]
+    receives = [(a, there) for a, b, _, there in runs if b == rank]
     return sends, receives
