@@ -30,6 +30,10 @@ def _case(name: str):
         lengths = [1500, 2600, SEQ - 4100]
         docs = document_inputs(lengths)
         return document_causal_program(), docs, causal & (docs[0] == docs[1])
+    if name == "packed, padded":  # a document starts in the last tile, its keys mostly padding
+        docs = document_inputs([1500, 2600, 2100, SEQ - 6200])
+        docs[1] = docs[1].masked_fill(pos >= 6300, -1)  # keys 6300 on: no document's
+        return document_causal_program(), docs, causal & (docs[0] == docs[1])
     if name == "padded":  # HF's right padding: causal, and the last keys are no key at all
         valid = (pos < SEQ - 1900).view(1, -1)  # a block of padding and part of another
         program = MaskProgram(

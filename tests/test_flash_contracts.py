@@ -75,7 +75,8 @@ class VarlenCalls(TorchDispatchMode):
     def check_contracts(self, heads: tuple[int, int]) -> None:
         """What FA2 reads unchecked: sequences on q's device as dense int32, (rows, heads, D) views
         with a contiguous last dim, GQA's K/V heads as they are (``heads``: query, key), a
-        window of ints >= -1, and (backward) a dense lse."""
+        window of ints each -1 or narrower than the longest keys (FA2 reads a wider side as
+        -1, no bound), and (backward) a dense lse."""
         for direction, call in self.calls:
             for cu in (call["cum_seq_q"], call["cum_seq_k"]):
                 assert cu.device == call["query"].device and cu.dtype == torch.int32
@@ -84,6 +85,7 @@ class VarlenCalls(TorchDispatchMode):
             assert (call["query"].shape[1], call["key"].shape[1]) == heads
             for side in ("window_size_left", "window_size_right"):
                 assert isinstance(call[side], int) and call[side] >= -1
+                assert call[side] == -1 or call[side] < call["max_k"]
             assert direction == "forward" or call["logsumexp"].is_contiguous()
 
 

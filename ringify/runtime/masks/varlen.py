@@ -105,11 +105,10 @@ def varlen_calls(lo: torch.Tensor, hi: torch.Tensor) -> list[VarlenCall] | None:
     stops = (seen & ~torch.cat([go_on[1:], torch.tensor([False])])).nonzero().flatten().tolist()
     pieces = []
     for a, last in zip(starts, stops, strict=True):
-        b = last + 1
-        solved = piece(lo[a:b], hi[a:b])
+        solved = _fa2_pieces(lo, hi, a, last + 1)
         if solved is None:
             return None
-        pieces.append((a, b, *solved))
+        pieces += solved
     calls: list[list] = []
     for a, b, c, e, window in pieces:
         last = calls[-1] if calls else None
@@ -118,6 +117,25 @@ def varlen_calls(lo: torch.Tensor, hi: torch.Tensor) -> list[VarlenCall] | None:
         else:
             calls.append([[(a, b, c, e)], window])
     return [sequences_call(sequences, window) for sequences, window in calls]
+
+
+def _fa2_pieces(lo: torch.Tensor, hi: torch.Tensor, a: int, b: int) -> list[tuple] | None:
+    """Rows ``a:b`` (one run of ``lo``/``hi`` steps) as ``(a, b, c, e, window)`` pieces, or
+    None. FA2 reads a window side at least as wide as the call's longest keys as no bound
+    (``flash_api.cpp``: ``window_size_right >= max_seqlen_k`` becomes -1), silently: where the
+    right side solved is that wide (more rows than keys, most of them past the last: causal
+    rows over padding keys), the rows it bounds are a piece of their own, and those that see
+    up to the last key another (``hi`` only grows in a run). A left side never is: it is
+    shorter than the keys before the diagonal."""
+    solved = piece(lo[a:b], hi[a:b])
+    if solved is None:
+        return None
+    c, e, (_, right) = solved
+    if right < e - c:  # also -1: the call's longest keys are at least e - c
+        return [(a, b, *solved)]
+    cut = a + int((hi[a:b] == e).int().argmax())  # the first row that sees the last key
+    head, tail = _fa2_pieces(lo, hi, a, cut), _fa2_pieces(lo, hi, cut, b)
+    return None if head is None or tail is None else head + tail
 
 
 def piece(lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
