@@ -96,6 +96,20 @@ def test_rows_that_see_more_than_one_run_of_keys_make_no_calls(mask):
     assert _calls(mask) is None
 
 
+@pytest.mark.parametrize(("s", "t"), [(8, 8), (8, 5), (8, 4), (8, 3)])
+def test_a_causal_call_with_its_padding_keys_cut_off_is_one_sequence_where_fa2_can(s, t):
+    """Top-left causal on s rows and t < s keys is FA2's window (-1, s - t), unless that side
+    is as wide as the keys (FA2 reads it as no bound): then it stays squared in two calls."""
+    from ringify.runtime.masks.calls import Block, as_varlen
+    from ringify.runtime.tiling.tiles import Visibility
+
+    got = as_varlen(Block(0, slice(0, s), slice(0, t), Visibility.DIAGONAL, None, None))
+    assert (got is None) == (s - t >= t)
+    if got is not None:
+        seen = fa2_visible(s, t, [(0, 0, got.varlen)])
+        assert torch.equal(seen, torch.ones(s, t, dtype=torch.bool).tril())
+
+
 def test_a_bias_is_no_window():
     spans = RowSpans(4)
     spans.add_mask(slice(0, 4), 0, torch.full((4, 4), 0.5))
@@ -181,7 +195,8 @@ def varlen_layers(name: str, per_chunk: int = 0):
 @pytest.mark.parametrize("name", ["packed", "window", "padded", "packed, padded"])
 def test_a_ring_on_varlen_calls_is_exact(ranks, name):
     """Exact, in no more calls than the blocks make; a pair the blocks run as one unmasked
-    call (HF's causal mask with padding: the shard's one causal call per step) stays so."""
+    call (HF's causal mask with padding: the shard's one causal call per step) stays one,
+    a sequence where its padding keys are cut off (FA2's causal is bottom-right)."""
     from test_accelerator_plan import two_layers_on_an_accelerator_plan
 
     blocks = ranks(2).run(two_layers_on_an_accelerator_plan, name)
@@ -190,8 +205,8 @@ def test_a_ring_on_varlen_calls_is_exact(ranks, name):
     ):
         assert worst <= EXACT, worst
         assert kernels / 2 <= block_calls  # per layer, no more calls than the blocks make
-        if name == "padded":
-            assert varlen == 0 and kernels / 2 == 2
+        if name == "padded":  # rank 0's own causal call, its padding keys cut off: one sequence
+            assert varlen == (2 if rank == 0 else 0) and kernels / 2 == 2
         else:
             assert varlen > 0  # the open pairs ran as varlen calls
         if name == "window" and rank == 0:  # its own two bands are one call, as is_causal's
@@ -205,11 +220,12 @@ def test_varlen_calls_join_across_tiles_that_travel_apart(ranks):
         assert worst <= EXACT and varlen > 0, (worst, varlen)
 
 
-@pytest.mark.parametrize("name", ["packed", "window"])
+@pytest.mark.parametrize("name", ["packed", "window", "causal"])
 def test_varlen_calls_keep_fa2s_contracts_on_a_device(name):
-    """The ops' bodies on meta tensors (CUDA's branches) with an accelerator's plan: every
-    varlen call gets its sequences on q's device as int32, last-dim-contiguous (rows, heads,
-    D) views, GQA's K/V heads unexpanded, a window of ints >= -1, and (backward) a dense lse."""
+    """The ops' bodies on meta tensors (CUDA's branches) with an accelerator's plan (causal:
+    its padding keys cut off, one sequence): every varlen call gets its sequences on q's device as int32, last-dim-contiguous (rows, heads,
+    D) views, GQA's K/V heads unexpanded, a window FA2 takes as given, and (backward) a dense
+    lse."""
     from test_gpu_readiness import GEOMETRY, N, _case, layer_bodies, meta_tensors
 
     from ringify.runtime.tiling import tiles
@@ -290,3 +306,76 @@ def test_a_program_of_one_sides_positions_makes_calls_over_whole_rows_and_keys(r
     mask = valid.expand(n, n)
     got = fa2_visible(n, n, [(c.rows.start, c.cols.start, c.varlen) for c in calls])
     assert torch.equal(got, mask)
+
+
+class _FA2Kernels:
+    """FA2's varlen ATen kernels on (rows, heads, D) tensors (``flash.aten``), by
+    ``fa2_visible`` in float64; each returns dense results, as FA2 allocates them."""
+
+    @staticmethod
+    def _visible(q, k, cu_q, cu_k, max_q, max_k, is_causal, left, right):
+        window = (left, 0 if is_causal else right)
+        varlen = Varlen(torch.stack([cu_q, cu_k]), max_q, max_k, window)
+        return fa2_visible(q.shape[0], k.shape[0], [(0, 0, varlen)])
+
+    @classmethod
+    def _bias(cls, q, k, cu_q, cu_k, max_q, max_k, is_causal, window):
+        seen = cls._visible(q, k, cu_q, cu_k, max_q, max_k, is_causal, *window)
+        return torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+
+    @classmethod
+    def _flash_attention_forward(cls, q, k, v, cu_q, cu_k, max_q, max_k, _p, is_causal, _dbg, *,
+                                 scale, window_size_left, window_size_right):  # fmt: skip
+        bias = cls._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal,
+                         (window_size_left, window_size_right))  # fmt: skip
+        b_q, b_k, b_v = (_heads_first(x, q.shape[1]) for x in (q, k, v))
+        out, lse = math_forward(b_q, b_k, b_v, is_causal=False, scale=scale, bias=bias)
+        return out[0].transpose(0, 1).contiguous(), lse[0].contiguous(), None, None, None
+
+    @classmethod
+    def _flash_attention_backward(cls, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, _p,
+                                  is_causal, _seed, _offset, *, scale, window_size_left,
+                                  window_size_right):  # fmt: skip
+        assert lse.is_contiguous()
+        bias = cls._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal,
+                         (window_size_left, window_size_right))  # fmt: skip
+        grads = math_backward(
+            *(_heads_first(x, q.shape[1]) for x in (dout, q, k, v, out)), lse.unsqueeze(0),
+            is_causal=False, scale=scale, bias=bias,
+        )  # fmt: skip
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = (g[0].transpose(0, 1) for g in grads)
+        dk, dv = (g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (dk, dv))
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(rows, heads, D) as (1, H, rows, D), K/V's heads repeated to q's."""
+    return x.transpose(0, 1).unsqueeze(0).repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def test_the_varlen_wrappers_take_a_models_layout_as_fa2_does():
+    """``varlen_forward``/``varlen_backward`` on a model's (B, S, H, D) memory, rows of it as
+    the ring narrows them, through FA2's ATen kernels (the stand-in): exact against SDPA with
+    the calls' mask in float64; the output comes back in q's dim order (the accumulator then
+    takes a whole result as it is: no copy)."""
+    from ringify.runtime.attention import flash
+    from ringify.runtime.attention.outputs import is_in_dim_order_of
+    from ringify.runtime.masks.varlen import sequences_call
+    from ringify.testing.attention import model_layout
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, h, 48, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+    q, k, v, dout = (model_layout(x).narrow(2, 8, 40) for x in full)
+    call = sequences_call([(0, 10, 0, 10), (10, 40, 10, 40)], (6, 0))  # two windowed documents
+    mask = fa2_visible(40, 40, [(0, 0, call.varlen)])
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want.backward(dout)
+    with mock.patch.object(flash, "aten", _FA2Kernels):
+        out, lse = flash.varlen_forward(q, k, v, call.varlen, scale=0.3)
+        grads = flash.varlen_backward(dout, q, k, v, out, lse, call.varlen, scale=0.3)
+    assert is_in_dim_order_of(q, out)
+    assert relative_difference(out, want.detach()) <= EXACT
+    for got, leaf in zip(grads, leaves, strict=True):
+        assert got.shape == leaf.shape and relative_difference(got, leaf.grad) <= EXACT

@@ -119,27 +119,46 @@ def varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen: Varlen, *, scale: float):
     """``(out, lse)`` of one varlen call: q's rows and k/v's keys are its sequences', side by
     side. FA2 takes them as (rows, heads, D) views of one sequence (its row and head strides
     are arguments) and GQA's K/V heads as they are."""
-    q, k, v = (x[0].transpose(0, 1) for x in (q_BHsD, k_BKtD, v_BKtD))
-    cu_q, cu_k = varlen.cu
+    q, k, v = (_sequence(x) for x in (q_BHsD, k_BKtD, v_BKtD))
+    cu_q, cu_k = varlen.cu_seqlens
     out, lse, *_ = aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, varlen.max_rows, varlen.max_keys, 0.0, varlen.is_causal, False,
         scale=scale, window_size_left=varlen.window[0], window_size_right=varlen.window[1],
     )  # fmt: skip
-    return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # lse: (heads, rows)
+    return _batch_of_one(out), lse.unsqueeze(0)  # lse: (heads, rows)
 
 
 def varlen_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, varlen: Varlen, *,
                     scale: float):  # fmt: skip
-    """``(dq, dk, dv)`` of one varlen call from the merged ``out`` and ``lse``; the lse is
-    made dense (FA2 reads it through its pointer), dK/dV come back with K heads."""
-    dout, q, k, v, out = (
-        x[0].transpose(0, 1) for x in (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD)
-    )
-    cu_q, cu_k = varlen.cu
+    """``(dq, dk, dv)`` of one varlen call from the merged ``out`` and ``lse`` (float32, the
+    accumulation dtype of FA2's fp16/bf16); the lse is made dense (FA2 reads it through its
+    pointer), dK/dV come back with K heads."""
+    dout, q, k, v, out = (_sequence(x) for x in (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD))
+    cu_q, cu_k = varlen.cu_seqlens
     no_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
     grads = aten._flash_attention_backward(
-        dout, q, k, v, out, lse_BHs[0].float().contiguous(), cu_q, cu_k, varlen.max_rows,
+        dout, q, k, v, out, lse_BHs[0].contiguous(), cu_q, cu_k, varlen.max_rows,
         varlen.max_keys, 0.0, varlen.is_causal, no_rng, no_rng, scale=scale,
         window_size_left=varlen.window[0], window_size_right=varlen.window[1],
     )  # fmt: skip
-    return tuple(g.transpose(0, 1).unsqueeze(0) for g in grads)
+    return tuple(_batch_of_one(g) for g in grads)
+
+
+# Each view op costs a GPU's host a dispatch: FA2's layout to and from ours is one each.
+
+
+def _sequence(x_BHsD: torch.Tensor) -> torch.Tensor:
+    """A batch of one (1, H, s, D) as FA2's varlen (s, H, D) view of the same memory."""
+    _, heads, rows, d = x_BHsD.shape
+    _, s_head, s_row, s_d = x_BHsD.stride()
+    return x_BHsD.as_strided((rows, heads, d), (s_row, s_head, s_d), x_BHsD.storage_offset())
+
+
+def _batch_of_one(x_sHD: torch.Tensor) -> torch.Tensor:
+    """FA2's (s, H, D) as (1, H, s, D); the batch stride that of a dense (B, S, H, D) (one batch:
+    any stride will do), so that a whole result is found in a model's dim order, not copied."""
+    rows, heads, d = x_sHD.shape
+    s_row, s_head, s_d = x_sHD.stride()
+    return x_sHD.as_strided(
+        (1, heads, rows, d), (rows * s_row, s_head, s_row, s_d), x_sHD.storage_offset()
+    )

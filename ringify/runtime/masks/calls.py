@@ -19,12 +19,13 @@ exact: a row past the cut sees every key before it).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.masks.varlen import Varlen
+from ringify.runtime.masks.varlen import Varlen, sequences_call
 from ringify.runtime.tiling.tiles import Tile, Visibility
 
 
@@ -135,3 +136,26 @@ def _join(a: Block, b: Block, starts: list[int]) -> Block:
     cols = slice(a.cols.start, starts[b.held] + b.cols.stop - starts[a.held])
     tiles = b.held - a.held + 1
     return Block(a.held, rows, cols, a.seen, None, None, False, tiles, varlen)
+
+
+def as_varlen(block: Block) -> Block | None:
+    """A top-left causal block (square, or its last keys cut off: fewer keys than rows) as one
+    FA2 sequence: FA2's window is bottom-right aligned, so ``(-1, s - t)`` on s rows and t
+    keys is top-left causal. None where FA2 would read that side as no bound (as wide as
+    the keys: ``varlen._fa2_pieces``), or the block is no such one."""
+    s, t = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
+    causal = block.seen is Visibility.DIAGONAL and block.bias is None and block.cols.start == 0
+    if not causal or not 0 < t <= s or s - t >= t:
+        return None
+    call = sequences_call([(0, s, 0, t)], (-1, s - t))
+    return dataclasses.replace(block, varlen=call.varlen, empty_rows=False)
+
+
+def cut_causal_as_varlen(blocks: list[Block]) -> list[Block]:
+    """``blocks``, each causal one with its last keys cut off (padding) as one FA2 sequence
+    where it can be (``as_varlen``): the kernels' top-left squaring (``flash.causal_parts``)
+    makes it two calls and a copy to join their results."""
+    cut = [
+        b.seen is Visibility.DIAGONAL and b.cols.stop < b.rows.stop - b.rows.start for b in blocks
+    ]
+    return [(c and as_varlen(b)) or b for b, c in zip(blocks, cut, strict=True)]

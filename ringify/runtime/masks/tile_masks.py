@@ -20,12 +20,18 @@ from collections import Counter
 import torch
 
 from ringify.runtime.attention.blocks import additive_mask
-from ringify.runtime.masks.calls import Block, joined, joined_varlen
+from ringify.runtime.masks.calls import (
+    Block,
+    as_varlen,
+    cut_causal_as_varlen,
+    joined,
+    joined_varlen,
+)
 from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
 from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks
-from ringify.runtime.masks.varlen import RowSpans, VarlenCall, sequences_call
+from ringify.runtime.masks.varlen import RowSpans, VarlenCall
 from ringify.runtime.tiling.tiles import (
     MIN_TILE_ROWS,
     Tile,
@@ -233,10 +239,12 @@ class TileMasks:
                         yield block
         rows_joined = self._queries is self.home
         if varlen_blocks and all(map(_square_causal, whole.values())):  # join them as sequences
-            varlen_blocks += [_as_varlen(b) for b in whole.values()]
+            varlen_blocks += [as_varlen(b) for b in whole.values()]
             whole = {}
         if whole:
-            yield from joined(whole, mine, held, rows_joined, joinable)
+            calls = joined(whole, mine, held, rows_joined, joinable)
+            # HF's padded causal call as one sequence, moved once per step (with a program)
+            yield from cut_causal_as_varlen(calls) if varlen and self.program else calls
         yield from joined_varlen(varlen_blocks, held, rows_joined, joinable)
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, dtype: torch.dtype, biased):
@@ -372,13 +380,6 @@ def _varlen_blocks(held: int, q_tile: Tile, k_tile: Tile, calls: list[VarlenCall
 def _square_causal(block: Block) -> bool:
     n = block.rows.stop - block.rows.start
     return block.seen is Visibility.DIAGONAL and block.cols == slice(0, n)
-
-
-def _as_varlen(block: Block) -> Block:
-    """A square causal block as one FA2 sequence (top-left and bottom-right agree on it)."""
-    n = block.rows.stop - block.rows.start
-    call = sequences_call([(0, n, 0, n)], (-1, 0))
-    return dataclasses.replace(block, varlen=call.varlen, empty_rows=False)
 
 
 def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
