@@ -1,14 +1,16 @@
 """Host time of the ring op per attention call, with its kernels and transfers stubbed.
 
 On a GPU the ring op's kernels run asynchronously: what the host spends per call (planning,
-slicing, launching) is hidden behind them only if it is shorter. Here the block kernels
-(``block_forward``, ``block_backward``, ``merge_block``, and ``additive_mask``, a mask's bias)
-are replaced by stubs that allocate their outputs (on this CPU, writing a block-sized bias
-evicts the host's caches, which a GPU's kernels never touch), and ``start_exchange`` by one
-that moves nothing (it counts the bytes a real exchange would send: ``kernel_stubs.py``), so
-a call's time under ``torch.profiler`` is its host work alone; open pairs run as FA2 varlen
-calls, as bf16 on a GPU does; each call is measured replayed on its own too
-(``op_replay.py``): the criterion's figure.
+slicing, launching) is hidden behind them only if it is shorter. Here the attention
+kernels are stubs that allocate their outputs: FA2's ATen kernels under ringify's own FA2
+wrappers, which run for real as bf16 on a GPU runs them (``flash.py``: their views and
+dense copies are host work too), and the biased blocks' kernels, ``merge_block`` and
+``additive_mask`` (on this CPU, writing a block-sized bias evicts the host's caches, which
+a GPU's kernels never touch); ``start_exchange`` is one that moves nothing (it counts the
+bytes a real exchange would send: ``kernel_stubs.py``). So a call's time under
+``torch.profiler`` is its host work alone; open pairs run as FA2 varlen calls, as bf16 on a
+GPU does; each call is measured replayed on its own too (``op_replay.py``): the
+criterion's figure.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
 stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a GPU
@@ -19,7 +21,8 @@ mask program: HF always builds one under export), right-padded (10%), packed (4 
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
 ``is_causal=True`` and no mask on the same shapes, laid out as a model's (``model_layout``;
 PyTorch's ring gets the same layout). Per case: host µs per call, forward and backward
-(the op's own time plus ``LAUNCH_US`` per kernel it launches, ``_host_cost``; the mean over
+(the op's own time plus ``LAUNCH_US`` per kernel it launches, and its views' own time,
+``_host_cost``; ``--views-as-launches``: views at ``LAUNCH_US`` too; the mean over
 a step's calls, replayed, and in the step, whose first forward is left out: it
 evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
 step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 from unittest import mock
 
@@ -107,7 +111,7 @@ def _step(case: str, seq: int, fold: bool):
     return step
 
 
-def torch_ring_times(seq: int) -> dict[str, float]:
+def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, float]:
     """On every rank: µs per call of PyTorch's ring attention forward and backward (causal,
     its round-robin load balance: our zigzag), kernels and rotations stubbed."""
     import torch.distributed as dist
@@ -148,7 +152,7 @@ def torch_ring_times(seq: int) -> dict[str, float]:
             got = {name: [] for name in calls}
             for event in prof.events():
                 if event.name in calls:
-                    got[event.name].append(_host_cost(event))
+                    got[event.name].append(_host_cost(event, views_as_launches))
             for name in calls:
                 calls[name].append(got[name])
 
@@ -166,7 +170,9 @@ def torch_ring_times(seq: int) -> dict[str, float]:
     }
 
 
-def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[str, float]:
+def host_times(
+    case: str, seq: int, fold: bool, repeats: int = REPEATS, views_as_launches: bool = False
+) -> dict[str, float]:
     """On every rank: µs per ring op call (forward, backward), attention_plan µs per step,
     K/V bytes sent per layer and step (stubbed exchanges count them)."""
     from torch.profiler import ProfilerActivity, profile
@@ -177,7 +183,8 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
     with kernel_stubs.ringify_stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
-        replayed = op_replay.replayed_costs(op_replay.captured_calls(step), repeats, _host_cost)
+        cost = functools.partial(_host_cost, views_as_launches=views_as_launches)
+        replayed = op_replay.replayed_costs(op_replay.captured_calls(step), repeats, cost)
         for _ in range(repeats):  # this machine's noise: each call's median over the steps
             sent[:] = [0, 0.0]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -186,7 +193,7 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
             plan_us.append(0.0)
             for event in prof.events():
                 if event.name in calls:
-                    got[event.name].append(_host_cost(event))
+                    got[event.name].append(cost(event))
                 elif event.name == "ringify::attention_plan":
                     plan_us[-1] += event.cpu_time_total
             for name in calls:
@@ -219,25 +226,44 @@ def host_times(case: str, seq: int, fold: bool, repeats: int = REPEATS) -> dict[
 
 
 # On a GPU each kernel an op launches costs the host about this much (CUDA launch, ATen
-# dispatch); the kernels' own work, done here on the CPU, is left out.
+# dispatch); the kernels' own work, done here on the CPU, is left out. An allocation counts
+# as one too (the caching allocator's host work).
 LAUNCH_US = 5.0
 
 
-def _host_cost(event) -> tuple[float, int]:
+def _host_cost(event, views_as_launches: bool = False) -> tuple[float, int]:
     """(µs, kernels) of one op call on a GPU host: its own Python time (the op's time less
     that of the outermost ATen ops under it: an autograd ``Function``'s event between them
-    is the op's own Python) plus ``LAUNCH_US`` per kernel it launches (ATen ops that call
-    no other), so that a mask evaluated on this CPU counts as the launches it would be."""
-    kernels, aten_us, stack = 0, 0.0, [(child, False) for child in event.cpu_children]
+    is the op's own Python) plus, per ATen op that calls no other, ``LAUNCH_US`` if it
+    launches a kernel or allocates (so that a mask evaluated on this CPU counts as the
+    launches it would be), else its own time here: a view (``narrow``, ``permute``,
+    ``as_strided``, a dense tensor's ``contiguous``) launches nothing, and makes the same
+    tensor metadata on any device (``views_as_launches``: as launches too, the model of
+    RESULTS' earlier sections)."""
+    kernels, aten_us, views_us = 0, 0.0, 0.0
+    stack = [(child, False) for child in event.cpu_children]
     while stack:
         e, inside_aten = stack.pop()
         is_aten = e.name.startswith("aten::")
         if is_aten and not inside_aten:
             aten_us += e.cpu_time_total
         if is_aten and not any(c.name.startswith("aten::") for c in e.cpu_children):
-            kernels += 1
+            if _is_view(e.name) and not views_as_launches:
+                views_us += e.cpu_time_total
+            else:
+                kernels += 1
         stack.extend((c, inside_aten or is_aten) for c in e.cpu_children)
-    return event.cpu_time_total - aten_us + LAUNCH_US * kernels, kernels
+    return event.cpu_time_total - aten_us + views_us + LAUNCH_US * kernels, kernels
+
+
+@functools.cache
+def _is_view(name: str) -> bool:
+    """Whether an ATen op's schema returns only aliases of its inputs and writes none."""
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    returns = getattr(packet, "default", getattr(packet, packet.overloads()[0]))._schema.returns
+    return bool(returns) and all(r.alias_info and not r.alias_info.is_write for r in returns)
 
 
 # A Llama-3-8B attention layer on H100s: the paper model's constants (the per-step plan and
@@ -265,6 +291,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[8192])
     parser.add_argument("--rings", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--views-as-launches",
+        action="store_true",
+        help="count a view as a launch (RESULTS' earlier sections)",
+    )
     args = parser.parse_args()
     rows, model_rows = [], []
     for ring in args.rings:
@@ -273,7 +304,8 @@ def main() -> None:
             for seq in args.seqs:
                 base = None
                 for case in CASES:
-                    got = pool.run(host_times, case, seq, True, timeout=3600)[0]
+                    views = args.views_as_launches
+                    got = pool.run(host_times, case, seq, True, REPEATS, views, timeout=3600)[0]
                     unfolded = (
                         pool.run(host_times, case, seq, False, 1, timeout=3600)[0]
                         if case != "is_causal"
@@ -298,7 +330,7 @@ def main() -> None:
                         f"{m['modelled_ms']:.2f}", f"{m['eff']:.2f}",
                     ])  # fmt: skip
                     print(tabulate([rows[-1]]), flush=True)
-                theirs = pool.run(torch_ring_times, seq, timeout=3600)[0]
+                theirs = pool.run(torch_ring_times, seq, views, timeout=3600)[0]
                 rows.append([
                     ring, seq, "PyTorch ring", f"{theirs['fwd_us']:.0f}",
                     f"{theirs['bwd_us']:.0f}", f"{theirs['fwd_us'] / base['fwd_us']:.2f}",

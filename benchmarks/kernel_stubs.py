@@ -1,8 +1,9 @@
 """The kernels and transfers of a ring call replaced by stubs, for ``host_overhead.py``.
 
 A stub allocates its outputs and does nothing else, so that a call's time is its host work
-alone: ringify's block kernels (``block_forward``, ``block_backward``, ``merge_block``,
-``additive_mask``) and P2P exchange, and PyTorch's ring's rotations and merger.
+alone: FA2's ATen kernels (under ringify's FA2 wrappers, which run: a bf16 block's path on a
+GPU), the biased blocks' kernels, ``merge_block``, ``additive_mask`` and the P2P exchange;
+and PyTorch's ring's rotations and merger.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import torch
 
 
 def ringify_stubs(sent: list[float]):
-    """The block kernels and the P2P exchange replaced, in every runtime module using them
+    """The attention kernels and the P2P exchange replaced, in every runtime module using them
     (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
     would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
     CPU tensors."""
+    from ringify.runtime.attention import blocks, flash
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
     areas: dict[int, tuple] = {}  # by id, each with its call held: no other takes the id
 
-    def work(q, k, is_causal=False, varlen=None, **_):  # the FLOPs the kernel would run
+    def work(q, k, is_causal, varlen):  # the FLOPs the kernel would run
         b, h, s, d = q.shape
         if varlen is not None:  # the keys its window leaves each row (worked out once)
             if id(varlen) not in areas:
@@ -31,13 +33,25 @@ def ringify_stubs(sent: list[float]):
             return 2 * 2 * b * h * areas[id(varlen)][1] * d
         return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
 
-    def forward(q, k, v, **kwargs):
-        sent[1] += work(q, k, **kwargs)
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    def forward(q, k, v, *, is_causal, scale, bias=None, varlen=None, **_):
+        sent[1] += work(q, k, is_causal, varlen)
+        if bias is not None:  # the efficient kernel with a bias: its outputs
+            return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        # bf16 on a GPU: FA2's wrappers run for real (their views and dense copies are host
+        # work a GPU pays), only the ATen kernels under them are stubbed (``_FlashKernels``)
+        q, k, v = blocks._unit_last_stride(q, k, v)
+        if varlen is not None:
+            return flash.varlen_forward(q, k, v, varlen, scale=scale)
+        return flash.flash_forward(q, k, v, is_causal=is_causal, scale=scale)
 
-    def backward(dout, q, k, v, out, lse, **kwargs):
-        sent[1] += 2.5 * work(q, k, **kwargs)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def backward(dout, q, k, v, out, lse, *, is_causal, scale, bias=None, varlen=None, **_):
+        sent[1] += 2.5 * work(q, k, is_causal, varlen)
+        if bias is not None:
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dout, q, k, v, out = blocks._unit_last_stride(dout, q, k, v, out)
+        if varlen is not None:
+            return flash.varlen_backward(dout, q, k, v, out, lse, varlen, scale=scale)
+        return flash.flash_backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale)
 
     def exchange(ring, sends, receives, *, tag=0):  # what the real one launches: dense sends
         batches = [[t.contiguous() for t in ts] for _, ts in sends]
@@ -56,6 +70,7 @@ def ringify_stubs(sent: list[float]):
     ]
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
+    stack.enter_context(mock.patch.object(flash, "aten", _FlashKernels))
     # these CPU tensors stand for bf16 ones on a GPU: open pairs run as FA2 varlen calls
     stack.enter_context(mock.patch("ringify.runtime.attention.ops.serves_varlen", lambda q: True))
     for name in (
@@ -69,6 +84,24 @@ def ringify_stubs(sent: list[float]):
             if hasattr(module, attribute):
                 stack.enter_context(mock.patch.object(module, attribute, stub))
     return stack
+
+
+class _FlashKernels:
+    """FA2's ATen kernels (``flash.aten``), as stubs that allocate their outputs."""
+
+    @staticmethod
+    def _scaled_dot_product_flash_attention(q, k, v, *_, **__):
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @staticmethod
+    def _flash_attention_forward(q, k, v, *_, **__):  # (rows, H, D); lse (H, rows)
+        return torch.empty_like(q), q.new_empty(q.shape[1::-1], dtype=torch.float32)
+
+    @staticmethod
+    def _scaled_dot_product_flash_attention_backward(dout, q, k, v, *_, **__):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    _flash_attention_backward = _scaled_dot_product_flash_attention_backward
 
 
 def _varlen_area(varlen) -> float:
