@@ -19,39 +19,44 @@ def ringify_stubs(sent: list[float]):
     (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
     would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
     CPU tensors."""
-    from ringify.runtime.attention import blocks, flash
+    from ringify.runtime.attention import flash
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
     areas: dict[int, tuple] = {}  # by id, each with its call held: no other takes the id
 
-    def work(q, k, is_causal, varlen):  # the FLOPs the kernel would run
+    def work(q, k, is_causal):  # the FLOPs the kernel would run
         b, h, s, d = q.shape
-        if varlen is not None:  # the keys its window leaves each row (worked out once)
-            if id(varlen) not in areas:
-                areas[id(varlen)] = (varlen, _varlen_area(varlen))
-            return 2 * 2 * b * h * areas[id(varlen)][1] * d
         return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
 
-    def forward(q, k, v, *, is_causal, scale, bias=None, varlen=None, **_):
-        sent[1] += work(q, k, is_causal, varlen)
+    def varlen_work(q, varlen):  # q: (rows, heads, D); the keys its window leaves each row
+        if id(varlen) not in areas:  # worked out once
+            areas[id(varlen)] = (varlen, _varlen_area(varlen))
+        return 2 * 2 * q.shape[1] * areas[id(varlen)][1] * q.shape[2]
+
+    def forward(q, k, v, *, is_causal, scale, bias=None, **_):
+        sent[1] += work(q, k, is_causal)
         if bias is not None:  # the efficient kernel with a bias: its outputs
             return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
         # bf16 on a GPU: FA2's wrappers run for real (their views and dense copies are host
         # work a GPU pays), only the ATen kernels under them are stubbed (``_FlashKernels``)
-        q, k, v = blocks._unit_last_stride(q, k, v)
-        if varlen is not None:
-            return flash.varlen_forward(q, k, v, varlen, scale=scale)
+        q, k, v = flash.unit_last_stride(q, k, v)
         return flash.flash_forward(q, k, v, is_causal=is_causal, scale=scale)
 
-    def backward(dout, q, k, v, out, lse, *, is_causal, scale, bias=None, varlen=None, **_):
-        sent[1] += 2.5 * work(q, k, is_causal, varlen)
+    def backward(dout, q, k, v, out, lse, *, is_causal, scale, bias=None, **_):
+        sent[1] += 2.5 * work(q, k, is_causal)
         if bias is not None:
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dout, q, k, v, out = blocks._unit_last_stride(dout, q, k, v, out)
-        if varlen is not None:
-            return flash.varlen_backward(dout, q, k, v, out, lse, varlen, scale=scale)
+        dout, q, k, v, out = flash.unit_last_stride(dout, q, k, v, out)
         return flash.flash_backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+
+    def varlen_forward(q, k, v, varlen, *, scale):  # FA2's layout: (rows, heads, D)
+        sent[1] += varlen_work(q, varlen)
+        return flash.varlen_forward(q, k, v, varlen, scale=scale)
+
+    def varlen_backward(dout, q, k, v, out, lse, varlen, *, scale):
+        sent[1] += 2.5 * varlen_work(q, varlen)
+        return flash.varlen_backward(dout, q, k, v, out, lse, varlen, scale=scale)
 
     def exchange(ring, sends, receives, *, tag=0):  # what the real one launches: dense sends
         batches = [[t.contiguous() for t in ts] for _, ts in sends]
@@ -64,6 +69,8 @@ def ringify_stubs(sent: list[float]):
     patches = [
         ("block_forward", forward),
         ("block_backward", backward),
+        ("varlen_forward", varlen_forward),
+        ("varlen_backward", varlen_backward),
         ("merge_block", lambda *a: None),
         ("additive_mask", bias),
         ("start_exchange", exchange),

@@ -116,32 +116,48 @@ def test_a_bias_is_no_window():
     assert spans.calls() is None
 
 
-def _fa2_stand_in(calls: list):
-    """FA2's varlen kernels as ``fa2_visible`` has them, in float64 (counted in ``calls``)."""
+class FA2Kernels:
+    """FA2's varlen ATen kernels (``flash.aten``) on (rows, heads, D) tensors, as
+    ``fa2_visible`` has them, in float64; each returns dense results, as FA2 allocates them;
+    a forward call records its ``Varlen`` in ``calls``."""
 
-    def bias(q, k, varlen: Varlen):
-        seen = fa2_visible(q.shape[2], k.shape[2], [(0, 0, varlen)])
+    def __init__(self, calls: list | None = None):
+        self.calls = [] if calls is None else calls
+
+    def _bias(self, q, k, cu_q, cu_k, max_q, max_k, is_causal, left, right):
+        assert cu_q.device == q.device and cu_k.device == q.device
+        varlen = Varlen(torch.stack([cu_q, cu_k]), max_q, max_k, (left, 0 if is_causal else right))
+        seen = fa2_visible(q.shape[0], k.shape[0], [(0, 0, varlen)])
         assert bool(seen.any(-1).all())  # every row of a call sees a key
         return torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
 
-    def expand(q, kv):
-        return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+    def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, _p, is_causal, _dbg,
+                                 *, scale, window_size_left, window_size_right):  # fmt: skip
+        bias = self._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal, window_size_left,
+                          window_size_right)  # fmt: skip
+        self.calls.append((cu_q, cu_k, window_size_left, window_size_right))
+        b_q, b_k, b_v = (_heads_first(x, q.shape[1]) for x in (q, k, v))
+        out, lse = math_forward(b_q, b_k, b_v, is_causal=False, scale=scale, bias=bias)
+        return out[0].transpose(0, 1).contiguous(), lse[0].contiguous(), None, None, None
 
-    def forward(q, k, v, varlen, *, scale):
-        calls.append(varlen)
-        return math_forward(q, expand(q, k), expand(q, v), is_causal=False, scale=scale,
-                            bias=bias(q, k, varlen))  # fmt: skip
-
-    def backward(dout, q, k, v, out, lse, varlen, *, scale):
-        assert varlen.cu.device == q.device
-        dq, dk, dv = math_backward(
-            dout, q, expand(q, k), expand(q, v), out, lse, is_causal=False, scale=scale,
-            bias=bias(q, k, varlen),
+    def _flash_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, _p,
+                                  is_causal, _seed, _offset, *, scale, window_size_left,
+                                  window_size_right):  # fmt: skip
+        assert lse.is_contiguous()  # FA2 reads it through its data pointer
+        bias = self._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal, window_size_left,
+                          window_size_right)  # fmt: skip
+        grads = math_backward(
+            *(_heads_first(x, q.shape[1]) for x in (dout, q, k, v, out)), lse.unsqueeze(0),
+            is_causal=False, scale=scale, bias=bias,
         )  # fmt: skip
-        groups = q.shape[1] // k.shape[1]
-        return dq, *(g.view(*k.shape[:2], groups, *k.shape[2:]).sum(2) for g in (dk, dv))
+        dq, dk, dv = (g[0].transpose(0, 1) for g in grads)
+        dk, dv = (g.unflatten(1, (k.shape[1], -1)).sum(2) for g in (dk, dv))
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
-    return forward, backward
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(rows, heads, D) as (1, H, rows, D), K/V's heads repeated to q's."""
+    return x.transpose(0, 1).unsqueeze(0).repeat_interleave(heads // x.shape[1], dim=1).contiguous()
 
 
 def varlen_layers(name: str, per_chunk: int = 0):
@@ -151,7 +167,7 @@ def varlen_layers(name: str, per_chunk: int = 0):
     import torch.distributed as dist
     from test_accelerator_plan import SEQ, _case
 
-    from ringify.runtime.attention import blocks, ops
+    from ringify.runtime.attention import flash, ops
     from ringify.runtime.tiling import tiles
 
     program, inputs, mask = _case(name)
@@ -161,20 +177,22 @@ def varlen_layers(name: str, per_chunk: int = 0):
     want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.5, enable_gqa=True)
     want.backward(full[3])
     expected = [want.detach(), *(x.grad for x in leaves)]
-    varlen_calls, kernels, block = [], [], ops.block_forward
-    forward, backward = _fa2_stand_in(varlen_calls)
+    fa2, kernels, block, varlen = FA2Kernels(), [], ops.block_forward, ops.varlen_forward
 
-    def counted(*args, **kwargs):
-        kernels.append(kwargs.get("varlen") is not None)
-        return block(*args, **kwargs)
+    def counted(kernel):
+        def call(*args, **kwargs):
+            kernels.append(kernel)
+            return kernel(*args, **kwargs)
+
+        return call
 
     group, worst = dist.group.WORLD.group_name, 0.0
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
         mock.patch.object(ops, "serves_varlen", lambda q: True),
-        mock.patch.object(ops, "block_forward", counted),
-        mock.patch.object(blocks, "varlen_forward", forward),
-        mock.patch.object(blocks, "varlen_backward", backward),
+        mock.patch.object(ops, "block_forward", counted(block)),
+        mock.patch.object(ops, "varlen_forward", counted(varlen)),
+        mock.patch.object(flash, "aten", fa2),
     ):
         handle = torch.ops.ringify.attention_plan(
             program, inputs, SEQ // 2, False, group, "zigzag", SEQ, per_chunk
@@ -189,7 +207,7 @@ def varlen_layers(name: str, per_chunk: int = 0):
                 worst = max(
                     worst, relative_difference(got.detach(), shard(ref, 2, layout="zigzag"))
                 )
-    return worst, len(varlen_calls), len(kernels)
+    return worst, len(fa2.calls), len(kernels)
 
 
 @pytest.mark.parametrize("name", ["packed", "window", "padded", "packed, padded"])
@@ -247,7 +265,7 @@ def hf_model_on_varlen_calls(case: str):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.attention import blocks, ops
+    from ringify.runtime.attention import flash, ops
     from ringify.runtime.tiling import tiles
     from ringify.testing import hf_models
 
@@ -266,12 +284,10 @@ def hf_model_on_varlen_calls(case: str):
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     calls: list = []
-    forward, backward = _fa2_stand_in(calls)
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
         mock.patch.object(ops, "serves_varlen", lambda q: True),
-        mock.patch.object(blocks, "varlen_forward", forward),
-        mock.patch.object(blocks, "varlen_backward", backward),
+        mock.patch.object(flash, "aten", FA2Kernels(calls)),
     ):
         got = ringify(model, ring_size=dist.get_world_size())(input_ids=ids, labels=ids, **kwargs)
         got.loss.backward()
@@ -308,74 +324,42 @@ def test_a_program_of_one_sides_positions_makes_calls_over_whole_rows_and_keys(r
     assert torch.equal(got, mask)
 
 
-class _FA2Kernels:
-    """FA2's varlen ATen kernels on (rows, heads, D) tensors (``flash.aten``), by
-    ``fa2_visible`` in float64; each returns dense results, as FA2 allocates them."""
-
-    @staticmethod
-    def _visible(q, k, cu_q, cu_k, max_q, max_k, is_causal, left, right):
-        window = (left, 0 if is_causal else right)
-        varlen = Varlen(torch.stack([cu_q, cu_k]), max_q, max_k, window)
-        return fa2_visible(q.shape[0], k.shape[0], [(0, 0, varlen)])
-
-    @classmethod
-    def _bias(cls, q, k, cu_q, cu_k, max_q, max_k, is_causal, window):
-        seen = cls._visible(q, k, cu_q, cu_k, max_q, max_k, is_causal, *window)
-        return torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
-
-    @classmethod
-    def _flash_attention_forward(cls, q, k, v, cu_q, cu_k, max_q, max_k, _p, is_causal, _dbg, *,
-                                 scale, window_size_left, window_size_right):  # fmt: skip
-        bias = cls._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal,
-                         (window_size_left, window_size_right))  # fmt: skip
-        b_q, b_k, b_v = (_heads_first(x, q.shape[1]) for x in (q, k, v))
-        out, lse = math_forward(b_q, b_k, b_v, is_causal=False, scale=scale, bias=bias)
-        return out[0].transpose(0, 1).contiguous(), lse[0].contiguous(), None, None, None
-
-    @classmethod
-    def _flash_attention_backward(cls, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, _p,
-                                  is_causal, _seed, _offset, *, scale, window_size_left,
-                                  window_size_right):  # fmt: skip
-        assert lse.is_contiguous()
-        bias = cls._bias(q, k, cu_q, cu_k, max_q, max_k, is_causal,
-                         (window_size_left, window_size_right))  # fmt: skip
-        grads = math_backward(
-            *(_heads_first(x, q.shape[1]) for x in (dout, q, k, v, out)), lse.unsqueeze(0),
-            is_causal=False, scale=scale, bias=bias,
-        )  # fmt: skip
-        groups = q.shape[1] // k.shape[1]
-        dq, dk, dv = (g[0].transpose(0, 1) for g in grads)
-        dk, dv = (g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (dk, dv))
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
-def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(rows, heads, D) as (1, H, rows, D), K/V's heads repeated to q's."""
-    return x.transpose(0, 1).unsqueeze(0).repeat_interleave(heads // x.shape[1], dim=1)
-
-
 def test_the_varlen_wrappers_take_a_models_layout_as_fa2_does():
-    """``varlen_forward``/``varlen_backward`` on a model's (B, S, H, D) memory, rows of it as
-    the ring narrows them, through FA2's ATen kernels (the stand-in): exact against SDPA with
-    the calls' mask in float64; the output comes back in q's dim order (the accumulator then
-    takes a whole result as it is: no copy)."""
+    """``varlen_forward``/``varlen_backward`` on rows of a model's (B, S, H, D) memory, viewed
+    in FA2's layout as the ring views them (``sequence_rows``: from the shard, and from a
+    sequence-major buffer as K/V arrive), through FA2's ATen kernels (the stand-in): exact
+    against SDPA with the calls' mask in float64; the output comes back in q's dim order
+    (the accumulator then takes a whole result as it is: no copy)."""
     from ringify.runtime.attention import flash
     from ringify.runtime.attention.outputs import is_in_dim_order_of
     from ringify.runtime.masks.varlen import sequences_call
+    from ringify.runtime.tiling.moves import sequence_rows
     from ringify.testing.attention import model_layout
 
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, h, 48, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
-    q, k, v, dout = (model_layout(x).narrow(2, 8, 40) for x in full)
+    q, k, v, dout = (model_layout(x) for x in full)
+    rows = slice(8, 48)
+    arrived = [x.permute(2, 0, 1, 3).contiguous() for x in (k, v)]  # (S, 1, K, D), as K/V travel
     call = sequences_call([(0, 10, 0, 10), (10, 40, 10, 40)], (6, 0))  # two windowed documents
     mask = fa2_visible(40, 40, [(0, 0, call.varlen)])
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    leaves = [x.narrow(2, 8, 40).detach().clone().requires_grad_() for x in (q, k, v)]
     want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.3, enable_gqa=True)
-    want.backward(dout)
-    with mock.patch.object(flash, "aten", _FA2Kernels):
-        out, lse = flash.varlen_forward(q, k, v, call.varlen, scale=0.3)
-        grads = flash.varlen_backward(dout, q, k, v, out, lse, call.varlen, scale=0.3)
-    assert is_in_dim_order_of(q, out)
+    want.backward(dout.narrow(2, 8, 40))
+    seq = lambda x: sequence_rows(x, 8, 40)
+    keys = [sequence_rows(x, 8, 40, rows_dim=0) for x in arrived]
+    with mock.patch.object(flash, "aten", FA2Kernels()):
+        out, lse = flash.varlen_forward(seq(q), *keys, call.varlen, scale=0.3)
+        grads = flash.varlen_backward(seq(dout), seq(q), *keys, seq(out_in(q, out, rows)),
+                                      lse, call.varlen, scale=0.3)  # fmt: skip
+    assert is_in_dim_order_of(q.narrow(2, 8, 40), out)
     assert relative_difference(out, want.detach()) <= EXACT
     for got, leaf in zip(grads, leaves, strict=True):
         assert got.shape == leaf.shape and relative_difference(got, leaf.grad) <= EXACT
+
+
+def out_in(q: torch.Tensor, out: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``out`` (q's ``rows``) written into rows of a tensor laid out as q, as the ring keeps it."""
+    whole = torch.zeros_like(q)
+    whole.narrow(2, rows.start, rows.stop - rows.start).copy_(out)
+    return whole

@@ -23,13 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.attention.flash import (
-    flash_backward,
-    flash_forward,
-    varlen_backward,
-    varlen_forward,
-)
-from ringify.runtime.masks.varlen import Varlen
+from ringify.runtime.attention.flash import flash_backward, flash_forward, unit_last_stride
 
 aten = torch.ops.aten
 
@@ -43,18 +37,14 @@ def block_forward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
-    varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
     ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
     ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
-    ``varlen``: the block is FA2 varlen calls' sequences (``flash.serves_varlen``), no bias.
     """
-    q_BHsD, k_BKtD, v_BKtD = _unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
-    if varlen is not None:
-        return varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen, scale=scale)
+    q_BHsD, k_BKtD, v_BKtD = unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
     if bias is not None:
         out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
         if not empty_rows:
@@ -96,7 +86,6 @@ def block_backward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
-    varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
 
@@ -104,12 +93,9 @@ def block_backward(
     the global ones, so the block gradients sum exactly to the full gradient.
     ``empty_rows=False``: no row of the block is masked entirely (so none has lse -inf).
     """
-    dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = _unit_last_stride(
+    dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = unit_last_stride(
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
     )
-    if varlen is not None:
-        blocks = (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs)
-        return varlen_backward(*blocks, varlen, scale=scale)
     if bias is not None:
         # A row masked everywhere (lse = -inf) has no gradient: lse = +inf makes its
         # recomputed probabilities exp(s - lse) exactly 0 instead of NaN.
@@ -333,12 +319,6 @@ def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor:
     else:
         seen = k_nan.any(-1, keepdim=True).expand_as(q_nan)
     return q_nan | seen
-
-
-def _unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The fused kernels read the head dim as contiguous memory (SDPA copies first, too):
-    a k stored head-dim-major and transposed, or a channels-last q, would be misread."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _cpu_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -115,11 +115,12 @@ def serves_varlen(q: torch.Tensor) -> bool:
     return fa2 and q.shape[0] == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
-def varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen: Varlen, *, scale: float):
-    """``(out, lse)`` of one varlen call: q's rows and k/v's keys are its sequences', side by
-    side. FA2 takes them as (rows, heads, D) views of one sequence (its row and head strides
-    are arguments) and GQA's K/V heads as they are."""
-    q, k, v = (_sequence(x) for x in (q_BHsD, k_BKtD, v_BKtD))
+def varlen_forward(q_sHD, k_tKD, v_tKD, varlen: Varlen, *, scale: float):
+    """``(out, lse)``, (1, H, s, D) and (1, H, s), of one varlen call on FA2's layout: q's rows
+    and k/v's keys its sequences', side by side, (rows, heads, D) views of a batch of one
+    (``moves.sequence_rows``: FA2 takes the row and head strides as arguments), GQA's K/V
+    heads as they are."""
+    q, k, v = unit_last_stride(q_sHD, k_tKD, v_tKD)
     cu_q, cu_k = varlen.cu_seqlens
     out, lse, *_ = aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, varlen.max_rows, varlen.max_keys, 0.0, varlen.is_causal, False,
@@ -128,35 +129,33 @@ def varlen_forward(q_BHsD, k_BKtD, v_BKtD, varlen: Varlen, *, scale: float):
     return _batch_of_one(out), lse.unsqueeze(0)  # lse: (heads, rows)
 
 
-def varlen_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, varlen: Varlen, *,
+def varlen_backward(dout_sHD, q_sHD, k_tKD, v_tKD, out_sHD, lse_BHs, varlen: Varlen, *,
                     scale: float):  # fmt: skip
-    """``(dq, dk, dv)`` of one varlen call from the merged ``out`` and ``lse`` (float32, the
-    accumulation dtype of FA2's fp16/bf16); the lse is made dense (FA2 reads it through its
-    pointer), dK/dV come back with K heads."""
-    dout, q, k, v, out = (_sequence(x) for x in (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD))
+    """``(dq, dk, dv)``, (1, heads, rows, D) each, of one varlen call on FA2's layout (as
+    ``varlen_forward``) from the merged ``out`` and ``lse`` (float32, the accumulation dtype
+    of FA2's fp16/bf16); the lse is made dense (FA2 reads it through its pointer), dK/dV
+    come back with K heads."""
+    dout, q, k, v, out = unit_last_stride(dout_sHD, q_sHD, k_tKD, v_tKD, out_sHD)
     cu_q, cu_k = varlen.cu_seqlens
     no_rng = torch.zeros(2, dtype=torch.int64, device=q.device)
-    grads = aten._flash_attention_backward(
+    dq, dk, dv = aten._flash_attention_backward(
         dout, q, k, v, out, lse_BHs[0].contiguous(), cu_q, cu_k, varlen.max_rows,
         varlen.max_keys, 0.0, varlen.is_causal, no_rng, no_rng, scale=scale,
         window_size_left=varlen.window[0], window_size_right=varlen.window[1],
     )  # fmt: skip
-    return tuple(_batch_of_one(g) for g in grads)
+    return _batch_of_one(dq), _batch_of_one(dk), _batch_of_one(dv)
 
 
-# Each view op costs a GPU's host a dispatch: FA2's layout to and from ours is one each.
-
-
-def _sequence(x_BHsD: torch.Tensor) -> torch.Tensor:
-    """A batch of one (1, H, s, D) as FA2's varlen (s, H, D) view of the same memory."""
-    _, heads, rows, d = x_BHsD.shape
-    _, s_head, s_row, s_d = x_BHsD.stride()
-    return x_BHsD.as_strided((rows, heads, d), (s_row, s_head, s_d), x_BHsD.storage_offset())
+def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused kernels read the head dim as contiguous memory (SDPA copies first, too):
+    a k stored head-dim-major and transposed, or a channels-last q, would be misread."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _batch_of_one(x_sHD: torch.Tensor) -> torch.Tensor:
-    """FA2's (s, H, D) as (1, H, s, D); the batch stride that of a dense (B, S, H, D) (one batch:
-    any stride will do), so that a whole result is found in a model's dim order, not copied."""
+    """FA2's (s, H, D) as (1, H, s, D), one view op; the batch stride that of a dense
+    (B, S, H, D) (one batch: any stride will do), so that a whole result is found in a
+    model's dim order, not copied."""
     rows, heads, d = x_sHD.shape
     s_row, s_head, s_d = x_sHD.stride()
     return x_sHD.as_strided(

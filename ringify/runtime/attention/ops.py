@@ -45,7 +45,7 @@ from ringify.runtime.attention.blocks import (
     block_backward,
     block_forward,
 )
-from ringify.runtime.attention.flash import serves_varlen
+from ringify.runtime.attention.flash import serves_varlen, varlen_backward, varlen_forward
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
@@ -102,11 +102,15 @@ def ring_attention_op(
             masks.skip(mine, len(own.tiles))
             continue
         for b in masks.pairs(mine, held, bias_in, count=True, joinable=kv.joined, varlen=varlen):
-            k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
-            out_blk, lse_blk = block_forward(
-                q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
-                scale=scale, bias=b.bias, empty_rows=b.empty_rows, varlen=b.varlen,
-            )  # fmt: skip
+            if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
+                q_seq, (k_seq, v_seq) = q_at.sequence(b.rows), kv.sequences(b.held, b.tiles, b.cols)
+                out_blk, lse_blk = varlen_forward(q_seq, k_seq, v_seq, b.varlen, scale=scale)
+            else:
+                k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
+                out_blk, lse_blk = block_forward(
+                    q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
+                    scale=scale, bias=b.bias, empty_rows=b.empty_rows,
+                )  # fmt: skip
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()
     out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)  # float32: no launch
@@ -240,12 +244,17 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
     biased = learned is not None
     for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
         i, r, cols = b.held, b.rows, b.cols
-        block = (grad_out[r], q[r], *kv.keys(b.held, b.tiles, cols), out[r], lse[r])
-        causal = b.seen is Visibility.DIAGONAL
-        dq_blk, dk_blk, dv_blk = block_backward(
-            *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows,
-            varlen=b.varlen,
-        )  # fmt: skip
+        if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
+            rows = (grad_out.sequence(r), q.sequence(r), *kv.sequences(i, b.tiles, cols))
+            dq_blk, dk_blk, dv_blk = varlen_backward(
+                *rows, out.sequence(r), lse[r], b.varlen, scale=scale
+            )
+        else:
+            block = (grad_out[r], q[r], *kv.keys(i, b.tiles, cols), out[r], lse[r])
+            causal = b.seen is Visibility.DIAGONAL
+            dq_blk, dk_blk, dv_blk = block_backward(
+                *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
+            )
         if b.bias is not None and (dmask is not None or learned is not None):
             dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
             if dmask is not None:

@@ -37,16 +37,25 @@ class ShardRows:
             self._views[key] = self._view(rows)
         return self._views[key]
 
+    def sequence(self, rows: slice) -> torch.Tensor:
+        """Local rows ``rows`` as FA2's varlen (rows, H, D) of a batch of one: one view op."""
+        x, start = self._source(rows)
+        return sequence_rows(x, start, rows.stop - rows.start)
+
     def _view(self, rows: slice) -> torch.Tensor:
+        x, start = self._source(rows)
+        if start == 0 and rows.stop - rows.start == x.shape[2]:
+            return x  # a whole buffer, or a call over all the shard's rows: no view to launch
+        return x.narrow(2, start, rows.stop - rows.start)
+
+    def _source(self, rows: slice) -> tuple[torch.Tensor, int]:
+        """The tensor holding local rows ``rows`` (a buffer they were received into, or the
+        shard's own) and where in it they start."""
         for slot, buffer in self._moved_in:
             if slot.start <= rows.start < slot.stop:
                 assert rows.stop <= slot.stop, (rows, slot)
-                if rows == slot:  # the whole buffer: no view to launch
-                    return buffer
-                return buffer.narrow(2, rows.start - slot.start, rows.stop - rows.start)
-        if rows.start == 0 and rows.stop == self.tensor.shape[2]:
-            return self.tensor  # a call over all the shard's rows: no view to launch
-        return narrow_rows(self.tensor, rows)
+                return buffer, rows.start - slot.start
+        return self.tensor, rows.start
 
     def moved_rows(self) -> int:
         return sum(slot.stop - slot.start for slot, _ in self._moved_in)
@@ -118,6 +127,20 @@ def _wire_buffer(x: torch.Tensor, n: int) -> torch.Tensor:
 def narrow_rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     """Rows ``rows`` (dim 2) of ``x``."""
     return x.narrow(2, rows.start, rows.stop - rows.start)  # one view op, where [:, :, r] is two
+
+
+def sequence_rows(x: torch.Tensor, start: int, length: int, rows_dim: int = 2) -> torch.Tensor:
+    """Rows ``start`` to ``start + length`` of a batch of one, ``x`` (1, H, S, D), or with
+    ``rows_dim`` 0 a sequence-major (S, 1, H, D) buffer, as FA2's varlen layout (rows, H, D):
+    one ``as_strided`` whatever the strides (a narrow and a transpose would be three view
+    ops, each a dispatch on a GPU's host)."""
+    heads_dim = 1 if rows_dim == 2 else 2
+    stride = x.stride()
+    return x.as_strided(
+        (length, x.shape[heads_dim], x.shape[3]),
+        (stride[rows_dim], stride[heads_dim], stride[3]),
+        x.storage_offset() + start * stride[rows_dim],
+    )
 
 
 @functools.lru_cache(maxsize=256)  # the same for every call of a plan

@@ -17,6 +17,7 @@ import torch
 
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring
+from ringify.runtime.tiling.moves import sequence_rows
 from ringify.runtime.tiling.tiles import Tile, Tiling, rank_tiles, sub_ring_tiles, tiles_per_chunk
 
 
@@ -130,6 +131,16 @@ class HeldKV(Sequence):
         if cols.start == 0 and length == k.shape[2]:
             return k, v
         return k.narrow(2, cols.start, length), v.narrow(2, cols.start, length)
+
+    def sequences(self, first: int, tiles: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the keys ``keys`` gives, as FA2's varlen (keys, K, D) views of a batch of
+        one: one view op each, from the received buffers or from k and v themselves."""
+        length = cols.stop - cols.start
+        if self._rows[0] is not None:  # received side by side, sequence-major
+            k, v, start, rows_dim = *self._rows, self.starts[first] + cols.start, 0
+        else:  # own tiles (several only where adjacent): rows of k and v
+            k, v, start, rows_dim = *self._kv, self._own[first].rows.start + cols.start, 2
+        return sequence_rows(k, start, length, rows_dim), sequence_rows(v, start, length, rows_dim)
 
     def _span(self, which: int, start: int, length: int) -> torch.Tensor:
         """K (0) or V (1) at held rows ``start`` on, (B, K, rows, D): each view op costs a
