@@ -50,9 +50,10 @@ def is_in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> bool:
 def _dense_strides(q: torch.Tensor) -> tuple[int, ...]:
     """The strides of a dense tensor of q's shape whose dims lie in memory in q's order."""
     shape, stride = tuple(q.shape), q.stride()
-    if all(type(n) is int for n in (*shape, *stride)):  # symbolic sizes are not hashable
+    try:
         return _kept_dense_strides(shape, stride)
-    return _dense_strides_of(shape, stride)
+    except TypeError:  # symbolic sizes are not hashable
+        return _dense_strides_of(shape, stride)
 
 
 def _dense_strides_of(shape: tuple, stride: tuple) -> tuple:

@@ -183,12 +183,13 @@ class TileMasks:
         if key not in self._steps:
             counts: Counter = Counter()
             blocks = list(self._pairs(mine, held, dtype, counts, biased, joinable, varlen))
-            self._steps[key] = (blocks, tuple((v.value, n) for v, n in counts.items()))
-        blocks, counts = self._steps[key]
+            calls = any(b.varlen is not None for b in blocks)
+            self._steps[key] = (blocks, tuple((v.value, n) for v, n in counts.items()), calls)
+        blocks, counts, calls = self._steps[key]
         if count:
             for seen, n in counts:
                 _counts[seen] += n
-        moved = self._varlen_on_device(key, blocks) if varlen else {}
+        moved = self._varlen_on_device(key, blocks) if calls else {}
         for i, b in enumerate(blocks):
             if b.varlen is not None:
                 yield moved[i]
