@@ -22,7 +22,11 @@ of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op cal
 ``is_causal=True`` and no mask on the same shapes, laid out as a model's (``model_layout``;
 PyTorch's ring gets the same layout). Per case: host µs per call, forward and backward
 (the op's own time plus ``LAUNCH_US`` per kernel it launches, and its views' own time,
-``_host_cost``; ``--views-as-launches``: views at ``LAUNCH_US`` too; the mean over
+``_host_cost``; ``--views-as-launches``: views at ``LAUNCH_US`` too; and "wall+launch": the
+same replayed forward calls timed with no profiler, whose bookkeeping weighs on a call by its
+number of ATen ops, plus ``LAUNCH_US`` per kernel (a forward's stubbed call does no data work;
+a backward's adds and copies, and PyTorch's ring's copies, run for real on this CPU, where a
+GPU runs them asynchronously: no wall figure for those); the mean over
 a step's calls, replayed, and in the step, whose first forward is left out: it
 evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
 step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
@@ -50,6 +54,7 @@ CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
 HEADERS = (
     *("ring", "S", "case", "fwd µs/call", "bwd µs/call", "fwd / is_causal", "bwd / is_causal"),
+    *("wall+launch fwd µs", "wall fwd / is_causal"),
     *("in-step fwd µs", "in-step bwd µs", "fwd kernels", "bwd kernels", "masks µs/step"),
     *("plan µs/step", "KV MiB/layer-step repeated", "KV MiB/layer-step folded"),
 )
@@ -130,17 +135,23 @@ def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, flo
     def backward_op(*, query, key, value, **_):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
+    def forward():
+        cp._templated_ring_attention(
+            dist.group.WORLD, 2, forward_op, q, k, v, is_causal=True, scale=0.125
+        )
+
+    def backward():
+        cp._templated_ring_attention_backward(
+            dist.group.WORLD, 2, backward_op, dout, "grad_out", q, k, v, out, lse,
+            is_causal=True, scale=0.125,
+        )  # fmt: skip
+
     def step():
         for _ in range(LAYERS):
             with record_function("torch_ring_forward"):
-                cp._templated_ring_attention(
-                    dist.group.WORLD, 2, forward_op, q, k, v, is_causal=True, scale=0.125
-                )
+                forward()
             with record_function("torch_ring_backward"):
-                cp._templated_ring_attention_backward(
-                    dist.group.WORLD, 2, backward_op, dout, "grad_out", q, k, v, out, lse,
-                    is_causal=True, scale=0.125,
-                )  # fmt: skip
+                backward()
 
     calls = {"torch_ring_forward": [], "torch_ring_backward": []}
 
@@ -162,11 +173,12 @@ def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, flo
         [op_replay.median_cost(per_call) for per_call in zip(*calls[name], strict=True)]
         for name in calls
     )
+    launches = [sum(c[1] for c in got) / len(got) for got in (fwd, bwd)]
     return {
         "fwd_us": sum(c[0] for c in fwd) / len(fwd),
         "bwd_us": sum(c[0] for c in bwd) / len(bwd),
-        "fwd_launches": sum(c[1] for c in fwd) / len(fwd),
-        "bwd_launches": sum(c[1] for c in bwd) / len(bwd),
+        "fwd_launches": launches[0],
+        "bwd_launches": launches[1],
     }
 
 
@@ -184,7 +196,10 @@ def host_times(
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
         cost = functools.partial(_host_cost, views_as_launches=views_as_launches)
-        replayed = op_replay.replayed_costs(op_replay.captured_calls(step), repeats, cost)
+        captured = op_replay.captured_calls(step)
+        replayed = op_replay.replayed_costs(captured, repeats, cost)
+        forward = "ringify::ring_attention"
+        wall = op_replay.replayed_wall_us({forward: captured[forward]})
         for _ in range(repeats):  # this machine's noise: each call's median over the steps
             sent[:] = [0, 0.0]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -214,6 +229,9 @@ def host_times(
     return {
         "fwd_us": mean(replayed["ringify::ring_attention"], 0),
         "bwd_us": mean(replayed["ringify::ring_attention_backward"], 0),
+        # wall time with no profiler, plus the launches a GPU adds (the stubs launch nothing)
+        "fwd_wall_us": wall["ringify::ring_attention"]
+        + LAUNCH_US * mean(replayed["ringify::ring_attention"], 1),
         "step_fwd_us": mean(later, 0),
         "step_bwd_us": mean(backward, 0),
         "fwd_launches": mean(later, 1),
@@ -287,6 +305,11 @@ def paper_model(seq: int, ring: int, host_us: float, flops: float) -> dict[str, 
     return {"kernel_ms": kernels * 1e3, "modelled_ms": modelled * 1e3, "eff": kernels / modelled}
 
 
+def _wall(got: dict, base: dict) -> list[str]:
+    """The forward's wall+launch µs, and over ``is_causal``'s."""
+    return [f"{got['fwd_wall_us']:.0f}", f"{got['fwd_wall_us'] / base['fwd_wall_us']:.2f}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[8192])
@@ -316,6 +339,7 @@ def main() -> None:
                         ring, seq, case, f"{got['fwd_us']:.0f}", f"{got['bwd_us']:.0f}",
                         f"{got['fwd_us'] / base['fwd_us']:.2f}",
                         f"{got['bwd_us'] / base['bwd_us']:.2f}",
+                        *_wall(got, base),
                         f"{got['step_fwd_us']:.0f}", f"{got['step_bwd_us']:.0f}",
                         f"{got['fwd_launches']:.0f}", f"{got['bwd_launches']:.0f}",
                         f"{got['masks_us']:.0f}", f"{got['plan_us']:.0f}",
@@ -334,7 +358,7 @@ def main() -> None:
                 rows.append([
                     ring, seq, "PyTorch ring", f"{theirs['fwd_us']:.0f}",
                     f"{theirs['bwd_us']:.0f}", f"{theirs['fwd_us'] / base['fwd_us']:.2f}",
-                    f"{theirs['bwd_us'] / base['bwd_us']:.2f}", "-", "-",
+                    f"{theirs['bwd_us'] / base['bwd_us']:.2f}", "-", "-", "-", "-",
                     f"{theirs['fwd_launches']:.0f}", f"{theirs['bwd_launches']:.0f}",
                     "-", "-", "-", "-",
                 ])  # fmt: skip

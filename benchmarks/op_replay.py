@@ -13,6 +13,7 @@ and four ranks on this machine's two cores would time the scheduler); the same f
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -85,3 +86,35 @@ def replayed_costs(
 def median_cost(costs: list[tuple[float, int]]) -> tuple[float, int]:
     """One call's (µs, kernels) over its measurements: the median time (its kernels are fixed)."""
     return statistics.median(c[0] for c in costs), costs[0][1]
+
+
+def replayed_wall_us(calls: dict[str, list[tuple[tuple, dict]]]) -> dict[str, float]:
+    """Per op name, the mean wall µs of its captured calls replayed back to back with no
+    profiler (whose per-op bookkeeping weighs on a call by its number of ATen ops)."""
+    got: dict[str, float] = {}
+
+    def replay() -> None:
+        for name, captured in calls.items():
+            op = getattr(torch.ops.ringify, name.split("::")[1])
+
+            def calls_of_a_step(op=op, captured=captured):
+                for args, kwargs in captured:
+                    op(*args, **kwargs)
+
+            got[name] = best_wall_us(calls_of_a_step) / len(captured)
+
+    one_rank_at_a_time(replay)
+    return got
+
+
+def best_wall_us(fn: Callable[[], None], rounds: int = 5, loops: int = 50) -> float:
+    """``fn``'s wall µs under no autograd: the best of ``rounds`` means over ``loops`` calls."""
+    best = float("inf")
+    with torch.no_grad():
+        fn()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(loops):
+                fn()
+            best = min(best, (time.perf_counter() - start) / loops)
+    return best * 1e6
