@@ -24,9 +24,10 @@ PyTorch's ring gets the same layout). Per case: host µs per call, forward and b
 (the op's own time plus ``LAUNCH_US`` per kernel it launches, and its views' own time,
 ``_host_cost``; ``--views-as-launches``: views at ``LAUNCH_US`` too; and "wall+launch": the
 same replayed forward calls timed with no profiler, whose bookkeeping weighs on a call by its
-number of ATen ops, plus ``LAUNCH_US`` per kernel (a forward's stubbed call does no data work;
-a backward's adds and copies, and PyTorch's ring's copies, run for real on this CPU, where a
-GPU runs them asynchronously: no wall figure for those); the mean over
+number of ATen ops, plus ``LAUNCH_US`` per kernel: faithful where the stubbed forward moves
+no data (at 8K); a balanced plan's row moves (at 128K), a backward's adds and copies and
+PyTorch's ring's copies run for real on this CPU, where a GPU runs them asynchronously (no
+wall figure for the latter two); the mean over
 a step's calls, replayed, and in the step, whose first forward is left out: it
 evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
 step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
