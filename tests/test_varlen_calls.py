@@ -101,10 +101,14 @@ def test_a_causal_call_with_its_padding_keys_cut_off_is_one_sequence_where_fa2_c
     """Top-left causal on s rows and t < s keys is FA2's window (-1, s - t), unless that side
     is as wide as the keys (FA2 reads it as no bound): then it stays squared in two calls."""
     from ringify.runtime.masks.calls import Block, as_varlen
+    from ringify.runtime.masks.varlen import sequences_call
     from ringify.runtime.tiling.tiles import Visibility
 
     got = as_varlen(Block(0, slice(0, s), slice(0, t), Visibility.DIAGONAL, None, None))
     assert (got is None) == (s - t >= t)
+    if got is None:  # and no call is made with a window FA2 would widen
+        with pytest.raises(AssertionError):
+            sequences_call([(0, s, 0, t)], (-1, s - t))
     if got is not None:
         seen = fa2_visible(s, t, [(0, 0, got.varlen)])
         assert torch.equal(seen, torch.ones(s, t, dtype=torch.bool).tril())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention.blocks import merge_block
-from ringify.runtime.attention.outputs import empty_in_dim_order_of, is_in_dim_order_of
+from ringify.runtime.attention.outputs import empty_in_dim_order_of, in_dim_order_of
 from ringify.runtime.tiling.moves import ShardRows
 
 
@@ -28,7 +28,8 @@ class Accumulator:
     def merge(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Fold the block of query rows ``rows`` in."""
         if self._out is None and rows.start == 0 and rows.stop == self._q.shape[2]:
-            self._out, self._lse = ShardRows(self._as_out(out)), ShardRows(dense(lse, self._dtype))
+            out = in_dim_order_of(self._q, out, self._dtype)  # itself where it already is
+            self._out, self._lse = ShardRows(out), ShardRows(dense(lse, self._dtype))
             return
         if self._out is None:
             self._start_empty()
@@ -45,12 +46,6 @@ class Accumulator:
         out = empty_in_dim_order_of(q, self._dtype).zero_()
         lse = torch.full(q.shape[:3], float("-inf"), dtype=self._dtype, device=q.device)
         self._out, self._lse = ShardRows(out), ShardRows(lse)
-
-    def _as_out(self, out: torch.Tensor) -> torch.Tensor:
-        """A block's out as the accumulator: itself where it already is one (nothing launched)."""
-        if out.dtype == self._dtype and is_in_dim_order_of(self._q, out):
-            return out
-        return empty_in_dim_order_of(self._q, self._dtype).copy_(out)
 
 
 class RowSum:

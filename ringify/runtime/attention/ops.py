@@ -255,14 +255,14 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
             dq_blk, dk_blk, dv_blk = block_backward(
                 *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
             )
-        if b.bias is not None and (dmask is not None or learned is not None):
-            dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
-            if dmask is not None:
-                tile = tile_of(dmask, r, held[i], cols.stop)
-                broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
-                tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
-            if learned is not None:
-                add_program_grads(*learned, *b.at, dbias)
+            if b.bias is not None and (dmask is not None or learned is not None):
+                dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
+                if dmask is not None:
+                    tile = tile_of(dmask, r, held[i], cols.stop)
+                    broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
+                    tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+                if learned is not None:
+                    add_program_grads(*learned, *b.at, dbias)
         dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in _slot_parts(slots, which, b):

@@ -34,12 +34,16 @@ def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(q.shape, _dense_strides(q), dtype=dtype, device=q.device)
 
 
-def in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` in q's dim order (``empty_in_dim_order_of``): itself if it already is (strides
-    compared without allocating: nothing launched), else a copy."""
-    if is_in_dim_order_of(q, out):
+def in_dim_order_of(
+    q: torch.Tensor, out: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``out`` in q's dim order (``empty_in_dim_order_of``) and in ``dtype`` (default its
+    own): itself if it already is (strides compared without allocating: nothing launched),
+    else a copy."""
+    dtype = out.dtype if dtype is None else dtype
+    if out.dtype == dtype and is_in_dim_order_of(q, out):
         return out
-    return empty_in_dim_order_of(q, out.dtype).copy_(out)
+    return empty_in_dim_order_of(q, dtype).copy_(out)
 
 
 def is_in_dim_order_of(q: torch.Tensor, out: torch.Tensor) -> bool:

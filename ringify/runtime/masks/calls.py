@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.masks.varlen import Varlen, sequences_call
+from ringify.runtime.masks.varlen import Varlen, fa2_takes, sequences_call
 from ringify.runtime.tiling.tiles import Tile, Visibility
 
 
@@ -141,11 +141,11 @@ def _join(a: Block, b: Block, starts: list[int]) -> Block:
 def as_varlen(block: Block) -> Block | None:
     """A top-left causal block (square, or its last keys cut off: fewer keys than rows) as one
     FA2 sequence: FA2's window is bottom-right aligned, so ``(-1, s - t)`` on s rows and t
-    keys is top-left causal. None where FA2 would read that side as no bound (as wide as
-    the keys: ``varlen._fa2_pieces``), or the block is no such one."""
+    keys is top-left causal. None where FA2 would not take that window as given
+    (``varlen.fa2_takes``), or the block is no such one."""
     s, t = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
     causal = block.seen is Visibility.DIAGONAL and block.bias is None and block.cols.start == 0
-    if not causal or not 0 < t <= s or s - t >= t:
+    if not causal or not 0 < t <= s or not fa2_takes((-1, s - t), t):
         return None
     call = sequences_call([(0, s, 0, t)], (-1, s - t))
     return dataclasses.replace(block, varlen=call.varlen, empty_rows=False)
@@ -155,7 +155,5 @@ def cut_causal_as_varlen(blocks: list[Block]) -> list[Block]:
     """``blocks``, each causal one with its last keys cut off (padding) as one FA2 sequence
     where it can be (``as_varlen``): the kernels' top-left squaring (``flash.causal_parts``)
     makes it two calls and a copy to join their results."""
-    cut = [
-        b.seen is Visibility.DIAGONAL and b.cols.stop < b.rows.stop - b.rows.start for b in blocks
-    ]
-    return [(c and as_varlen(b)) or b for b, c in zip(blocks, cut, strict=True)]
+    cut = lambda b: b.cols.stop - b.cols.start < b.rows.stop - b.rows.start
+    return [(cut(b) and as_varlen(b)) or b for b in blocks]

@@ -128,21 +128,27 @@ def varlen_calls(lo: torch.Tensor, hi: torch.Tensor) -> list[VarlenCall] | None:
 
 def _fa2_pieces(lo: torch.Tensor, hi: torch.Tensor, a: int, b: int) -> list[tuple] | None:
     """Rows ``a:b`` (one run of ``lo``/``hi`` steps) as ``(a, b, c, e, window)`` pieces, or
-    None. FA2 reads a window side at least as wide as the call's longest keys as no bound
-    (``flash_api.cpp``: ``window_size_right >= max_seqlen_k`` becomes -1), silently: where the
-    right side solved is that wide (more rows than keys, most of them past the last: causal
-    rows over padding keys), the rows it bounds are a piece of their own, and those that see
-    up to the last key another (``hi`` only grows in a run). A left side never is: it is
+    None. Where FA2 would not take the window solved as given (``fa2_takes``: its right side
+    as wide as the keys, more rows than keys, most of them past the last: causal rows over
+    padding keys), the rows it bounds are a piece of their own, and those that see up to the
+    last key another (``hi`` only grows in a run). A left side is never that wide: it is
     shorter than the keys before the diagonal."""
     solved = piece(lo[a:b], hi[a:b])
     if solved is None:
         return None
-    c, e, (_, right) = solved
-    if right < e - c:  # also -1: the call's longest keys are at least e - c
+    c, e, window = solved
+    if fa2_takes(window, e - c):  # the call's longest keys are at least e - c
         return [(a, b, *solved)]
     cut = a + int((hi[a:b] == e).int().argmax())  # the first row that sees the last key
     head, tail = _fa2_pieces(lo, hi, a, cut), _fa2_pieces(lo, hi, cut, b)
     return None if head is None or tail is None else head + tail
+
+
+def fa2_takes(window: tuple[int, int], keys: int) -> bool:
+    """Whether FA2 takes ``window`` as given on a call whose longest sequence has ``keys``
+    keys: it reads a side at least that wide as no bound, -1 (``flash_api.cpp``:
+    ``if (window_size_right >= max_seqlen_k) window_size_right = -1``), silently."""
+    return all(side < keys for side in window)
 
 
 def piece(lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
@@ -178,5 +184,6 @@ def sequences_call(
     keys = [e - c for _, _, c, e in sequences]
     cu = torch.tensor([[0, *rows], [0, *keys]], dtype=torch.int32).cumsum(1, dtype=torch.int32)
     first, last = sequences[0], sequences[-1]
+    assert fa2_takes(window, max(keys)), (window, max(keys))  # else FA2 would widen it
     varlen = Varlen(cu, max(rows), max(keys), window)
     return VarlenCall(slice(first[0], last[1]), slice(first[2], last[3]), varlen)
