@@ -55,7 +55,7 @@ CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
 HEADERS = (
     *("ring", "S", "case", "fwd µs/call", "bwd µs/call", "fwd / is_causal", "bwd / is_causal"),
-    *("wall+launch fwd µs", "wall fwd / is_causal"),
+    *("wall+launch fwd µs", "wall fwd / is_causal", "fwd data µs"),
     *("in-step fwd µs", "in-step bwd µs", "fwd kernels", "bwd kernels", "masks µs/step"),
     *("plan µs/step", "KV MiB/layer-step repeated", "KV MiB/layer-step folded"),
 )
@@ -155,9 +155,11 @@ def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, flo
                 backward()
 
     calls = {"torch_ring_forward": [], "torch_ring_backward": []}
+    wall: dict[str, float] = {}
 
     def steps():  # nothing moves between the ranks: one rank at a time, as ours replay
         step()
+        wall["torch_ring_forward"] = op_replay.best_wall_us(forward)
         for _ in range(REPEATS):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
@@ -170,14 +172,17 @@ def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, flo
 
     with kernel_stubs.torch_ring_stubs():
         op_replay.one_rank_at_a_time(steps)
-    fwd, bwd = (
-        [op_replay.median_cost(per_call) for per_call in zip(*calls[name], strict=True)]
+    replayed = {
+        name: [op_replay.median_cost(per_call) for per_call in zip(*calls[name], strict=True)]
         for name in calls
-    )
+    }
+    fwd, bwd = replayed.values()
     launches = [sum(c[1] for c in got) / len(got) for got in (fwd, bwd)]
     return {
         "fwd_us": sum(c[0] for c in fwd) / len(fwd),
         "bwd_us": sum(c[0] for c in bwd) / len(bwd),
+        "fwd_wall_us": _wall_launch(wall, replayed, "torch_ring_forward"),
+        "fwd_data_us": _data_us(replayed, "torch_ring_forward"),
         "fwd_launches": launches[0],
         "bwd_launches": launches[1],
     }
@@ -230,9 +235,8 @@ def host_times(
     return {
         "fwd_us": mean(replayed["ringify::ring_attention"], 0),
         "bwd_us": mean(replayed["ringify::ring_attention_backward"], 0),
-        # wall time with no profiler, plus the launches a GPU adds (the stubs launch nothing)
-        "fwd_wall_us": wall["ringify::ring_attention"]
-        + LAUNCH_US * mean(replayed["ringify::ring_attention"], 1),
+        "fwd_wall_us": _wall_launch(wall, replayed, forward),
+        "fwd_data_us": _data_us(replayed, forward),
         "step_fwd_us": mean(later, 0),
         "step_bwd_us": mean(backward, 0),
         "fwd_launches": mean(later, 1),
@@ -244,22 +248,39 @@ def host_times(
     }
 
 
+def _wall_launch(wall: dict[str, float], replayed: dict[str, list], name: str) -> float:
+    """An op's wall+launch µs per call: its replayed wall time with no profiler (whose
+    bookkeeping weighs on a call by its number of ATen ops) plus ``LAUNCH_US`` per kernel a
+    GPU launches (the stubs launch nothing). Faithful where the call's data µs are nil."""
+    costs = replayed[name]
+    return wall[name] + LAUNCH_US * sum(c[1] for c in costs) / max(1, len(costs))
+
+
+def _data_us(replayed: dict[str, list], name: str) -> float:
+    """The µs per call of the kernels this CPU ran for real in ``name``'s calls (profiled):
+    work a GPU's host does not do, which the wall+launch figure would count."""
+    costs = replayed[name]
+    return sum(c[2] for c in costs) / max(1, len(costs))
+
+
 # On a GPU each kernel an op launches costs the host about this much (CUDA launch, ATen
 # dispatch); the kernels' own work, done here on the CPU, is left out. An allocation counts
 # as one too (the caching allocator's host work).
 LAUNCH_US = 5.0
 
 
-def _host_cost(event, views_as_launches: bool = False) -> tuple[float, int]:
-    """(µs, kernels) of one op call on a GPU host: its own Python time (the op's time less
-    that of the outermost ATen ops under it: an autograd ``Function``'s event between them
-    is the op's own Python) plus, per ATen op that calls no other, ``LAUNCH_US`` if it
+def _host_cost(event, views_as_launches: bool = False) -> tuple[float, int, float]:
+    """(µs, kernels, data µs) of one op call on a GPU host: its own Python time (the op's time
+    less that of the outermost ATen ops under it: an autograd ``Function``'s event between
+    them is the op's own Python) plus, per ATen op that calls no other, ``LAUNCH_US`` if it
     launches a kernel or allocates (so that a mask evaluated on this CPU counts as the
     launches it would be), else its own time here: a view (``narrow``, ``permute``,
     ``as_strided``, a dense tensor's ``contiguous``) launches nothing, and makes the same
     tensor metadata on any device (``views_as_launches``: as launches too, the model of
-    RESULTS' earlier sections)."""
-    kernels, aten_us, views_us = 0, 0.0, 0.0
+    RESULTS' earlier sections). Data µs: the time of the kernels this CPU ran for real
+    (every such op but an allocation: a copy, an add, a fill): nil where a wall time of the
+    call is its host work."""
+    kernels, aten_us, views_us, data_us = 0, 0.0, 0.0, 0.0
     stack = [(child, False) for child in event.cpu_children]
     while stack:
         e, inside_aten = stack.pop()
@@ -271,8 +292,15 @@ def _host_cost(event, views_as_launches: bool = False) -> tuple[float, int]:
                 views_us += e.cpu_time_total
             else:
                 kernels += 1
+                data_us += 0.0 if e.name in ALLOCATIONS or _is_view(e.name) else e.cpu_time_total
         stack.extend((c, inside_aten or is_aten) for c in e.cpu_children)
-    return event.cpu_time_total - aten_us + views_us + LAUNCH_US * kernels, kernels
+    return event.cpu_time_total - aten_us + views_us + LAUNCH_US * kernels, kernels, data_us
+
+
+# Leaf ATen ops that only allocate (a GPU's caching allocator: host work, no kernel).
+ALLOCATIONS = frozenset(
+    f"aten::{name}" for name in ("empty", "empty_like", "empty_strided", "new_empty")
+)
 
 
 @functools.cache
@@ -307,8 +335,9 @@ def paper_model(seq: int, ring: int, host_us: float, flops: float) -> dict[str, 
 
 
 def _wall(got: dict, base: dict) -> list[str]:
-    """The forward's wall+launch µs, and over ``is_causal``'s."""
-    return [f"{got['fwd_wall_us']:.0f}", f"{got['fwd_wall_us'] / base['fwd_wall_us']:.2f}"]
+    """The forward's wall+launch µs, over ``is_causal``'s, and the data µs it holds."""
+    wall = got["fwd_wall_us"]
+    return [f"{wall:.0f}", f"{wall / base['fwd_wall_us']:.2f}", f"{got['fwd_data_us']:.0f}"]
 
 
 def main() -> None:
@@ -359,7 +388,7 @@ def main() -> None:
                 rows.append([
                     ring, seq, "PyTorch ring", f"{theirs['fwd_us']:.0f}",
                     f"{theirs['bwd_us']:.0f}", f"{theirs['fwd_us'] / base['fwd_us']:.2f}",
-                    f"{theirs['bwd_us'] / base['bwd_us']:.2f}", "-", "-", "-", "-",
+                    f"{theirs['bwd_us'] / base['bwd_us']:.2f}", *_wall(theirs, base), "-", "-",
                     f"{theirs['fwd_launches']:.0f}", f"{theirs['bwd_launches']:.0f}",
                     "-", "-", "-", "-",
                 ])  # fmt: skip

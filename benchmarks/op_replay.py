@@ -83,9 +83,14 @@ def replayed_costs(
     }
 
 
-def median_cost(costs: list[tuple[float, int]]) -> tuple[float, int]:
-    """One call's (µs, kernels) over its measurements: the median time (its kernels are fixed)."""
-    return statistics.median(c[0] for c in costs), costs[0][1]
+def median_cost(costs: list[tuple[float, int, float]]) -> tuple[float, int, float]:
+    """One call's (µs, kernels, data µs) over its measurements: the medians of the times (its
+    kernels are fixed)."""
+    return (
+        statistics.median(c[0] for c in costs),
+        costs[0][1],
+        statistics.median(c[2] for c in costs),
+    )
 
 
 def replayed_wall_us(calls: dict[str, list[tuple[tuple, dict]]]) -> dict[str, float]:
