@@ -53,6 +53,7 @@ from ringify.testing.attention import model_layout
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3
+FORWARD = "ringify::ring_attention"
 HEADERS = (
     *("ring", "S", "case", "fwd µs/call", "bwd µs/call", "fwd / is_causal", "bwd / is_causal"),
     *("wall+launch fwd µs", "wall fwd / is_causal", "fwd data µs"),
@@ -204,8 +205,7 @@ def host_times(
         cost = functools.partial(_host_cost, views_as_launches=views_as_launches)
         captured = op_replay.captured_calls(step)
         replayed = op_replay.replayed_costs(captured, repeats, cost)
-        forward = "ringify::ring_attention"
-        wall = op_replay.replayed_wall_us({forward: captured[forward]})
+        wall = op_replay.replayed_wall_us({FORWARD: captured[FORWARD]})
         for _ in range(repeats):  # this machine's noise: each call's median over the steps
             sent[:] = [0, 0.0]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -235,8 +235,8 @@ def host_times(
     return {
         "fwd_us": mean(replayed["ringify::ring_attention"], 0),
         "bwd_us": mean(replayed["ringify::ring_attention_backward"], 0),
-        "fwd_wall_us": _wall_launch(wall, replayed, forward),
-        "fwd_data_us": _data_us(replayed, forward),
+        "fwd_wall_us": _wall_launch(wall, replayed, FORWARD),
+        "fwd_data_us": _data_us(replayed, FORWARD),
         "step_fwd_us": mean(later, 0),
         "step_bwd_us": mean(backward, 0),
         "fwd_launches": mean(later, 1),
