@@ -20,18 +20,23 @@ Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) 
 mask program: HF always builds one under export), right-padded (10%), packed (4 documents
 of 10/20/30/40%), Mistral with a 256-token window; and ``is_causal``: the op called with
 ``is_causal=True`` and no mask on the same shapes, laid out as a model's (``model_layout``;
-PyTorch's ring gets the same layout). Per case: host µs per call, forward and backward
-(the op's own time plus ``LAUNCH_US`` per kernel it launches, and its views' own time,
-``_host_cost``; ``--views-as-launches``: views at ``LAUNCH_US`` too; and "wall+launch": the
-same replayed forward calls timed with no profiler, whose bookkeeping weighs on a call by its
-number of ATen ops, plus ``LAUNCH_US`` per kernel: faithful where the stubbed forward moves
-no data (at 8K); a balanced plan's row moves (at 128K), a backward's adds and copies and
-PyTorch's ring's copies run for real on this CPU, where a GPU runs them asynchronously (no
-wall figure for the latter two); the mean over
-a step's calls, replayed, and in the step, whose first forward is left out: it
-evaluates the step's masks, ``masks µs/step``), the kernels per call, the plan's µs per
-step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded and not; then
-a paper model of a GPU step (labelled so, ``paper_model``).
+PyTorch's ring gets the same layout). Per case, host µs per call, forward and backward, two
+ways:
+- profiled (``_host_cost``): the op's own time under ``torch.profiler`` plus ``LAUNCH_US``
+  per kernel it launches, and its views' own time (``--views-as-launches``: at
+  ``LAUNCH_US`` too); each replay timed as the second of two passes under its profiler,
+  whose first recorded calls carry its start (``op_replay.profiled_events``);
+- "wall+launch", the forward's: the same replayed calls timed with no profiler, plus
+  ``LAUNCH_US`` per kernel. It is host work only where the call's "data µs" are nil: the
+  kernels this CPU ran for real (copies, adds, fills), which a GPU's host only launches. So
+  it holds at 8K, where no forward moves data; not at 128K (an accumulator's zero fill, a
+  balanced plan's row moves, masks evaluated per call beyond the kept budget), in a
+  backward (its adds and copies) or for PyTorch's ring (its copies).
+
+Each is the mean over a step's calls replayed; in the step too, whose first forward is left
+out (it evaluates the step's masks, ``masks µs/step``). Then the kernels per call, the
+plan's µs per step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded
+and not, and a paper model of a GPU step (labelled so, ``paper_model``).
 
     python benchmarks/host_overhead.py --seqs 8192 32768 --rings 2 4
 """
