@@ -38,7 +38,7 @@ out (it evaluates the step's masks, ``masks µs/step``). Then the kernels per ca
 plan's µs per step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded
 and not, and a paper model of a GPU step (labelled so, ``paper_model``).
 
-    python benchmarks/host_overhead.py --seqs 8192 32768 --rings 2 4
+    python -m benchmarks.host_overhead --seqs 8192 --rings 2 4
 """
 
 from __future__ import annotations

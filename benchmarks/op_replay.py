@@ -60,7 +60,7 @@ def one_rank_at_a_time(fn: Callable[[], None]) -> None:
 
 def replayed_costs(
     calls: dict[str, list[tuple[tuple, dict]]], repeats: int, cost: Callable
-) -> dict[str, list[tuple[float, int]]]:
+) -> dict[str, list[tuple[float, int, float]]]:
     """Per op name, each captured call's ``cost(profiler event)`` replayed: the median over
     ``repeats`` replays (its kernel count from the first). Each replay is the second of two
     under one profiler: the first calls a profiler records cost it up to twice their time
