@@ -181,14 +181,13 @@ def torch_ring_times(seq: int, views_as_launches: bool = False) -> dict[str, flo
         for name in calls
     }
     fwd, bwd = replayed.values()
-    launches = [sum(c[1] for c in got) / len(got) for got in (fwd, bwd)]
     return {
-        "fwd_us": sum(c[0] for c in fwd) / len(fwd),
-        "bwd_us": sum(c[0] for c in bwd) / len(bwd),
+        "fwd_us": _mean(fwd, 0),
+        "bwd_us": _mean(bwd, 0),
         "fwd_wall_us": _wall_launch(wall, replayed, "torch_ring_forward"),
         "fwd_data_us": _data_us(replayed, "torch_ring_forward"),
-        "fwd_launches": launches[0],
-        "bwd_launches": launches[1],
+        "fwd_launches": _mean(fwd, 1),
+        "bwd_launches": _mean(bwd, 1),
     }
 
 
@@ -228,23 +227,20 @@ def host_times(
     }
     plan_us = statistics.median(plan_us)
 
-    def mean(got, i):
-        return sum(c[i] for c in got) / max(1, len(got))
-
     # The step's first forward call evaluates the masks every later call of the step reuses
     # (``masks/step_masks.py``): a per-step cost, as the plan's, reported apart from the calls.
     forward, backward = calls["ringify::ring_attention"], calls["ringify::ring_attention_backward"]
     later = forward[1:] or forward
     return {
-        "fwd_us": mean(replayed["ringify::ring_attention"], 0),
-        "bwd_us": mean(replayed["ringify::ring_attention_backward"], 0),
+        "fwd_us": _mean(replayed[FORWARD], 0),
+        "bwd_us": _mean(replayed["ringify::ring_attention_backward"], 0),
         "fwd_wall_us": _wall_launch(wall, replayed, FORWARD),
         "fwd_data_us": _data_us(replayed, FORWARD),
-        "step_fwd_us": mean(later, 0),
-        "step_bwd_us": mean(backward, 0),
-        "fwd_launches": mean(later, 1),
-        "bwd_launches": mean(backward, 1),
-        "masks_us": forward[0][0] - mean(later, 0) if forward else 0.0,
+        "step_fwd_us": _mean(later, 0),
+        "step_bwd_us": _mean(backward, 0),
+        "fwd_launches": _mean(later, 1),
+        "bwd_launches": _mean(backward, 1),
+        "masks_us": forward[0][0] - _mean(later, 0) if forward else 0.0,
         "plan_us": plan_us,
         "bytes": sent[0] / LAYERS,
         "flops": sent[1] / LAYERS,  # one layer's, forward and backward, on this rank
@@ -255,15 +251,18 @@ def _wall_launch(wall: dict[str, float], replayed: dict[str, list], name: str) -
     """An op's wall+launch µs per call: its replayed wall time with no profiler (whose
     bookkeeping weighs on a call by its number of ATen ops) plus ``LAUNCH_US`` per kernel a
     GPU launches (the stubs launch nothing). Faithful where the call's data µs are nil."""
-    costs = replayed[name]
-    return wall[name] + LAUNCH_US * sum(c[1] for c in costs) / max(1, len(costs))
+    return wall[name] + LAUNCH_US * _mean(replayed[name], 1)
 
 
 def _data_us(replayed: dict[str, list], name: str) -> float:
     """The µs per call of the kernels this CPU ran for real in ``name``'s calls (profiled):
     work a GPU's host does not do, which the wall+launch figure would count."""
-    costs = replayed[name]
-    return sum(c[2] for c in costs) / max(1, len(costs))
+    return _mean(replayed[name], 2)
+
+
+def _mean(costs: list[tuple], i: int) -> float:
+    """The mean of item ``i`` (µs, kernels or data µs) over calls' costs (0 with none)."""
+    return sum(c[i] for c in costs) / max(1, len(costs))
 
 
 # On a GPU each kernel an op launches costs the host about this much (CUDA launch, ATen

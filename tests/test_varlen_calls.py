@@ -245,9 +245,9 @@ def test_varlen_calls_join_across_tiles_that_travel_apart(ranks):
 @pytest.mark.parametrize("name", ["packed", "window", "causal"])
 def test_varlen_calls_keep_fa2s_contracts_on_a_device(name):
     """The ops' bodies on meta tensors (CUDA's branches) with an accelerator's plan (causal:
-    its padding keys cut off, one sequence): every varlen call gets its sequences on q's device as int32, last-dim-contiguous (rows, heads,
-    D) views, GQA's K/V heads unexpanded, a window FA2 takes as given, and (backward) a dense
-    lse."""
+    its padding keys cut off, one sequence): every varlen call gets its sequences on q's
+    device as int32, last-dim-contiguous (rows, heads, D) views, GQA's K/V heads unexpanded,
+    a window FA2 takes as given, and (backward) a dense lse."""
     from test_gpu_readiness import GEOMETRY, N, _case, layer_bodies, meta_tensors
 
     from ringify.runtime.tiling import tiles

@@ -29,18 +29,22 @@ class ShardRows:
     def __init__(self, tensor: torch.Tensor, moved_in: list[tuple[slice, torch.Tensor]] = ()):
         self.tensor = tensor
         self._moved_in = list(moved_in)  # (slot rows, buffer)
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, bool], torch.Tensor] = {}  # by rows, FA2's layout
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        key = (rows.start, rows.stop)
+        key = (rows.start, rows.stop, False)
         if key not in self._views:
             self._views[key] = self._view(rows)
         return self._views[key]
 
     def sequence(self, rows: slice) -> torch.Tensor:
-        """Local rows ``rows`` as FA2's varlen (rows, H, D) of a batch of one: one view op."""
-        x, start = self._source(rows)
-        return sequence_rows(x, start, rows.stop - rows.start)
+        """Local rows ``rows`` as FA2's varlen (rows, H, D) of a batch of one: one view op,
+        made once, as ``rows[r]``."""
+        key = (rows.start, rows.stop, True)
+        if key not in self._views:
+            x, start = self._source(rows)
+            self._views[key] = sequence_rows(x, start, rows.stop - rows.start)
+        return self._views[key]
 
     def _view(self, rows: slice) -> torch.Tensor:
         x, start = self._source(rows)
