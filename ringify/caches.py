@@ -13,7 +13,9 @@ HF decoders default to ``use_cache=True`` and return a ``DynamicCache``, which
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 
 from torch import nn
@@ -43,6 +45,36 @@ def cache_kwargs(model: nn.Module, kwargs: dict, takes_use_cache: bool, warned: 
         return kwargs | {"use_cache": False}
     exportable_dynamic_cache()
     return kwargs
+
+
+# The names HF has given a decoder's KV cache, newest first: transformers 5.24 renamed
+# ``past_key_values`` (in forward's arguments and in its outputs) to ``cache``.
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_keyword(model: nn.Module) -> str | None:
+    """The keyword the model's forward takes its KV cache by, read from its signature (so
+    that a rename is followed, not guessed); ``None`` where it takes none."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in _CACHE_NAMES if name in parameters), None)
+
+
+def cache_field(output_type: type) -> str:
+    """The field an HF output class (``CausalLMOutputWithPast``, ``GenerateDecoderOnlyOutput``)
+    holds the KV cache in."""
+    fields = {f.name for f in dataclasses.fields(output_type)}
+    found = next((name for name in _CACHE_NAMES if name in fields), None)
+    if found is None:
+        raise ValueError(f"{output_type.__name__} has no KV cache field ({_CACHE_NAMES})")
+    return found
+
+
+def cache_of(output):
+    """The KV cache an HF model's output returns (``None`` where it returns none)."""
+    return getattr(output, cache_field(type(output)))
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ringify.caches import cache_field, cache_keyword, cache_of
 from ringify.generation.cache import ShardedCache
 from ringify.generation.step import DecodeStep
 from ringify.passes.decode import SUPPORTED
@@ -50,9 +51,9 @@ _SUPPORTED = (
 @torch.no_grad()
 def generate(module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
     """Generate from ``input_ids`` (B, L) on the ring of ``module`` (a ``RingifiedModule``)."""
-    if module.model.training:
+    if module._model.training:
         raise ValueError("ringify's generate runs in eval mode: call model.eval() first")
-    config = _generation_config(module.model, kwargs)
+    config = _generation_config(module._model, kwargs)
     new_tokens = config.max_new_tokens or config.max_length - input_ids.shape[1]
     started = prefill(module, input_ids, attention_mask, new_tokens, _pad_id(config))
     return decode(module, started, config, new_tokens)
@@ -75,7 +76,7 @@ class Prefilled:
 def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> Prefilled:
     """Run the prompt through the ringified model, keeping this rank's part of the cache,
     with room for its share of ``new_tokens``."""
-    model, ring, layout = module.model, module._ring, module.ringify_config.layout
+    model, ring, layout = module._model, module._ring, module.ringify_config.layout
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     pad = -input_ids.shape[1] % split_multiple(ring.size, layout)
@@ -91,9 +92,11 @@ def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> 
     # an empty cache of full layers: a sliding-window layer's cache would keep only its
     # window, replicated; the full layers' parts are split like the sequence
     try:
-        out = _prefill(module)(
-            **inputs, **keep_last, past_key_values=DynamicCache(), use_cache=True
-        )
+        keyword = cache_keyword(model)
+        if keyword is None:
+            raise TypeError("its forward takes no KV cache argument")
+        cache = {keyword: DynamicCache()}
+        out = _prefill(module)(**inputs, **keep_last, **cache, use_cache=True)
     except Exception as e:
         raise ValueError(
             f"ringify's generate could not prefill {type(model).__name__} with a DynamicCache "
@@ -102,7 +105,7 @@ def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> 
             "model.generate (README, 'Long prompts')."
         ) from e
     logits = out.logits[:, -1:] if keep_last else _last_logits(out.logits, module)
-    parts = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    parts = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     length = ids.shape[1]
     local = shard_for_rank(torch.arange(length, device=ids.device), 0, ring.rank, ring.size, layout)
@@ -148,7 +151,7 @@ def decode(module, started: Prefilled, config, new_tokens: int):
         sequences=sequences,
         scores=tuple(scores) if config.output_scores else None,
         logits=tuple(raw) if config.output_logits else None,
-        past_key_values=cache.as_dynamic_cache(),
+        **{cache_field(GenerateDecoderOnlyOutput): cache.as_dynamic_cache()},
     )
 
 
@@ -223,19 +226,19 @@ def _prefill(module):
         from ringify.module import RingifiedModule
 
         config = replace(module.ringify_config, inputs="full", outputs="sharded")
-        module._generation["prefill"] = RingifiedModule(module.model, config)
+        module._generation["prefill"] = RingifiedModule(module._model, config)
     return module._generation["prefill"]
 
 
 def _decode_step(module, inputs: dict, parts: list) -> DecodeStep:
     """The decode step for this batch, cache dtype and model modes (traced once for them)."""
     like = tuple((k.shape[:2], k.shape[3], k.dtype, k.device) for k, _ in parts)
-    modes = tuple(m.training for m in module.model.modules())
+    modes = tuple(m.training for m in module._model.modules())
     key = (inputs["input_ids"].shape[0], tuple(sorted(inputs)), like, modes)
     steps = module._generation.setdefault("steps", {})
     if key not in steps:
         step_inputs = {k: x[:, -1:] if k != "attention_mask" else x for k, x in inputs.items()}
-        steps[key] = DecodeStep(module.model, module._ring, step_inputs, parts)
+        steps[key] = DecodeStep(module._model, module._ring, step_inputs, parts)
     return steps[key]
 
 

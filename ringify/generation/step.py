@@ -19,7 +19,7 @@ from torch.export import Dim
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from ringify.caches import exportable_dynamic_cache
+from ringify.caches import cache_keyword, cache_of, exportable_dynamic_cache
 from ringify.generation.cache import ShardedCache
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
 from ringify.runtime.collectives.ring import Ring
@@ -43,6 +43,7 @@ class DecodeStep:
         # one element per layer, expanded to the cache's global shape at each step
         self._carriers = [torch.empty((), dtype=t, device=d) for _, t, d in self._like]
         self._keys = sorted(inputs)  # the step's inputs, by name
+        self._cache_keyword = cache_keyword(model)
         self._trace(inputs, _EXAMPLE_LENGTH)
 
     def _trace(self, inputs: dict, length: int) -> None:
@@ -53,10 +54,11 @@ class DecodeStep:
             tuple(torch.zeros(*s[:2], length, s[3], dtype=t, device=d) for _ in range(2))
             for s, t, d in self._like
         ])  # fmt: skip
-        kwargs = {k: inputs[k] for k in self._keys} | {"past_key_values": cache, "use_cache": True}
+        keyword = self._cache_keyword
+        kwargs = {k: inputs[k] for k in self._keys} | {keyword: cache, "use_cache": True}
         kwargs = _with_length(kwargs, length)
-        dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != "past_key_values"}
-        dynamic["past_key_values"] = [[{2: Dim.AUTO}] * len(self._like)] * 2
+        dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != keyword}
+        dynamic[keyword] = [[{2: Dim.AUTO}] * len(self._like)] * 2
         try:
             exported = torch.export.export(
                 self.model, (), kwargs, dynamic_shapes=dynamic, strict=False
@@ -78,6 +80,7 @@ class DecodeStep:
         cache_nodes = {
             p: s for p, s in zip(placeholders, self._sources, strict=True) if isinstance(s, tuple)
         }
+        lengths = _length_range(exported, cache_nodes)
         try:
             rewrite_decode(gm.graph, cache_nodes, self.ring.name)
         except NotDecodable as e:
@@ -87,7 +90,7 @@ class DecodeStep:
         self.state_names = lift_state(gm.graph, self.model)
         self.module = fx.GraphModule(gm, gm.graph)
         self._places = _output_places(exported.call_spec.out_spec)
-        self.lengths = _length_range(exported)
+        self.lengths = lengths
         self.traces += 1
 
     def __call__(self, inputs: dict, cache: ShardedCache):
@@ -124,7 +127,7 @@ def _output_places(spec) -> tuple[int, list[int], list[int]]:
     with its index (4-D: HF's cache concatenates its leaves onto empty ones)."""
     tags = [torch.full((1, 1, 1, 1), float(i)) for i in range(spec.num_leaves)]
     result = pytree.tree_unflatten(tags, spec)
-    layers = result.past_key_values.layers
+    layers = cache_of(result).layers
 
     def place(tagged: torch.Tensor) -> int:
         return int(tagged.reshape(-1)[-1])  # host tensors of the trace: no device read
@@ -154,7 +157,7 @@ def _dynamic(name: str, x):
 
 
 def _leaf_names(kwargs: dict, spec) -> list:
-    """The keyword each flat input comes from (a cache entry: ``past_key_values``)."""
+    """The keyword each flat input comes from (a cache entry: the cache's keyword)."""
     names = []
     for key, value in kwargs.items():
         names += [key] * len(pytree.tree_leaves(value))
@@ -163,13 +166,13 @@ def _leaf_names(kwargs: dict, spec) -> list:
     return names
 
 
-def _length_range(exported) -> tuple[int, float]:
-    """The cache lengths the exported step is valid for (its cache dim's range)."""
-    for node in exported.graph.nodes:
-        if node.op == "placeholder" and "past_key_values" in node.name:
-            size = node.meta["val"].shape[2]
-            if isinstance(size, int):
-                return size, size
-            bounds = exported.range_constraints.get(size.node.expr)
-            return int(bounds.lower), float(bounds.upper)
+def _length_range(exported, cache_nodes: dict) -> tuple[int, float]:
+    """The cache lengths the exported step is valid for (its cache dim's range), read from
+    the inputs that are cache entries."""
+    for node in cache_nodes:
+        size = node.meta["val"].shape[2]
+        if isinstance(size, int):
+            return size, size
+        bounds = exported.range_constraints.get(size.node.expr)
+        return int(bounds.lower), float(bounds.upper)
     return 0, float("inf")
