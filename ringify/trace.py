@@ -42,6 +42,7 @@ from ringify.passes.flex import fold_flex_attention
 from ringify.passes.fsdp_units import keep_fsdp_units
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
+from ringify.passes.identity_index import fold_identity_indexing
 from ringify.passes.loss_shift import fold_sliced_loss
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
@@ -154,6 +155,8 @@ def rewrite(
     _warn_about_hooks(model)
     plan = plan_sequence(gm, config, dims or None, gathered, general=general)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # inputs the model does not read (HF's labels beside shift_labels) need not agree
+    unread = {i for i, n in enumerate(placeholders) if not n.users}
     sequence = tuple(
         (placeholders.index(n), s.dim) for n, s in plan.seeds.items() if n in placeholders
     )
@@ -166,7 +169,7 @@ def rewrite(
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
     )
-    shared = tuple(i for i in tensors if i not in dims and i not in gathered)
+    shared = tuple(i for i in tensors if i not in dims and i not in gathered and i not in unread)
     return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared, sequence)
 
 
@@ -335,6 +338,7 @@ def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
     fold_flex_attention(gm)
+    fold_identity_indexing(gm.graph)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)
     fold_sequence_convs(gm.graph)

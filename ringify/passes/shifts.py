@@ -7,6 +7,11 @@ by putting a start token in front of all but its last positions (a decoder's inp
 nodes into one call of ``shifted`` (``ringify/runtime/collectives/shift.py``), before the
 plan reads the graph. Off the sequence it stays local; along it, it becomes
 ``ring_shift``: a halo exchange of ``|shift|`` positions per chunk, not a gather.
+
+A first difference that keeps the length, ``diff(x, prepend=p)`` with ``p`` one position
+long (HF's packed documents: ``diff(position_ids, prepend=position_ids[:, :1] - 1)``),
+is ``x - shifted(x, dim, -1, p)``: a one-position halo (``append=a``: ``shifted(x, dim,
+1, a) - x``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import norm_dim, shape, slice_bounds, val
+from ringify.passes.nodes import call, norm_dim, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
 from ringify.runtime.collectives.shift import ring_shift, shifted
@@ -26,8 +31,12 @@ _PADS = (aten.pad.default, aten.constant_pad_nd.default)
 
 
 def fold_shifts(graph: fx.Graph) -> None:
-    """Replace every pad-then-slice and start-token cat that shifts a tensor by ``shifted``."""
+    """Replace every pad-then-slice and start-token cat that shifts a tensor by ``shifted``,
+    and every length-keeping ``diff`` by a difference with ``shifted``."""
     for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.diff.default:
+            _fold_diff(graph, node)
+            continue
         found = _shift_of(node)
         if found is None:
             continue
@@ -37,6 +46,26 @@ def fold_shifts(graph: fx.Graph) -> None:
         node.replace_all_uses_with(fold)
         graph.erase_node(node)
     graph.eliminate_dead_code()
+
+
+def _fold_diff(graph: fx.Graph, node: fx.Node) -> None:
+    """``diff(x, 1, dim, prepend, append)`` with one position prepended or appended (not
+    both): the difference of ``x`` and its shift by one, which keeps the length."""
+    x, n, dim, prepend, append = [*node.args, *[None] * 5][:5]
+    n = 1 if n is None else n
+    dim = norm_dim(-1 if dim is None else dim, len(shape(x)))
+    edge = prepend if append is None else append if prepend is None else None
+    if n != 1 or edge is None or shape(edge)[dim] != 1 or len(shape(edge)) != len(shape(x)):
+        return
+    shift = -1 if edge is prepend else 1
+    # bool: diff is exclusive or, which is ``ne``
+    subtract = aten.ne.Tensor if val(x).dtype == torch.bool else aten.sub.Tensor
+    with graph.inserting_before(node):
+        moved = call(graph, shifted, (x, dim, shift, edge))
+        pair = (x, moved) if shift < 0 else (moved, x)
+        result = call(graph, subtract, pair)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
 
 
 def _shift_of(node: fx.Node) -> tuple | None:

@@ -17,7 +17,7 @@ import torch
 
 from ringify.runtime.collectives.ring import LOCAL
 from ringify.runtime.collectives.sharding import gather_op, take_shard_op
-from ringify.runtime.tiling.layout import chunks_per_rank, rank_chunks
+from ringify.runtime.tiling.layout import chunks_per_rank
 
 
 def ring_cumsum(
@@ -32,16 +32,10 @@ def ring_cumsum(
     shape = list(x.shape)
     chunked = x.unflatten(dim, (per_rank, shape[dim] // per_rank))  # (..., c, chunk, ...)
     running = chunked.cumsum(dim + 1)
-    totals = running.narrow(dim + 1, -1, 1)  # (..., c, 1, ...)
-    flat = gather_op(totals, dim, group_name, "contiguous")  # rank-major
-    size = flat.shape[dim] // per_rank
-    # rank-major order -> global chunk order (the same on every rank: nothing rank-dependent
-    # is traced into a compiled graph; this rank's chunks are taken by take_shard)
-    order = [0] * (size * per_rank)
-    for rank in range(size):
-        for local, chunk in enumerate(rank_chunks(rank, size, layout)):
-            order[chunk] = rank * per_rank + local
-    in_order = flat.index_select(dim, torch.tensor(order, device=x.device))
+    totals = running.narrow(dim + 1, -1, 1)  # (..., c, 1, ...): a chunk's total each
+    # every chunk's total in global chunk order: the totals are laid out like the sequence
+    # (a rank's c chunks), so gathering them under the layout orders them
+    in_order = gather_op(totals, dim, group_name, layout)
     before = in_order.cumsum(dim) - in_order  # exclusive: the total of all earlier chunks
     mine = take_shard_op(before, dim, group_name, layout)  # (..., c, 1, ...)
     return (running + mine).flatten(dim, dim + 1)

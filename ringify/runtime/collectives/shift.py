@@ -2,9 +2,9 @@
 
 ``shifted(x, dim, shift, fill)`` is the definition on a full tensor: ``out[p] =
 x[p + shift]``, and ``fill`` where ``p + shift`` falls outside the sequence (a
-scalar, or for a shift to the right a tensor of ``-shift`` positions: a start
-token). It is what a model's "pad, then slice" (HF's label shift) or "a start
-token, then all but the last" (a decoder's input) computes.
+scalar, or a tensor of ``|shift|`` positions: a start token, or the value ``diff``
+prepends or appends). It is what a model's "pad, then slice" (HF's label shift) or "a
+start token, then all but the last" (a decoder's input) computes.
 
 ``ring_shift`` is the same on a sequence sharded over a ring: a halo exchange.
 Every rank's chunks need ``|shift|`` positions of the next (or previous) chunk;
