@@ -5,12 +5,13 @@ The returned module traces the model on its first call for each input signature
 signatures). A signature that differs from a traced one in its sequence length alone
 is traced once for every length (``lengths.py``): one graph that reads the length at
 run time serves all later lengths. Tracing happens in a forward pre-hook that torch.compile does not
-trace (``torch.compiler.disable``): the hook runs eagerly before Dynamo compiles
-``forward``, which only calls the cached graph with the model's current
-parameters and buffers. So ``torch.compile(ringified, fullgraph=True)`` sees a
-plain graph of ATen and ringify ops, and a new signature swaps the graph, which
-Dynamo guards on. The hook also makes the ranks agree on each call
-(``consistency.py``) before any of them enters the ring.
+trace (``torch.compiler.disable``): the hook runs eagerly, picks the call's graph and
+hands it to ``forward`` with the call's flat inputs. Dynamo skips ``forward`` itself and
+compiles the graph it calls with the model's current parameters and buffers: each traced
+graph is a frame of its own, so ``torch.compile(ringified, fullgraph=True)`` sees a plain
+graph of ATen and ringify ops per signature, however many signatures (lengths) there are,
+and nothing of the user's other compiled code is touched. The hook also makes the ranks
+agree on each call (``consistency.py``) before any of them enters the ring.
 
 The module is transparent to checkpoints: its ``state_dict`` keys and parameter
 names are the model's own, and it loads the model's checkpoints.
@@ -28,7 +29,6 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
@@ -44,7 +44,6 @@ from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
 
 log = logging.getLogger("ringify")
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
-_PREFIX = "model."
 
 
 def ringify(
@@ -85,21 +84,26 @@ def ringify(
 
 
 class RingifiedModule(nn.Module):
-    """The ringified model. Attributes it does not hold are the model's (an HF model's
-    ``config``, ``loss_type``, ``main_input_name``), so that code written for the model
-    (HF Trainer, accelerate) finds them; ringify's own configuration is
-    ``ringify_config``."""
+    """The ringified model. It holds the model's own parameters, buffers and submodules (the
+    same dicts, not copies), so its names, ``state_dict`` keys and attribute paths are the
+    model's: ``torch.distributed.checkpoint`` walks ``model.embed_tokens.weight`` through it
+    as through the model. Other attributes it does not hold are the model's (an HF model's
+    ``config``, ``loss_type``, ``main_input_name``), so that code written for the model (HF
+    Trainer, accelerate) finds them; ringify's own configuration is ``ringify_config``."""
 
     def __init__(self, model: nn.Module, config: Config):
         super().__init__()
-        self.model = model
+        # the model itself is no submodule: its children are this module's
+        object.__setattr__(self, "_model", model)
+        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, shared, getattr(model, shared))
+        self.training = model.training
         self.ringify_config = config
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
         self._families: dict[tuple, Traced] = {}  # one graph for many lengths (lengths.py)
         self._per_length: dict[tuple, str] = {}  # families traced per length, and why
         self.traces = 0  # graphs traced (a lifted graph counts once)
-        self._compiled: set[int] = set()  # graphs used since torch.compile's caches were reset
         self._active: Traced | None = None
         self._warned: set[str] = set()  # warnings given once per module
         self._generation: dict = {}  # generate's prefill module and decode steps (not submodules)
@@ -110,21 +114,28 @@ class RingifiedModule(nn.Module):
         # columns named there) sees the model's.
         self.forward = functools.partial(RingifiedModule.forward, self)
         self.forward.__signature__ = signature
-        self.register_state_dict_post_hook(_strip_prefix)
-        self.register_load_state_dict_pre_hook(_add_prefix)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules
         except AttributeError:
-            if name == "model":
+            if name == "_model":
                 raise
-            return getattr(self.model, name)
+            return getattr(self._model, name)
 
-    def forward(self, *args, **kwargs):
-        traced = self._active
-        flat = tree_flatten_spec((args, kwargs), traced.in_spec)
-        out = traced.module(*state_of(self.model, traced.state_names), *flat)
+    def train(self, mode: bool = True) -> RingifiedModule:
+        """Train or eval mode, for the model itself too (not a submodule of this one)."""
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    # Dynamo skips this frame and compiles the graph it calls, a frame of its own per traced
+    # graph: a model traced per length never reaches the recompile limit of one frame.
+    @torch.compiler.disable(recursive=False)
+    def forward(self, traced: Traced, *flat):
+        """Run ``traced`` (chosen by ``_prepare``, which also flattened the call's inputs) on the
+        model's current parameters and buffers."""
+        out = traced.module(*_current_state(self._model, traced.state_names), *flat)
         return pytree.tree_unflatten(out, traced.out_spec)
 
     def generate(
@@ -136,13 +147,6 @@ class RingifiedModule(nn.Module):
         from ringify.generation import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ):
-        """The model's parameters under the model's own names."""
-        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield name.replace(prefix + _PREFIX, prefix, 1), param
 
     def _last(self) -> Traced:
         if self._active is None:
@@ -168,12 +172,12 @@ class RingifiedModule(nn.Module):
 
 @torch.compiler.disable
 def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
-    kwargs = cache_kwargs(module.model, kwargs, module._takes_use_cache, module._warned)
+    kwargs = cache_kwargs(module._model, kwargs, module._takes_use_cache, module._warned)
     flat, spec = pytree.tree_flatten((args, kwargs))
-    key = _signature(module.model, flat, spec)
+    key = _signature(module._model, flat, spec)
     traced = module._traced.get(key) or _for_any_length(module, key)
-    state = None if traced is None else state_of(module.model, traced.state_names)
-    if traced is not None and not still_fits(traced, module.model, state):
+    state = None if traced is None else state_of(module._model, traced.state_names)
+    if traced is not None and not still_fits(traced, module._model, state):
         _forget(module, key, traced)  # the model's parameters changed dtype, device, shape or ties
         traced = state = None
     config, ring = module.ringify_config, module._ring
@@ -204,31 +208,15 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
         if len(module._traced) > TRACE_CACHE_SIZE:
             module._traced.popitem(last=False)
         module._traced.move_to_end(key)
-    _make_room_to_compile(module, traced)
     module._active = traced
-    return args, kwargs
+    if traced.lengths is not None:  # one graph for every length: compiled for any at once
+        for i, dim in traced.lengths.dims:
+            torch._dynamo.maybe_mark_dynamic(flat[i], dim)
+    return (traced, *tree_flatten_spec((args, kwargs), traced.in_spec)), {}
 
 
-def _make_room_to_compile(module: RingifiedModule, traced: Traced) -> None:
-    """Reset torch.compile's caches, with a warning, before a graph new to Dynamo would
-    be its ``recompile_limit``-th of ``forward``: each traced graph is a recompile, and past
-    the limit Dynamo runs ``forward`` uncompiled or, with ``fullgraph=True``, raises. Only a
-    model traced per length (or whose signatures keep changing) gets there."""
-    compiled = module._compiled  # the graphs Dynamo has compiled forward for since the reset
-    if id(traced) in compiled:
-        return
-    limit = torch._dynamo.config.recompile_limit
-    if len(_debug_get_cache_entry_list(RingifiedModule.forward)) >= limit:
-        log.warning(
-            "ringify: %d graphs of this model were compiled by torch.compile (a new length or "
-            "input signature each): its caches are reset (torch.compiler.reset()) so that the "
-            "next one compiles rather than reach Dynamo's recompile limit; every compiled "
-            "function recompiles on its next call. Pad lengths to a few buckets to avoid it.",
-            limit,
-        )
-        torch.compiler.reset()
-        compiled.clear()
-    compiled.add(id(traced))
+# Read eagerly: under torch.compile, reading the state is Python bookkeeping, not graph work.
+_current_state = torch.compiler.disable(state_of)
 
 
 def _forget(module: RingifiedModule, key: tuple, traced: Traced) -> None:
@@ -276,7 +264,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs, dims=None) -> Tr
         return traced
     shared = state = None
     if traced is not None and module.ringify_config.check_inputs:
-        state = state_of(module.model, traced.state_names)
+        state = state_of(module._model, traced.state_names)
         if module.ringify_config.inputs == "sharded":
             flat = pytree.tree_leaves((args, kwargs))
             shared = [flat[i] for i in traced.shared_inputs]
@@ -293,7 +281,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs, dims=None) -> Tr
 
 
 def _trace(module: RingifiedModule, args, kwargs, dims) -> Traced:
-    model, config = module.model, module.ringify_config
+    model, config = module._model, module.ringify_config
     if dims is None:
         return trace(model, config, args, kwargs, outer=module)
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -355,24 +343,3 @@ def _described(key: tuple) -> dict[str, str]:
         "modes": f"{training} of {len(modes)} modules training, {hooks} forward hooks "
         f"(#{int(digest(modes)) % 10000:04d})",
     }
-
-
-def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    _move_prefix(state_dict, prefix + _PREFIX, prefix)
-
-
-def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    """Load the model's own keys (and, as well, keys saved with the ``model.`` prefix)."""
-    _move_prefix(state_dict, prefix, prefix + _PREFIX, keep=prefix + _PREFIX)
-
-
-def _move_prefix(state_dict: dict, old: str, new: str, keep: str | None = None) -> None:
-    """Rename keys (and the version metadata of modules) from ``old`` to ``new`` in place,
-    leaving those that already start with ``keep``."""
-    for key in [k for k in state_dict if k.startswith(old) and not (keep and k.startswith(keep))]:
-        state_dict[new + key[len(old) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)  # keyed by module path, no trailing dot
-    for key in list(metadata or ()):
-        dotted = key + "."
-        if dotted.startswith(old) and not (keep and dotted.startswith(keep)):
-            metadata[(new + dotted[len(old) :]).rstrip(".")] = metadata.pop(key)

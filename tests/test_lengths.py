@@ -125,16 +125,28 @@ class _LengthInside(nn.Module):
 
 
 def length_inside(how: str, backend: str | None = None, lengths=(14, 19, 23)):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     torch.manual_seed(0)
     model = _LengthInside(how).double()
     ringified, run = ringified_run(model, backend)
+
+    def users_own(x):  # the user's other compiled code, compiled before the lengths run
+        return x.sin() + 1
+
+    torch.compile(users_own, backend="eager", fullgraph=True)(torch.ones(3))
     worst = 0.0
     for length in lengths:
         x = torch.randn(
             2, length, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(length)
         )
         worst = max(worst, (run(x) - model(x)).abs().max().item())
-    return {"error": worst, "traces": ringified.traces, "report": ringified.report().lengths}
+    return {
+        "error": worst,
+        "traces": ringified.traces,
+        "report": ringified.report().lengths,
+        "users_entries": len(_debug_get_cache_entry_list(users_own.__code__)),
+    }
 
 
 @pytest.mark.parametrize("how", ["scale", "slice"])
@@ -147,12 +159,14 @@ def test_a_length_read_as_a_number_is_traced_per_length(ranks, how):
 
 def test_a_length_traced_anew_never_crashes_a_compiled_model(ranks):
     """Twelve lengths of a model traced per length, under torch.compile with
-    ``fullgraph=True``: Dynamo would raise at its ninth graph (its recompile limit, 8);
-    ringify resets torch.compile's caches first, says so, and every result is exact."""
+    ``fullgraph=True``: twelve graphs, more than Dynamo's recompile limit (8) of one frame.
+    Each graph is a frame of its own, so none is refused, every result is exact, and the
+    user's other compiled function keeps its cache entry (nothing resets torch.compile)."""
     lengths = tuple(range(14, 26))
     for r in ranks(2).run(length_inside, "scale", "aot_eager", lengths, timeout=600):
         assert r["error"] < TOL, r
         assert r["traces"] == len(lengths), r
+        assert r["users_entries"] == 1, r
 
 
 def sharded_outputs():
