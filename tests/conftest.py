@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 
@@ -14,6 +16,19 @@ def pytest_configure(config):
     call is made before any test."""
     for dtype in (torch.float64, torch.float32):
         torch.zeros(1 << 16, dtype=dtype).exp().log()
+
+
+def pytest_collection_modifyitems(items):
+    """Mark ``hf`` every test of a module that runs HF transformers code: CI runs those again
+    against the oldest transformers the project supports (``.ci/run``)."""
+    uses: dict[str, bool] = {}
+    for item in items:
+        module = item.module
+        if module.__name__ not in uses:
+            source = inspect.getsource(module)
+            uses[module.__name__] = "transformers" in source or "hf_models" in source
+        if uses[module.__name__]:
+            item.add_marker(pytest.mark.hf)
 
 
 @pytest.fixture(scope="session")

@@ -162,16 +162,15 @@ def test_compiled_matches_eager(ranks, world, backend):
             torch.testing.assert_close(c, e, rtol=1e-10, atol=1e-10)
 
 
-def test_warm_compile_cache_serves_every_rank_its_own_graph(tmp_path, monkeypatch):
+def test_warm_compile_cache_serves_every_rank_its_own_graph(tmp_path):
     """Fresh ranks meeting a compile cache that other ranks filled still compute their own part.
 
     The on-disk caches are shared by every rank of a machine and keyed by the
     forward graph; anything rank-dependent baked in while tracing (such as the
     rank in gather's backward) would be served to the wrong rank.
     """
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # inherited by the spawned ranks
     for _ in range(2):  # the first pair of ranks fills the cache, the second reads it
-        pool = RankPool(2)
+        pool = RankPool(2, inductor_cache=str(tmp_path))  # one cache for both ranks
         try:
             per_rank = pool.run(eager_and_compiled, "inductor")
         finally:

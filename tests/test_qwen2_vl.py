@@ -47,7 +47,7 @@ def embedded(model, ids, pixels, grid, mm_types):
     embeds = embeds.masked_scatter(mask, image.to(embeds.dtype))
     positions = inner.compute_3d_position_ids(
         input_ids=ids, image_grid_thw=grid, inputs_embeds=embeds, attention_mask=None,
-        past_key_values=None, mm_token_type_ids=mm_types,
+        mm_token_type_ids=mm_types,
     )  # fmt: skip
     return embeds, positions
 

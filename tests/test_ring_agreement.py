@@ -1,4 +1,5 @@
-"""Ranks that disagree raise together, within seconds, with an error that names the cause.
+"""Ranks that disagree raise together, before any collective could time out, with an error
+that names the cause.
 
 Each job returns every rank's ``outcome`` (the exception's type and message, and how
 long the rank took), so a test sees that *every* rank raised, not only the first.
@@ -13,8 +14,12 @@ from ringify import ringify
 from ringify.testing import outcome
 from ringify.testing.hf_models import gpt2
 from ringify.testing.models import NanoGPT
+from ringify.testing.ranks import PG_TIMEOUT_S
 
-WITHIN_S = 2.0  # a disagreement ends every rank this fast, never at the group timeout
+# A disagreement ends every rank before the process group's timeout, the moment a rank left
+# waiting in a collective would raise: a bound set by the same run's ranks, not by how fast
+# this machine is.
+WITHIN_S = PG_TIMEOUT_S
 
 
 def _batch(seed: int, seq: int = 16):

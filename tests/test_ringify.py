@@ -31,6 +31,8 @@ def _build(name: str, dtype, seq: int = 0):
         "gpt2": gpt2,
         "gpt2-padding": gpt2,
         "llama": llama,
+        "llama-shift": llama,
+        "llama-left-padding": llama,
         "cumsum": RunningModel,
         "cummax": lambda: RunningModel("cummax"),
         "pool": lambda: RunningModel("pool"),
@@ -61,10 +63,13 @@ def _inputs(name: str, seq: int, dtype, g):
             torch.randint(0, 64, (2, seq), generator=g),
         )
         labels[1, -4:] = -100
-        if name == "gpt2-padding":  # the second sequence is right-padded: a kept mask
+        if name in ("gpt2-padding", "llama-left-padding"):  # the second sequence is padded
             mask = torch.ones(2, seq, dtype=torch.long)
-            mask[1, -5:] = 0
+            mask[1, slice(None, 5) if name.endswith("left-padding") else slice(-5, None)] = 0
             return (), {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if name == "llama-shift":  # HF's shift_labels, as a trainer passes them (the loss's)
+            shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+            return (), {"input_ids": ids, "labels": labels, "shift_labels": shift}
         return (), {"input_ids": ids, "labels": labels}
     dim = 32 if name.startswith("encoder") else 16  # the others take embeddings
     if name == "encoder-padding":  # nn.MultiheadAttention's key padding: a (B, H, 1, S) mask
@@ -398,6 +403,21 @@ def test_sharded_inputs_with_a_padding_mask(ranks, world, mask, backend):
     gathered on entry: O(S), never the (S, S) mask it builds); eager and compiled."""
     args = ("gpt2-padding", 8 * world, "zigzag", mask, backend)
     for r in ranks(world).run(compare_sharded, *args):
+        assert r["gathers"] == []
+        for kind in ("logits", "loss", "grads"):
+            assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("name", "mask"),
+    [("llama-shift", "sharded"), ("llama-left-padding", "full"), ("llama-left-padding", "sharded")],
+)
+def test_sharded_inputs_for_hf_llama(ranks, world, name, mask):
+    """HF Llama given each rank's zigzag part of its ids, labels and ``shift_labels`` (which
+    the loss reads instead of the labels, then unread), or of its ids and labels beside a
+    left-padding mask, passed full or as this rank's part: exact, nothing gathered."""
+    for r in ranks(world).run(compare_sharded, name, 8 * world, "zigzag", mask):
         assert r["gathers"] == []
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)

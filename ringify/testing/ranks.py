@@ -15,6 +15,11 @@ of hanging the suite; the next ``pool.run`` starts fresh ranks.
 ``hash_seeds`` gives each rank its own ``PYTHONHASHSEED``, as torchrun does when it
 leaves the variable unset: ranks that iterate over a ``set`` of strings then do so in
 different orders.
+
+Each rank compiles into an Inductor cache of its own (kept for the next pool's rank of the
+same index), unless ``inductor_cache`` names one for every rank: the ranks of a pool compile
+the same kernels at the same moment, and Inductor's C++ code cache is not safe for that (a
+rank may load another's half-written ``.so``: "file too short", pytorch/torchdynamo#1347).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -89,12 +95,19 @@ def outcome(fn) -> tuple[str, str, float]:
 
 
 class RankPool:
-    def __init__(self, world_size: int, backend: str = "gloo", hash_seeds: list[int] | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        hash_seeds: list[int] | None = None,
+        inductor_cache: str | None = None,
+    ):
         if hash_seeds is not None and len(hash_seeds) != world_size:
             raise ValueError(f"hash_seeds: one per rank ({world_size}), got {len(hash_seeds)}")
         self.world_size = world_size
         self.backend = backend
         self.hash_seeds = hash_seeds
+        self.inductor_cache = inductor_cache
         self._procs, self._jobs = [], []  # started on the first run
         self._early: list[tuple] = []  # messages a fast rank sent before the others caught up
 
@@ -108,7 +121,9 @@ class RankPool:
             process = ctx.Process(
                 target=_worker, args=(*args, self._jobs[r], self._results), daemon=True
             )
-            with _hash_seed(None if self.hash_seeds is None else self.hash_seeds[r]):
+            seed = None if self.hash_seeds is None else self.hash_seeds[r]
+            cache = self.inductor_cache or _own_inductor_cache(r)
+            with _environment(PYTHONHASHSEED=seed, TORCHINDUCTOR_CACHE_DIR=cache):
                 process.start()  # a spawned child reads the environment as it is now
             self._procs.append(process)
         self._collect("ready", STARTUP_S, "start")
@@ -167,16 +182,23 @@ class RankPool:
         self._procs, self._early = [], []
 
 
+def _own_inductor_cache(rank: int) -> str:
+    """Rank ``rank``'s own Inductor cache, kept for the next pool's rank ``rank``."""
+    return os.path.join(tempfile.gettempdir(), f"ringify-inductor-{os.getuid()}", f"rank{rank}")
+
+
 @contextlib.contextmanager
-def _hash_seed(seed: int | None):
-    """``PYTHONHASHSEED`` set to ``seed`` (None: left as it is) for the duration of a block."""
-    saved = os.environ.get("PYTHONHASHSEED")
-    if seed is not None:
-        os.environ["PYTHONHASHSEED"] = str(seed)
+def _environment(**values):
+    """The environment variables given set (a ``None`` left as it is) for a block."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is not None:
+            os.environ[name] = str(value)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
