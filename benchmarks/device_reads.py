@@ -1,24 +1,53 @@
-"""Device-to-host reads and device/host mixing per step, for what the stock probe does not run.
+"""Device-to-host reads and host/device mixing per training step, by call site.
 
-``../shared/gpu_probe/count_syncs.py`` counts a training step of HF Llama and Mistral. This
-runs the same instrument (``probe.Probe``: parameters, buffers and inputs marked as device
-tensors) over a training step of other model families and attention forms, over a step
-at a new length (the one graph every length shares), and over ``generate`` (a prefill and
-6 decode steps). Per case, rank 0's events by kind and call site; reads of host tensors
-(``numpy`` of the plan's own host copy) are left out.
+``ringify.testing.device_reads.DeviceReads`` counts what a GPU would wait for (parameters,
+buffers and inputs marked as device tensors): one step, after a warm-up step, on a ring of 2
+gloo ranks, rank 0's counts by kind and site. Cases: HF Llama causal, padded (the last 10% of
+S padding), packed (documents of 10, 20, 30 and 40% of S) and Mistral's sliding window (256),
+4 layers at S = 2048; and one step of other families and attention forms: T5 (a learned
+relative-position bias), GPT-2 with HF's eager attention, ViT, Whisper's encoder, wav2vec2, a
+DiT block, FlexAttention with packed documents, HF Llama at a third length (the graph the
+second length traced for every length), and ``generate`` (a prefill and 6 decode steps).
 
-    PYTHONPATH=.:../shared/gpu_probe OMP_NUM_THREADS=1 python benchmarks/probe_families.py
+    OMP_NUM_THREADS=1 python -m benchmarks.device_reads [--cases causal packed ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 
-from common import spawn
 from tabulate import tabulate
 
-CASES = ("generate", "lengths", "t5", "gpt2_eager", "vit", "whisper", "wav2vec2", "dit", "flex")
+from ringify.testing import RankPool
+
+LLAMA_CASES = ("causal", "padded", "packed", "swa")
+CASES = (*LLAMA_CASES, "generate", "lengths", "t5", "gpt2_eager", "vit", "whisper", "wav2vec2",
+         "dit", "flex")  # fmt: skip
+SEQ, LAYERS = 2048, 4
+
+
+def _llama_case(case: str):
+    """(model, args, kwargs) of a float32 HF Llama (Mistral for ``swa``) training step."""
+    import torch
+
+    from ringify.testing import hf_models
+
+    shape = {"layers": LAYERS, "dim": 128, "heads": 4, "kv_heads": 2}
+    if case == "swa":
+        model = hf_models.mistral(256, **shape)
+    else:
+        model = hf_models.llama(**shape, max_len=SEQ)
+    ids = torch.randint(1, 64, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if case == "padded":
+        mask = torch.ones_like(ids)
+        mask[:, -SEQ // 10 :] = 0
+        kwargs["attention_mask"] = mask
+    if case == "packed":
+        lengths = [SEQ // 10, SEQ // 5, 3 * SEQ // 10]
+        lengths.append(SEQ - sum(lengths))
+        kwargs["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    return model, (), kwargs
 
 
 def _model(case: str):
@@ -55,13 +84,16 @@ def _model(case: str):
     raise ValueError(case)
 
 
-def rank_fn(rank: int, world: int, case: str) -> list:
+def counted_step(case: str) -> list:
+    """On a rank: one counted step of ``case``, its counts as sorted ((kind, site), count)."""
     import torch
-    from probe import Probe
+    import torch.distributed as dist
 
     from ringify import ringify
     from ringify.testing import hf_models
+    from ringify.testing.device_reads import DeviceReads
 
+    world = dist.get_world_size()
     torch.manual_seed(0)  # the same model and inputs on every rank
     if case == "generate":
         model = hf_models.llama(layers=2, max_len=256).eval()
@@ -77,6 +109,9 @@ def rank_fn(rank: int, world: int, case: str) -> list:
             run = ringify(model, ring_size=world)
             for n, x in zip((256, 200), inputs[1:], strict=True):
                 run(**{k: v[:, :n] for k, v in x.items()}).loss.backward()
+        elif case in LLAMA_CASES:
+            model, args, kwargs = _llama_case(case)
+            run = ringify(model, ring_size=world)
         else:
             model, args, kwargs = _model(case)
             model = model.double()
@@ -98,14 +133,9 @@ def rank_fn(rank: int, world: int, case: str) -> list:
             model.requires_grad_(True)
         taint = tensors
     step()  # warm-up, not counted
-    with Probe(taint=[*model.parameters(), *model.buffers(), *taint]) as p:
-        p.phase = "step"
+    with DeviceReads([*model.parameters(), *model.buffers(), *taint]) as reads:
         step()
-    rows = collections.Counter()
-    for e in p.summary()["events"]:
-        if not (e.get("kind") == "numpy" and e.get("device") is False):
-            rows[(e.get("kind"), e.get("site"))] += 1
-    return sorted(rows.items(), key=str)
+    return sorted(reads.counts.items())
 
 
 def main() -> None:
@@ -113,9 +143,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES))
     args = parser.parse_args()
     table = []
-    for case in args.cases:
-        for (kind, site), count in spawn(rank_fn, 2, case, timeout=900)[0]:
-            table.append([case, count, kind, site])
+    pool = RankPool(2)
+    try:
+        for case in args.cases:
+            for (kind, site), count in pool.run(counted_step, case, timeout=900)[0]:
+                table.append([case, count, kind, site])
+    finally:
+        pool.close()
     print(tabulate(table, headers=["case", "per step", "kind", "site"], tablefmt="github"))
 
 
