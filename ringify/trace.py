@@ -40,6 +40,7 @@ from ringify.passes.constants import drop_empty_concatenated
 from ringify.passes.convs import fold_sequence_convs
 from ringify.passes.flex import fold_flex_attention
 from ringify.passes.fsdp_units import keep_fsdp_units
+from ringify.passes.functional import functionalize_writes
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
 from ringify.passes.identity_index import fold_identity_indexing
@@ -337,6 +338,7 @@ def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
+    functionalize_writes(gm.graph)
     fold_flex_attention(gm)
     fold_identity_indexing(gm.graph)
     fold_shifts(gm.graph)

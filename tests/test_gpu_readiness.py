@@ -78,7 +78,7 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
     with FlashCalls() as log:
         out, lse = ring_attention_op._init_fn(q, k, v, *args)
         wanted = [x.is_floating_point() for x in inputs]
-        dq, dk, dv, _, dinputs = ring_attention_backward_op._init_fn(
+        dq, dk, dv, _, dinputs, _ = ring_attention_backward_op._init_fn(
             dout, q, k, v, out, lse, None, False, scale, *geometry, program, inputs, 0,
             mask_grad=False, input_grads=wanted, balance=True, plan=handle,
         )  # fmt: skip
@@ -264,3 +264,26 @@ def test_a_programs_literals_are_made_on_the_device():
     with _FromHostData() as seen:
         on_meta = evaluate(program, [keys], slice(0, 4), slice(0, 8), "meta")
     assert on_meta.device.type == "meta" and not seen.calls, seen.calls
+
+
+@pytest.mark.parametrize("name", ["causal", "packed"])
+def test_capped_blocks_and_sinks_run_on_a_device(name):
+    """A soft-capped ring with sinks, on meta tensors in bfloat16 (the CUDA branches): a capped
+    block runs the math formulation (ATen's SDPA kernels take no cap), never FA2 or a varlen
+    call; nothing is read or mixed with a host tensor (a meta tensor can be neither); every
+    output, the sinks' gradient included, has its shape."""
+    program, host, _ = _case(name)
+    handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+    q, k, v, dout = meta_tensors()
+    sinks = torch.empty(1, 4, 1, 1, dtype=torch.bfloat16, device="meta")
+    inputs = [x.to("meta") for x in host]
+    extras = {"balance": True, "plan": handle, "sinks": sinks, "softcap": 30.0}
+    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0)
+    with FlashCalls() as log, VarlenCalls() as varlen:
+        out, lse = ring_attention_op._init_fn(q, k, v, *args, **extras)
+        dq, dk, dv, _, _, dsinks = ring_attention_backward_op._init_fn(
+            dout, q, k, v, out, lse, *args, mask_grad=False, **extras
+        )
+    assert not log.calls and not varlen.calls, (log.calls, varlen.calls)
+    assert (out.shape, lse.shape, dsinks.shape) == (q.shape, q.shape[:3], sinks.shape)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

@@ -4,7 +4,10 @@ The attention layers are rings; the Mamba mixer's causal depthwise convolution i
 exchange (``ring_conv1d``); its chunked SSM scan has no sequence rule, so its inputs are
 gathered and it runs whole on every rank, reported (``benchmarks/hybrid.py`` measures what
 that costs). Against the unmodified model on 2 and 4 ranks, float64: logits and every
-parameter gradient.
+parameter gradient. Older transformers compute the SSM's decay (``A_log``, ``dt_bias``) in
+float32 inside a float64 model; the ring sums their gradients in another order, so each
+result is held to the unmodified model's own difference when its batch rows are summed one
+at a time (float32 sums in another order, measured here; 1e-10 where nothing moved).
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ import torch
 
 from ringify.passes.report import AttentionRun
 from ringify.testing.runs import ringified_run
-
-TOL = 1e-10
+from ringify.testing.tolerance import differences, exceeding, reordering_tolerances
 
 
 def compare(length: int, backend: str | None):
@@ -33,19 +35,24 @@ def compare(length: int, backend: str | None):
     ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(2))
 
-    def step(fn):
+    def step(fn, rows=slice(None)):
         model.zero_grad(set_to_none=True)
-        logits = fn(input_ids=ids).logits
-        (logits * weights).sum().backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        logits = fn(input_ids=ids[rows]).logits
+        (logits * weights[rows]).sum().backward()
+        return {"logits": logits.detach()} | {
+            n: p.grad.clone() for n, p in model.named_parameters()
+        }
 
     want = step(model)
+    one, other = step(model, slice(0, 1)), step(model, slice(1, 2))
+    one_at_a_time = {n: torch.cat([one[n], other[n]]) if n == "logits" else one[n] + other[n]
+                     for n in want}  # fmt: skip
     ringified, run = ringified_run(model, backend)
     got = step(run)
     report = ringified.report()
+    tolerances = reordering_tolerances(want, one_at_a_time)
     return {
-        "logits": (got[0] - want[0]).abs().max().item(),
-        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "wrong": exceeding(differences(got, want), tolerances),
         "runs": [a.run for a in report.attentions],
         "gathered": {x.op for x in report.gathers},
     }
@@ -56,6 +63,6 @@ def compare(length: int, backend: str | None):
 )
 def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     for r in ranks(world).run(compare, length, backend):
-        assert r["logits"] <= TOL and r["grads"] <= TOL, r
+        assert r["wrong"] == {}, r
         assert r["runs"] == [AttentionRun.RING]
         assert r["gathered"] and "aten.conv1d.default" not in r["gathered"], r["gathered"]

@@ -31,6 +31,7 @@ from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
 from ringify.runtime.attention.memory import memory_attention_op
+from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
@@ -54,8 +55,14 @@ _SIGNATURES = {
         "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
         "return_debug_mask",
     ),
+    # attention with sinks or a soft cap, read from a model's own spelling (handwritten.py)
+    reference_attention: (
+        "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa",
+        "sinks", "softcap",
+    ),
 }  # fmt: skip
 ATTENTION_OPS = frozenset(_SIGNATURES)
+_ONE_OUTPUT = frozenset({aten.scaled_dot_product_attention.default, reference_attention})
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ class Attention:
     is_causal: bool
     scale: float | None
     returns_tuple: bool
+    sinks: fx.Node | None = None  # a logit per head in every row's softmax (gpt-oss)
+    softcap: float = 0.0  # scores capped as cap * tanh(s / cap) (Gemma 2)
 
 
 def read_attention(node: fx.Node) -> Attention:
@@ -84,7 +93,9 @@ def read_attention(node: fx.Node) -> Attention:
         dropout_p=float(args.get("dropout_p", 0.0)),
         is_causal=bool(args.get("is_causal", False)),
         scale=args.get("scale"),
-        returns_tuple=node.target != aten.scaled_dot_product_attention.default,
+        returns_tuple=node.target not in _ONE_OUTPUT,
+        sinks=args.get("sinks"),
+        softcap=float(args.get("softcap", 0.0)),
     )
 
 
@@ -157,16 +168,23 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(node):
+        q, k, v = _equal_head_dims(att, state)
         if dilation is None:
-            args = (att.q, att.k, att.v, mask, causal, scale, state.group_name, geo.layout)
-            ring = call(g, ringify_ops.ring_attention.default, (*args, geo.length, *program))
+            args = (q, k, v, mask, causal, scale, state.group_name, geo.layout)
+            ring = call(
+                g,
+                ringify_ops.ring_attention.default,
+                (*args, geo.length, *program),
+                _extras(att, state),
+            )
         else:
-            ring = _dilated(att, mask or att.mask, causal, scale, state, dilation)
-        ring_out = call(g, operator.getitem, (ring, 0))
+            _refuse_extras(att, "dilated attention")
+            ring = _dilated(att, q, k, v, mask or att.mask, causal, scale, state, dilation)
+        ring_out = _value_columns(call(g, operator.getitem, (ring, 0)), att, state, Seq(2))
         lse = call(g, operator.getitem, (ring, 1))
     state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
     _replace_outputs(att, ring_out, lse, state)
-    kv = [geo.local_shape(shape(x), Seq(2)) for x in (att.k, att.v)]
+    kv = [geo.local_shape(shape(x), Seq(2)) for x in (k, v)]
     bytes_per_step = sum(math.prod(s) for s in kv) * val(att.k).element_size()
     state.attentions.append(
         reported(att, AttentionRun.RING, state, kind, dilation=dilation, bytes=bytes_per_step)
@@ -193,16 +211,18 @@ def _replace_outputs(att: Attention, out: fx.Node, lse: fx.Node, state: PassStat
 def _rewrite_memory(att: Attention, state: PassState) -> None:
     """Replicated queries, a sharded memory: ``memory_attention`` over this rank's keys and
     mask columns (padding columns masked), merged over the ring."""
+    _refuse_extras(att, "attention of replicated queries to a sharded memory")
     geo, g, mask = state.geo, state.graph, att.mask
     if mask is not None and not state.sharded(mask) and shape(mask)[-1] > 1:
         fill = False if val(mask).dtype == torch.bool else float("-inf")
         mask = state.slice(mask, Seq(len(shape(mask)) - 1), fill)
     q_shape = shape(att.q)
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
-    args = (att.q, att.k, att.v, mask, scale, state.group_name, geo.layout, geo.length)
     with g.inserting_before(att.node):
+        q, k, v = _equal_head_dims(att, state)
+        args = (q, k, v, mask, scale, state.group_name, geo.layout, geo.length)
         merged = call(g, memory_attention_op._opoverload, args)
-        out = call(g, operator.getitem, (merged, 0))
+        out = _value_columns(call(g, operator.getitem, (merged, 0)), att, state, None)
         lse = call(g, operator.getitem, (merged, 1))
     state.place.update({merged: [None, None], out: None, lse: None})
     state.attentions.append(reported(att, AttentionRun.MEMORY, state))
@@ -213,8 +233,9 @@ def _rewrite_local(att: Attention, state: PassState) -> None:
     """Attention to a replicated memory: this rank's queries and mask rows, the whole k and v
     (whose gradients, partial on each rank, are summed over the ring)."""
     node, mask = att.node, att.mask
-    for x in (att.k, att.v):
-        node.replace_input_with(x, state.copy_to_ring(x))
+    for x in (att.k, att.v, att.sinks):
+        if x is not None:
+            node.replace_input_with(x, state.copy_to_ring(x))
     if mask is not None and not state.sharded(mask) and shape(mask)[-2] > 1:
         # padded query rows see every key, so that no row is all masked (NaN)
         fill = True if val(mask).dtype == torch.bool else 0
@@ -251,7 +272,7 @@ def reported(
     )
 
 
-def _dilated(att: Attention, mask, causal: bool, scale: float, state: PassState, dilation):
+def _dilated(att: Attention, q, k, v, mask, causal: bool, scale: float, state, dilation):
     """The dilated ring op in place of attention (k/v heads repeated for GQA)."""
     if mask is not None:
         raise ValueError(
@@ -260,15 +281,59 @@ def _dilated(att: Attention, mask, causal: bool, scale: float, state: PassState,
         )
     geo, g = state.geo, state.graph
     dilation.check_ring(geo.local, geo.ring_size, geo.layout)
-    heads = shape(att.q)[1]
-    k, v = att.k, att.v
+    heads = shape(q)[1]
     if shape(k)[1] != heads:
         k, v = (
             call(g, aten.repeat_interleave.self_int, (x, heads // shape(x)[1], 1)) for x in (k, v)
         )
     segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
-    args = (att.q, k, v, causal, scale, state.group_name, segments, rates)
+    args = (q, k, v, causal, scale, state.group_name, segments, rates)
     return call(g, ringify_ops.dilated_attention.default, args)
+
+
+def _extras(att: Attention, state: PassState) -> dict:
+    """The ring op's ``sinks`` (replicated: each rank's part of their gradient is summed over
+    the ring) and ``softcap``, where the attention has them."""
+    extras = {}
+    if att.sinks is not None:
+        if state.sharded(att.sinks):
+            raise ValueError(f"{att.node.name}: sink logits that vary along the sequence")
+        extras["sinks"] = state.copy_to_ring(att.sinks)
+    if att.softcap:
+        extras["softcap"] = att.softcap
+    return extras
+
+
+def _refuse_extras(att: Attention, what: str) -> None:
+    if att.sinks is not None or att.softcap:
+        raise ValueError(
+            f"{att.node.name} has attention sinks or a soft cap, which ringify runs on the ring "
+            f"of self-attention only, not in {what}; run this model without ringify"
+        )
+
+
+def _equal_head_dims(att: Attention, state: PassState) -> tuple:
+    """q, k and v with one head dim: where v's differs from q's and k's (MLA: 192 and 128),
+    the narrower side padded with zeros, which changes no score and no output column (the
+    ring's kernels take one head dim, as FA2 does)."""
+    width = max(shape(att.q)[-1], shape(att.v)[-1])
+    padded = []
+    for x in (att.q, att.k, att.v):
+        if shape(x)[-1] < width:
+            place = state.place.get(x)  # padding the last dim keeps the sequence where it is
+            x = call(state.graph, aten.constant_pad_nd.default, (x, [0, width - shape(x)[-1]], 0.0))
+            state.place[x] = place
+        padded.append(x)
+    return tuple(padded)
+
+
+def _value_columns(out: fx.Node, att: Attention, state: PassState, seq: Seq | None) -> fx.Node:
+    """``out``'s first v-head-dim columns (all of them where no head dim was padded)."""
+    dv = shape(att.v)[-1]
+    if shape(out)[-1] == dv:
+        return out
+    state.place[out] = seq
+    return call(state.graph, aten.slice.Tensor, (out, -1, 0, dv))
 
 
 def _local_mask(mask: fx.Node, state: PassState) -> fx.Node:

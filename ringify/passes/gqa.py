@@ -6,10 +6,11 @@ mask) repeats each of the K key/value heads H/K times before SDPA::
     k = k_BKSD[:, :, None].expand(B, K, n, S, D).reshape(B, K * n, S, D)
 
 which SDPA's ``enable_gqa=True`` means on ``k_BKSD`` itself (query head h reads kv head
-h // n). ``fold_repeated_kv`` runs on the exported graph before the pass and hands each
-such SDPA the unrepeated K and V with ``enable_gqa=True``: the ring then sends K heads,
-not H (Llama-3-8B: 4x fewer bytes), and its kernels take GQA natively. A K or V that is
-repeated otherwise (another order, another count than the other) is left as it is.
+h // n); so does ``k_BKSD.repeat_interleave(n, dim=1)``. ``fold_repeated_kv`` runs on the
+exported graph before the pass and hands each such SDPA (or attention with sinks or a soft
+cap) the unrepeated K and V with ``enable_gqa=True``: the ring then sends K heads, not H
+(Llama-3-8B: 4x fewer bytes), and its kernels take GQA natively. A K or V that is repeated
+otherwise (another order, another count than the other) is left as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import fx
 
 from ringify.passes.nodes import shape
+from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -29,7 +31,7 @@ def fold_repeated_kv(graph: fx.Graph) -> int:
     """Rewrite every SDPA whose K and V are repeated per head as above; how many."""
     folded = 0
     for node in graph.nodes:
-        if node.target is not aten.scaled_dot_product_attention.default:
+        if node.target not in (aten.scaled_dot_product_attention.default, reference_attention):
             continue
         repeated = node.args[1:3]
         (k, k_groups), (v, v_groups) = (_unrepeated(x) for x in repeated)
@@ -46,8 +48,8 @@ def fold_repeated_kv(graph: fx.Graph) -> int:
 
 def _erase_if_unused(graph: fx.Graph, x: fx.Node) -> None:
     """The reshape, expand and unsqueeze of a repeat that nothing else reads."""
-    for _ in range(4):  # reshape, expand, a whole-dim slice, unsqueeze
-        if x.users:
+    for _ in range(4):  # reshape, expand, a whole-dim slice, unsqueeze (or repeat_interleave)
+        if x.users or x.op != "call_function":
             return
         source = x.args[0]
         graph.erase_node(x)
@@ -68,6 +70,12 @@ def _unsliced(x):
 def _unrepeated(x: fx.Node) -> tuple[fx.Node | None, int]:
     """``(y, n)`` if ``x`` is ``y`` (B, K, S, D) with each head repeated ``n`` times in
     place (heads k*n .. k*n + n - 1 are copies of head k), else ``(None, 0)``."""
+    if isinstance(x, fx.Node) and x.target is aten.repeat_interleave.self_int:
+        y, n = x.args[:2]
+        dim = x.args[2] if len(x.args) > 2 else x.kwargs.get("dim")
+        if len(shape(y)) == 4 and dim in (1, -3) and isinstance(n, int):
+            return y, n
+        return None, 0
     if not (isinstance(x, fx.Node) and x.target in _RESHAPES):
         return None, 0
     expanded = x.args[0]

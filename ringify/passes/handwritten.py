@@ -11,9 +11,15 @@ the spellings instead of one pattern each:
 - the scores: ``matmul``/``bmm`` of q and k transposed on their last two dims
   (``baddbmm`` adds a mask and scales), 3-D (B*H, S, D) or 4-D;
 - the scale: constants multiplying or dividing the scores, q or k below the mask;
-- the mask, at most one: ``+ mask`` (SDPA's float mask), or ``masked_fill``/``where``
-  with -inf or the dtype's minimum (the additive mask ``where(hidden, fill, 0)``, which
-  gives the same scores: x + min rounds to min for any |x| below 1e31);
+- masks: ``+ mask`` (SDPA's float mask; ``baddbmm``'s, times its ``beta``), or
+  ``masked_fill``/``where`` with -inf or the dtype's minimum (the additive mask
+  ``where(hidden, fill, 0)``, which gives the same scores: x + min rounds to min for any
+  |x| below 1e31); several are combined into one (BLOOM adds ALiBi and a causal mask);
+- a soft cap, ``cap * tanh(s / cap)`` before the masks (Gemma 2), and a sink column
+  concatenated to the scores and dropped after the softmax (gpt-oss), less the row's
+  maximum (which changes no probability): read into ``runtime/attention/reference.py``'s
+  ``attention``, which the ring op runs with ``softcap`` and ``sinks``;
+- a view between (B*H, S, S) scores and (B, H, S, S) ones, and back (BLOOM);
 - casts around the softmax, dropout (kept as SDPA's ``dropout_p``, which the ring
   refuses in training as for SDPA);
 - the probabilities times v.
@@ -26,11 +32,13 @@ pass computes this rank's rows of them, against the whole keys (``rules.py``).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import fx
 
-from ringify.passes.nodes import call, erase_unused, shape, uses, val
+from ringify.passes.nodes import call, erase_unused, shape, slice_bounds, uses, val
+from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
 FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how it was spelled
@@ -40,6 +48,7 @@ _SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_soft
 _CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
 _PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
 _WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
+_RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
 class _NotAttention(Exception):
@@ -63,17 +72,26 @@ def _fold(graph: fx.Graph, softmax: fx.Node) -> fx.Node:
     if softmax.args[1] not in (-1, val(softmax).dim() - 1):
         raise _NotAttention("the softmax is not over the last dim")
     scores = _Scores(softmax.args[0])
-    chain, dropout_p, product = _probabilities(softmax)
+    chain, dropout_p, product = _probabilities(softmax, scores)
     q, k, v = scores.q, scores.k, _times(product)[1]
     _check_operands(q, k, v)
     with graph.inserting_before(product):
         mask = scores.sdpa_mask(graph)
-        q4, k4, v4, mask4 = (_four_dims(graph, x, val(q).dim()) for x in (q, k, v, mask))
-        kwargs = {"attn_mask": mask4, "dropout_p": dropout_p, "scale": scores.scale}
-        attention = call(graph, aten.scaled_dot_product_attention.default, (q4, k4, v4), kwargs)
-        out = attention if val(q).dim() == 4 else call(graph, aten.squeeze.dim, (attention, 0))
+        q4, k4, v4 = (scores.four_dims(graph, x) for x in (q, k, v))
+        kwargs = {"attn_mask": mask, "dropout_p": dropout_p, "scale": scores.scale}
+        if scores.sinks is None and not scores.softcap:
+            attention = call(graph, aten.scaled_dot_product_attention.default, (q4, k4, v4), kwargs)
+        else:
+            kwargs |= {"sinks": scores.sinks, "softcap": scores.softcap}
+            attention = call(graph, reference_attention, (q4, k4, v4), kwargs)
+        out = scores.as_written(graph, attention, shape(product))
     escaped = any(u not in chain and u is not product for x in chain for u in uses(x))
-    attention.meta[FORM_NOTE] = "by hand, probabilities an output" if escaped else "by hand"
+    form = (
+        "by hand"
+        + ", with sinks" * (scores.sinks is not None)
+        + ", soft-capped" * bool(scores.softcap)
+    )
+    attention.meta[FORM_NOTE] = form + ", probabilities an output" * escaped
     product.replace_all_uses_with(out)
     erase_unused(graph, product)
     return attention
@@ -84,11 +102,24 @@ class _Scores:
 
     def __init__(self, x: fx.Node):
         self.scale, self.masks = 1.0, []  # masks: ("add" | "hide" | "keep", node, fill)
+        self.sinks, self.softcap = None, 0.0
+        self.heads: list | None = None  # (B, H) where (B * H, S, S) scores are viewed 4-D
         while True:
             x = _skip_casts(x)
             target = x.target
-            if _scales(x):
+            if _row_max_subtracted(x):  # softmax(s - max(s)) is softmax(s)
+                x = x.args[0]
+            elif target is aten.cat.default and self.sinks is None:
+                x = self._sink(x)
+            elif _capped(x) is not None:
+                if self.scale != 1.0:
+                    raise _NotAttention("the scores are scaled after their soft cap")
+                self.softcap, x = _capped(x)
+            elif _scales(x):
                 self.scale *= _factor(x)
+                x = x.args[0]
+            elif target in _RESHAPES and self.heads is None and _splits_heads(x):
+                self.heads = shape(x)[:2]
                 x = x.args[0]
             elif target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args[:2]):
                 side = 0 if _reaches_product(x.args[0]) else 1
@@ -102,11 +133,9 @@ class _Scores:
                 how = "keep" if side == 1 else "hide"
                 self._mask(how, x.args[0], _fill(x.args[3 - side], x))
                 x = x.args[side]
-            elif target is aten.baddbmm.default:
-                if x.kwargs.get("beta", 1) != 1:
-                    raise _NotAttention("baddbmm scales its mask")
+            elif target is aten.baddbmm.default:  # beta * mask + alpha * q @ k^T
+                self._mask("add", x.args[0], float(x.kwargs.get("beta", 1)))
                 self.scale *= float(x.kwargs.get("alpha", 1))
-                self._mask("add", x.args[0], None)
                 self._read_product(x.args[1], x.args[2])
                 break
             elif target in _PRODUCTS:
@@ -117,13 +146,28 @@ class _Scores:
                 break
             else:
                 raise _NotAttention(f"the scores come from {target}, not a product of q and k")
-        if len(self.masks) > 1:
-            raise _NotAttention("more than one mask is applied to the scores")
 
     def _mask(self, how: str, mask: fx.Node, fill: float | None) -> None:
+        """A mask, hiding (``fill`` -inf or the dtype's minimum) or added (``fill``: a
+        factor, as baddbmm's ``beta``); noted whether it meets the scores below their view
+        from (B * H, S, S) to (B, H, S, S), where it is 3-D as they are."""
         if self.scale != 1.0:  # (scores + mask) * c would scale the mask too
             raise _NotAttention("the scores are scaled after their mask is applied")
-        self.masks.append((how, mask, fill))
+        if self.softcap:  # cap(scores + mask) caps the mask too
+            raise _NotAttention("the scores are masked before their soft cap")
+        self.masks.append((how, mask, fill, self.heads is not None))
+
+    def _sink(self, cat: fx.Node) -> fx.Node:
+        """``cat([scores, sink], -1)``: the scores; the sink, one logit per head, kept."""
+        tensors, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+        if len(tensors) != 2 or dim not in (-1, len(shape(cat)) - 1) or self.masks:
+            raise _NotAttention("the scores are concatenated with more than a sink column")
+        scores, column = tensors
+        source = column.args[0] if column.target is aten.expand.default else column
+        if shape(column)[-1] != 1 or len(shape(source)) != 4 or shape(source)[2:] != [1, 1]:
+            raise _NotAttention("the column concatenated to the scores is not a logit per head")
+        self.sinks = source
+        return scores
 
     def _read_product(self, q: fx.Node, k_t: fx.Node) -> None:
         self.q = self._unscaled(q)
@@ -139,39 +183,88 @@ class _Scores:
         return x
 
     def sdpa_mask(self, graph: fx.Graph) -> fx.Node | None:
-        """The mask as SDPA takes it: an added mask as it is; hidden by -inf, the bool mask
-        of what is kept; hidden by the dtype's minimum, the additive mask of that value."""
-        if not self.masks:
-            return None
-        how, mask, fill = self.masks[0]
-        dtype = val(self.q).dtype  # SDPA adds a float mask of q's dtype
+        """The masks as one mask SDPA takes: added masks summed (in q's dtype, as SDPA adds
+        a float mask), masks hiding with -inf as the bool mask of what is kept, masks hiding
+        with the dtype's minimum as an added mask of that value; both kinds: the sum with
+        -inf where nothing is kept."""
+        added, kept = None, None
+        dtype = val(self.q).dtype
+        for how, mask, fill, below_view in self.masks:
+            if below_view:
+                mask = self.four_dims(graph, mask)
+            if how == "add" or fill != -math.inf:
+                part = self._added(graph, how, mask, fill, dtype)
+                added = part if added is None else call(graph, aten.add.Tensor, (added, part))
+            else:
+                part = mask if how == "keep" else call(graph, aten.logical_not.default, (mask,))
+                kept = part if kept is None else call(graph, aten.logical_and.default, (kept, part))
+        if added is None or kept is None:
+            return kept if added is None else added
+        return call(graph, aten.where.ScalarOther, (kept, added, -math.inf))
+
+    @staticmethod
+    def _added(graph: fx.Graph, how: str, mask: fx.Node, fill, dtype) -> fx.Node:
+        """An added mask in ``dtype`` (times its factor), or a hiding one as the value it adds."""
         if how == "add":  # (a bool or integer mask added to the scores adds its values)
-            same = val(mask).dtype == dtype
-            return mask if same else call(graph, aten.to.dtype, (mask, dtype))
-        if fill == -math.inf:
-            return mask if how == "keep" else call(graph, aten.logical_not.default, (mask,))
+            if val(mask).dtype != dtype:
+                mask = call(graph, aten.to.dtype, (mask, dtype))
+            return mask if fill in (None, 1.0) else call(graph, aten.mul.Tensor, (mask, fill))
         if how == "keep":
             mask = call(graph, aten.logical_not.default, (mask,))
         zeros = call(graph, aten.zeros_like.default, (mask,), {"dtype": dtype})
         return call(graph, aten.masked_fill.Scalar, (zeros, mask, fill))
 
+    def four_dims(self, graph: fx.Graph, x: fx.Node | None) -> fx.Node | None:
+        """A 3-D operand or mask as SDPA takes it: (B * H, ...) viewed (B, H, ...) where the
+        scores were, else with a leading dim of 1; 4-D ones (and ``None``) as they are."""
+        if x is None or val(x).dim() != 3:
+            return x
+        if self.heads is None:
+            return call(graph, aten.unsqueeze.default, (x, 0))
+        lead = self.heads if shape(x)[0] != 1 else [1, 1]
+        return call(graph, aten.reshape.default, (x, [*lead, *shape(x)[1:]]))
 
-def _probabilities(softmax: fx.Node) -> tuple[list[fx.Node], float, fx.Node]:
-    """The nodes from the softmax to the probabilities v is multiplied by, dropout's
-    probability, and that product."""
+    def as_written(self, graph: fx.Graph, attention: fx.Node, like: list) -> fx.Node:
+        """SDPA's (B, H, S, D) result in the shape the model's product had."""
+        if len(like) == 4:
+            return attention
+        if self.heads is None:
+            return call(graph, aten.squeeze.dim, (attention, 0))
+        return call(graph, aten.reshape.default, (attention, like))
+
+
+def _probabilities(softmax: fx.Node, scores: _Scores) -> tuple[list[fx.Node], float, fx.Node]:
+    """The nodes from the softmax to the probabilities v is multiplied by (through casts,
+    dropout, the view back to 3-D where the scores were viewed 4-D, and the slice that drops
+    a sink's column), dropout's probability, and that product."""
     chain, dropout_p, x = [softmax], 0.0, softmax
+    sink_dropped = scores.sinks is None
     while True:
         products = [u for u in uses(x) if (_times(u) or (None,))[0] is x]
-        if len(products) == 1:
+        if len(products) == 1 and sink_dropped:
             return chain, dropout_p, products[0]
         following = [u for u in uses(x) if u.args[0] is x]
-        steps = [u for u in following if u.target in _CASTS or u.target is aten.dropout.default]
+        steps = [u for u in following if _passes_probabilities(u, scores, sink_dropped)]
         if len(products) > 1 or len(steps) != 1:
             raise _NotAttention("the probabilities are not multiplied by one v")
         x = steps[0]
         if x.target is aten.dropout.default and x.args[2]:
             dropout_p = float(x.args[1])
+        sink_dropped |= x.target is aten.slice.Tensor
         chain.append(x)
+
+
+def _passes_probabilities(node: fx.Node, scores: _Scores, sink_dropped: bool) -> bool:
+    """Whether ``node`` carries the probabilities on towards v unchanged in value."""
+    if node.target in _CASTS or node.target is aten.dropout.default:
+        return True
+    if node.target in _RESHAPES:  # back to (B * H, S, S), as the scores were
+        return scores.heads is not None and len(shape(node)) == 3
+    if node.target is aten.slice.Tensor and not sink_dropped:  # probs[..., :-1]
+        ndim, columns = len(shape(node.args[0])), shape(node.args[0])[-1]
+        dim = node.args[1] % ndim
+        return dim == ndim - 1 and slice_bounds(node, columns) == (0, columns - 1, 1)
+    return False
 
 
 def _check_operands(q: fx.Node, k: fx.Node, v: fx.Node) -> None:
@@ -218,11 +311,48 @@ def _einsum(node: fx.Node) -> str | None:
     return None
 
 
-def _four_dims(graph: fx.Graph, x: fx.Node | None, ndim: int) -> fx.Node | None:
-    """3-D attention operands (and masks of that rank) with a leading dim of 1."""
-    if x is None or ndim == 4 or val(x).dim() < 3:
-        return x
-    return call(graph, aten.unsqueeze.default, (x, 0))
+def _row_max_subtracted(x: fx.Node) -> bool:
+    """``x`` is ``a - max(a, -1, keepdim=True)`` (gpt-oss guards its softmax so)."""
+    if x.target is not aten.sub.Tensor or not isinstance(x.args[1], fx.Node):
+        return False
+    a, m = x.args[:2]
+    m = m.args[0] if m.target in (aten.detach.default, aten.alias.default) else m
+    if m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+        return m.target is aten.max.dim and m.args[0] is a and _last_keepdim(m, a, 1)
+    return m.target is aten.amax.default and m.args[0] is a and _last_keepdim(m, a, 1)
+
+
+def _last_keepdim(node: fx.Node, a: fx.Node, dim_at: int) -> bool:
+    dims = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    keepdim = node.args[dim_at + 1] if len(node.args) > dim_at + 1 else node.kwargs.get("keepdim")
+    ndim = len(shape(a))
+    return [d % ndim for d in dims] == [ndim - 1] and bool(keepdim)
+
+
+def _capped(x: fx.Node) -> tuple[float, fx.Node] | None:
+    """``(cap, s)`` if ``x`` is ``tanh(s / cap) * cap`` (or ``s * (1 / cap)`` inside)."""
+    if x.target is not aten.mul.Tensor or _constant(x.args[1]) is None:
+        return None
+    cap, tanh = _constant(x.args[1]), x.args[0]
+    if not isinstance(tanh, fx.Node) or tanh.target is not aten.tanh.default:
+        return None
+    inner = tanh.args[0]
+    if not isinstance(inner, fx.Node) or not _scales(inner) or cap <= 0:
+        return None
+    return (cap, inner.args[0]) if math.isclose(_factor(inner), 1.0 / cap) else None
+
+
+def _splits_heads(x: fx.Node) -> bool:
+    """``x`` views (B * H, S, T) scores as (B, H, S, T)."""
+    before, after = shape(x.args[0]), shape(x)
+    return (
+        len(before) == 3
+        and len(after) == 4
+        and after[0] * after[1] == before[0]
+        and (after[2:] == before[1:])
+    )
 
 
 def _skip_casts(x: fx.Node) -> fx.Node:

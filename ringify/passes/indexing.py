@@ -119,3 +119,32 @@ def infer_gather(node, place, p: Seq, ndim: int):
     if place.sharded(index):
         return p if place[index] == p else Fallback(GatherReason.MIXED_DIMS)
     return p if shape(index)[p.dim] == shape(x)[p.dim] else Fallback(GatherReason.MISALIGNED)
+
+
+def infer_scatter(node, place):
+    """``slice_scatter`` / ``select_scatter`` (a write into a view, functionalized): local
+    where the sequence lies on another dim than the one written, with a replicated base (a
+    fresh tensor) sliced to this rank's positions."""
+    x, src = node.args[:2]
+    ndim = len(shape(x))
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else 0, ndim)
+    placements = {place[x]} if place.sharded(x) else set()
+    if place.sharded(src):
+        p = place[src]
+        lifted = p.dim + (p.dim >= dim) if node.target is aten.select_scatter.default else p.dim
+        placements.add(Seq(lifted, p.inner))
+    if len(placements) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    seq = placements.pop()
+    if seq.dim == dim:
+        return Fallback(GatherReason.ALONG_SEQUENCE)
+    if not place.sharded(x) and shape(x)[seq.dim] != val(node).shape[seq.dim]:
+        return Fallback(GatherReason.MISALIGNED)
+    if not place.sharded(x):
+        place.meetings.append((x, seq))
+    return seq
+
+
+def rewrite_scatter(node, out: Seq, state: PassState) -> None:
+    """A replicated base is sliced to this rank's positions (the written part comes sharded)."""
+    state.fit_replicated_inputs(node, out, aligned=[node.args[0]])

@@ -41,6 +41,9 @@ def _product_rows(node, x, w, place: Placements):
     rows = place.sharded(x) and place[x].dim < len(shape(x)) - 1
     if rows and (whole_w or not place.sharded(w)):
         return Seq(place[x].dim + val(node).dim() - len(shape(x)), place[x].inner)
+    batch = len(shape(x)) == len(shape(w)) and place[x] == place[w]
+    if batch and place.sharded(x) and place[x].dim < len(shape(x)) - 2:
+        return place[x]  # both sharded on a batch dim (one token's expert copies): local
     return Fallback(GatherReason.PRODUCT)
 
 
@@ -48,6 +51,9 @@ def rewrite_product(node, out, state: PassState) -> None:
     """A sharded w is gathered (reported); replicated weights are used whole, and
     baddbmm's bias is sliced where it lines up with the rows."""
     w = node.args[2] if node.target is aten.baddbmm.default else node.args[1]
+    x = node.args[1] if node.target is aten.baddbmm.default else node.args[0]
+    if state.sharded(w) and state.place.get(w) == state.place.get(x) == out:
+        return  # a batched product of two sharded operands: local
     if state.sharded(w):
         node.replace_input_with(w, state.gather(w))
         state.gathers.append(

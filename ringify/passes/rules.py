@@ -34,7 +34,9 @@ from ringify.passes.indexing import (
     infer_index,
     infer_index_select,
     infer_indexing,
+    infer_scatter,
     rewrite_indexing,
+    rewrite_scatter,
 )
 from ringify.passes.mask_programs import rewrite_program_mask
 from ringify.passes.nodes import norm_dim, norm_dims, shape, val
@@ -63,6 +65,24 @@ from ringify.passes.reductions import (
     rewrite_softmax,
 )
 from ringify.passes.report import GatherReason
+from ringify.passes.routing import (
+    LIKE,
+    SCATTERS,
+    SELECTIONS,
+    infer_histc,
+    infer_like,
+    infer_one_hot,
+    infer_repeat_interleave,
+    infer_scatter_add,
+    infer_scatter_off_sequence,
+    infer_selection,
+    infer_table_rows,
+    is_table_lookup,
+    rewrite_histc,
+    rewrite_repeat_interleave,
+    rewrite_scatter_add,
+    rewrite_table_rows,
+)
 from ringify.passes.shifts import infer_shift, rewrite_shift
 from ringify.runtime.collectives.halo import same_conv1d
 from ringify.runtime.collectives.scan import ring_cumsum
@@ -125,6 +145,10 @@ def _erase(node, out, state: PassState) -> None:
     state.graph.erase_node(node)
 
 
+def _as_it_is(node, out, state: PassState) -> None:
+    """Nothing to rewrite: the op computes this rank's part from its inputs' parts."""
+
+
 # ---- inference ----------------------------------------------------------------------------
 
 
@@ -158,8 +182,17 @@ def _infer_cat(node, place: Placements):
         return Fallback(GatherReason.MIXED_DIMS)
     seq = placements.pop()
     if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
-        return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
+        return _cat_of_sequences(tensors, seq, place)
     return place.line_up(node, tensors, seq)
+
+
+def _cat_of_sequences(tensors, seq: Seq, place: Placements):
+    """Whole sequences put end to end (every layer's router logits, for an MoE's aux loss):
+    each rank's positions of each, end to end, are its positions of the result."""
+    per_position = place.geometry.length * seq.inner
+    if all(place[a] == seq and shape(a)[seq.dim] % per_position == 0 for a in tensors):
+        return seq
+    return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
 
 
 def _infer_embedding(node, place: Placements):
@@ -227,6 +260,20 @@ def _rewrite_cumsum(node, out: Seq, state: PassState) -> None:
         node.args = (x, dim, state.group_name, state.geo.layout)
 
 
+def _infer_index(node, place: Placements):
+    """Indexing a sharded tensor, or a replicated table by sharded ids (MoE's experts)."""
+    if is_table_lookup(node, place):
+        return infer_table_rows(node, place)
+    return infer_index(node, place)
+
+
+def _rewrite_index(node, out, state: PassState) -> None:
+    if state.sharded(node.args[0]):
+        _fit_whole(node, out, state)
+    else:
+        rewrite_table_rows(node, out, state)
+
+
 @sharded_first
 def _infer_softmax(node, place, p: Seq, ndim: int):
     """softmax / log_softmax keep the placement (along the sequence: normalised over the ring)."""
@@ -288,14 +335,25 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(
         INDEXING.keys() - {aten.select.int, aten.slice.Tensor}, Rule(infer_indexing, _fit_whole)
     ),
-    aten.index.Tensor: Rule(infer_index, _fit_whole),
+    aten.index.Tensor: Rule(_infer_index, _rewrite_index),
     aten.index_select.default: Rule(infer_index_select, rewrite_indexing),
     aten.gather.default: Rule(infer_gather, _fit_broadcast),
+    **dict.fromkeys(
+        (aten.slice_scatter.default, aten.select_scatter.default),
+        Rule(infer_scatter, rewrite_scatter),
+    ),
     aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
+    **dict.fromkeys(SELECTIONS, Rule(infer_selection, _as_it_is)),
+    aten.repeat_interleave.self_int: Rule(infer_repeat_interleave, rewrite_repeat_interleave),
+    aten.one_hot.default: Rule(infer_one_hot, _as_it_is),
+    aten.histc.default: Rule(infer_histc, rewrite_histc),
+    aten.scatter_add.default: Rule(infer_scatter_add, rewrite_scatter_add),
+    **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, _as_it_is)),
+    **dict.fromkeys(LIKE, Rule(infer_like, _as_it_is)),
     shifted: Rule(infer_shift, rewrite_shift),
     same_conv1d: Rule(infer_conv, rewrite_conv),
     program_mask: Rule(lambda node, place: None, rewrite_program_mask),
-    **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, lambda node, out, state: None)),
+    **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, _as_it_is)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),

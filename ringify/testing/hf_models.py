@@ -252,3 +252,32 @@ def siglip_vision(layers=2, dim=32, heads=4, image_size=16, patch_size=4):
     )
     config._attn_implementation = "sdpa"
     return SiglipVisionModel(config)
+
+
+def gemma2(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
+    """HF Gemma 2 with its eager attention (HF refuses SDPA for it): scores soft-capped
+    before the mask, sliding and full layers, and the final logits capped too."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=window,
+        query_pre_attn_scalar=dim // heads, max_position_embeddings=256, use_cache=False,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return Gemma2ForCausalLM(config)
+
+
+def bloom(layers=2, dim=32, heads=4, vocab=64):
+    """HF BLOOM (eager only): ALiBi added by ``baddbmm`` to (B * H, S, S) scores, viewed
+    4-D for the causal mask and back for the product with v."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=vocab, hidden_size=dim, n_layer=layers, n_head=heads, use_cache=False,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return BloomForCausalLM(config)

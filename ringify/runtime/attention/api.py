@@ -84,17 +84,29 @@ def ring_attention(
             ring, q, k, v, attn_mask, is_causal, scale, enable_gqa, layout, dilation, error
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    rows = q.shape[2]
+    rows, value_dim = q.shape[2], v.shape[-1]
+    q, k, v = equal_head_dims(q, k, v)
     if dilation is not None:
         # Heads are dilated by their own index: give every q head its k/v head.
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
         out, _ = dilated_attention_op(q, k, v, is_causal, scale, ring.name, segments, rates)
-        return out
-    out, _ = ring_attention_op(
-        q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size, "", []
+    else:
+        out, _ = ring_attention_op(
+            q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size, "", []
+        )
+    return out[..., :value_dim]
+
+
+def equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k and v with one head dim: the narrower side (v's in MLA, 128 beside 192) padded
+    with zeros, which changes no score and no output column, since the ring's kernels take
+    one head dim (as FA2 does); the caller keeps the output's first v-head-dim columns."""
+    width = max(q.shape[-1], v.shape[-1])
+    return tuple(
+        torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+        for x in (q, k, v)
     )
-    return out
 
 
 def _check_ranks_agree(
@@ -166,10 +178,10 @@ def check_inputs(
             f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}"
         )
     (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
-    if k.shape != v.shape or b != bk or d != dk:
+    if k.shape[:3] != v.shape[:3] or b != bk or d != dk:
         raise ValueError(
-            "k and v must have q's batch size and head_dim and match each other; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            "k must have q's batch size and head_dim, and v k's batch, heads and length (v's "
+            f"head_dim may differ); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if s != sk:
         raise ValueError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ringify.runtime.attention.capped import capped_backward, capped_forward
 from ringify.runtime.attention.flash import flash_backward, flash_forward, unit_last_stride
 
 aten = torch.ops.aten
@@ -37,13 +38,19 @@ def block_forward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
     ``bias`` is an additive mask broadcastable to (B, H, s, t) (see ``additive_mask``).
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
     ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
+    ``softcap`` > 0: the scores are capped before the bias (``capped.py``).
     """
+    if softcap:
+        return capped_forward(
+            q_BHsD, k_BKtD, v_BKtD, softcap=softcap, is_causal=is_causal, scale=scale, bias=bias
+        )
     q_BHsD, k_BKtD, v_BKtD = unit_last_stride(q_BHsD, k_BKtD, v_BKtD)
     if bias is not None:
         out, lse = _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale)
@@ -86,6 +93,7 @@ def block_backward(
     scale: float,
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the *merged* output and lse of its query rows.
 
@@ -93,6 +101,11 @@ def block_backward(
     the global ones, so the block gradients sum exactly to the full gradient.
     ``empty_rows=False``: no row of the block is masked entirely (so none has lse -inf).
     """
+    if softcap:
+        return capped_backward(
+            dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs,
+            softcap=softcap, is_causal=is_causal, scale=scale, bias=bias,
+        )  # fmt: skip
     dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD = unit_last_stride(
         dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD
     )
@@ -268,10 +281,15 @@ def bias_backward(
     is_causal: bool,
     scale: float,
     bias: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The gradient of one block's additive mask (a learned bias): dS = P * (dP - rowsum(dO * O))
     with the merged ``out`` and ``lse``, (B, H, s, t) in ``lse``'s dtype; O(s * t), as the
     block's mask itself. No fused kernel returns it."""
+    if softcap:
+        args = (dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs)
+        kwargs = {"softcap": softcap, "is_causal": is_causal, "scale": scale, "bias": bias}
+        return capped_backward(*args, **kwargs, bias_grad=True)[3]
     acc = lse_BHs.dtype
     q, k, v = (x.to(acc) for x in (q_BHsD, _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)))
     dout, out = dout_BHsD.to(acc), out_BHsD.to(acc)

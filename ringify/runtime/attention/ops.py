@@ -52,6 +52,7 @@ from ringify.runtime.attention.outputs import (
     empty_attention_outputs,
     in_dim_order_of,
 )
+from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
@@ -79,13 +80,18 @@ def ring_attention_op(
     tiles_per_chunk: int = 0,
     balance: bool = True,
     plan: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(group_name)
     acc = accumulation_dtype(q.dtype)
     rows = q.shape[2]
     if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
-        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale)
-        return in_dim_order_of(q, out.to(q.dtype)), lse.to(acc).contiguous()
+        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap)
+        out, lse = out.to(acc), lse.to(acc).contiguous()
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
+        return in_dim_order_of(q, out.to(q.dtype)), lse
 
     home, queries, masks = _planned(
         ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
@@ -94,7 +100,7 @@ def ring_attention_op(
     (q_at,) = rows_in(ring, [q], home, queries)
     mine = queries(ring.rank)
     merged = Accumulator(q, acc)
-    bias_in, varlen = bias_dtype(q), serves_varlen(q)
+    bias_in, varlen = bias_dtype(q), serves_varlen(q) and not softcap  # FA2 through ATen: no cap
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
@@ -109,12 +115,17 @@ def ring_attention_op(
                 k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
                 out_blk, lse_blk = block_forward(
                     q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
-                    scale=scale, bias=b.bias, empty_rows=b.empty_rows,
+                    scale=scale, bias=b.bias, empty_rows=b.empty_rows, softcap=softcap,
                 )  # fmt: skip
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()
-    out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)  # float32: no launch
     del q_at  # free the moved-in rows before the results move home
+    if sinks is not None:  # the results move home in the accumulation dtype, then sink
+        move_home(ring, [out_acc, lse_acc], queries, home)
+        out_acc, lse_acc = with_sinks(out_acc, lse_acc, sinks)
+        out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)
+        return in_dim_order_of(q, out), lse_acc
+    out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)  # float32: no launch
     move_home(ring, [out, lse_acc], queries, home)
     return in_dim_order_of(q, out), lse_acc
 
@@ -122,7 +133,7 @@ def ring_attention_op(
 @ring_attention_op.register_fake
 def _(
     q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, mask_program,
-    mask_inputs, tiles_per_chunk=0, balance=True, plan=None,
+    mask_inputs, tiles_per_chunk=0, balance=True, plan=None, sinks=None, softcap=0.0,
 ):  # fmt: skip
     return empty_attention_outputs(q)
 
@@ -148,19 +159,28 @@ def ring_attention_backward_op(
     input_grads: list[bool] | None = None,
     balance: bool = True,
     plan: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(dq, dk, dv, d attn_mask, d mask_inputs): d attn_mask is empty unless ``mask_grad``
-    (a learned bias); d mask_inputs holds the gradient of each input ``input_grads`` asks
-    for (a learned program), in order, and nothing for the others (no output to allocate)."""
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor
+]:
+    """(dq, dk, dv, d attn_mask, d mask_inputs, d sinks): d attn_mask is empty unless
+    ``mask_grad`` (a learned bias); d mask_inputs holds the gradient of each input
+    ``input_grads`` asks for (a learned program), in order, and nothing for the others (no
+    output to allocate); d sinks is this rank's rows' part (empty without sinks). ``out``
+    and ``lse`` are the op's, sinks included: the blocks' probabilities are the final ones."""
     ring = ring_by_name(group_name)
     grad_out = grad_out.contiguous()
     rows = q.shape[2]
     no_mask_grad = q.new_empty(0)
+    dsinks = q.new_empty(0) if sinks is None else sink_grad(grad_out, out, lse, sinks)
     wanted = input_grads or [False] * len(mask_inputs)
     if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
-        dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+        dq, dk, dv = block_backward(
+            grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale, softcap=softcap
+        )
         grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
-        return *grads, no_mask_grad, []
+        return *grads, no_mask_grad, [], dsinks
 
     acc = accumulation_dtype(q.dtype)
     home, queries, masks = _planned(
@@ -185,8 +205,9 @@ def ring_attention_backward_op(
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, scale=scale, acc=acc
-            )
+                held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
+                scale=scale, acc=acc, softcap=softcap,
+            )  # fmt: skip
         arrived, delivery = delivery.wait() if delivery is not None else {}, None
         if "home" in arrived:
             slots.store_home(arrived["home"], dk, dv)
@@ -216,7 +237,7 @@ def ring_attention_backward_op(
     dq = dq_acc if dq_acc.dtype == q.dtype else dq_acc.to(q.dtype)
     del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
     move_home(ring, [dq], queries, home)
-    return dq, dk.result(), dv.result(), dmask, dinputs
+    return dq, dk.result(), dv.result(), dmask, dinputs, dsinks
 
 
 def _planned(
@@ -232,7 +253,9 @@ def _planned(
     return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
 
 
-def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc):
+def _tiles_backward(
+    held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc, softcap
+):
     """This rank's share of the held tiles' dK/dV: per slot of ``slots``, its blocks'
     ``(key rows, grad)`` (none where no query here sees it), added up by ``_added``. Its
     queries' share is added into ``dq_sum`` (a ``RowSum``), the mask's into ``dmask`` (a
@@ -240,7 +263,8 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
     program's."""
     grad_out, q, out, lse = saved
     here: list[list] = [[] for _ in slots.shapes]
-    bias_in, varlen = bias_dtype(q.tensor), serves_varlen(q.tensor)  # q: ShardRows
+    bias_in = bias_dtype(q.tensor)  # q: ShardRows
+    varlen = serves_varlen(q.tensor) and not softcap  # FA2 through ATen: no cap
     biased = learned is not None
     for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
         i, r, cols = b.held, b.rows, b.cols
@@ -253,10 +277,13 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
             block = (grad_out[r], q[r], *kv.keys(i, b.tiles, cols), out[r], lse[r])
             causal = b.seen is Visibility.DIAGONAL
             dq_blk, dk_blk, dv_blk = block_backward(
-                *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows
-            )
+                *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows,
+                softcap=softcap,
+            )  # fmt: skip
             if b.bias is not None and (dmask is not None or learned is not None):
-                dbias = bias_backward(*block, is_causal=causal, scale=scale, bias=b.bias)
+                dbias = bias_backward(
+                    *block, is_causal=causal, scale=scale, bias=b.bias, softcap=softcap
+                )
                 if dmask is not None:
                     tile = tile_of(dmask, r, held[i], cols.stop)
                     broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
@@ -305,13 +332,14 @@ def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.T
 def _(
     grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
     mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None, balance=True,
-    plan=None,
+    plan=None, sinks=None, softcap=0.0,
 ):  # fmt: skip
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     wanted = input_grads or [False] * len(mask_inputs)
     dinputs = [torch.empty_like(x) for x, w in zip(mask_inputs, wanted, strict=True) if w]
-    return *grads, dmask, dinputs
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return *grads, dmask, dinputs, dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -321,23 +349,28 @@ def _setup_context(ctx, inputs, output):
     ctx.tiles = inputs[11] if len(inputs) > 11 else 0
     ctx.balance = inputs[12] if len(inputs) > 12 else True
     plan = inputs[13] if len(inputs) > 13 else None
+    sinks = inputs[14] if len(inputs) > 14 else None
+    ctx.softcap = inputs[15] if len(inputs) > 15 else 0.0
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, plan, *mask_inputs)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, plan, sinks, *mask_inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask, plan, *mask_inputs = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, plan, sinks, *mask_inputs = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
-    dq, dk, dv, dmask, dinputs = ring_attention_backward_op(
+    dq, dk, dv, dmask, dinputs, dsinks = ring_attention_backward_op(
         grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
         mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance, plan=plan,
+        sinks=sinks, softcap=ctx.softcap,
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
     grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
     given = iter(dinputs)
     grads[10] = [next(given) if want else None for want in ctx.input_grads]
+    if sinks is not None and ctx.needs_input_grad[14]:
+        grads[14] = dsinks
     return tuple(grads)
 
 

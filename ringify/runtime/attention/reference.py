@@ -1,0 +1,59 @@
+"""Attention with a sink logit per head and a soft cap of the scores, defined on full tensors.
+
+gpt-oss concatenates a learned logit per head to every row of scores before the softmax and
+drops its column after: a *sink*, one more term in each row's denominator that attends to
+nothing. Gemma 2 caps its scores, ``cap * tanh(s / cap)``, before adding the mask. Neither
+is an argument of SDPA, so the pass reads such attention (written by hand) into a call of
+``attention`` below, which it treats as it treats SDPA: the ring op takes ``sinks`` and
+``softcap`` (``ops.py``). Called on full tensors, it is the definition: the math on the
+whole scores, as a model that runs unsharded (or gathered) computes them.
+
+Shapes: q_BHsD, k_BKtD and v_BKtD (H a multiple of K with ``enable_gqa``), ``attn_mask``
+as SDPA takes it, ``sinks`` broadcastable to (B, H, 1, 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """SDPA's result with the scores capped (``softcap`` > 0) before the mask is added, and a
+    sink logit per head in every row's softmax (``sinks``), whose column is dropped."""
+    if dropout_p:
+        raise ValueError("attention with sinks or a soft cap takes no dropout")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    if is_causal:
+        s, t = scores.shape[-2:]
+        above = torch.ones(s, t, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return probs @ value

@@ -1,0 +1,129 @@
+"""The model families of 2026 on the ring, against the unmodified model in float64: mixture-of-
+experts LMs (Qwen3-MoE and Mixtral with their load-balancing loss, DeepSeek-V3 with MLA and
+group-limited routing, gpt-oss with attention sinks), Gemma 2's soft-capped scores and
+BLOOM's ALiBi through ``baddbmm`` (both eager: HF gives them no SDPA path).
+
+Logits, loss, the router's aux loss and every gradient, on 2 and 4 ranks, eager and compiled.
+These models compute parts in float32 inside a float64 model (HF's loss; DeepSeek's router;
+Gemma's and BLOOM's attention probabilities, which the ring computes in float64), so each
+result is held to the larger of two measured differences of the unmodified model: with its
+batch rows swapped, and from itself with its attention softmax kept in float64 (the ring's
+arithmetic); the others agree to 1e-10 (``ringify.testing.tolerance``). Nothing is gathered,
+and each rank's experts see 1/P of the tokens' rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ringify.testing.runs import ringified_run
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "bloom")
+MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+
+
+def _model(name: str):
+    from ringify.testing import hf_models, hf_moe
+
+    torch.manual_seed(0)
+    build = getattr(hf_moe, name, None) or getattr(hf_models, name)
+    return build().double()
+
+
+def _results(model, run, ids: torch.Tensor, flipped: bool = False) -> dict[str, torch.Tensor]:
+    """Logits, loss, aux loss (where the model has one) and every gradient, by name."""
+    model.zero_grad(set_to_none=True)
+    out = run(input_ids=ids, labels=ids)
+    out.loss.backward()
+    results = {"logits": out.logits.flip(0) if flipped else out.logits, "loss": out.loss}
+    if getattr(out, "aux_loss", None) is not None:
+        results["aux_loss"] = out.aux_loss
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {k: v.detach().clone() for k, v in (results | grads).items()}
+
+
+class _Float64Softmax(TorchFunctionMode):
+    """A softmax asked for in float32 of a float64 tensor (HF's eager attention) kept in
+    float64: the unmodified model with the ring's arithmetic, to measure its own rounding."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        softmax = func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
+        if softmax and args[0].dtype == torch.float64 and kwargs.get("dtype") == torch.float32:
+            kwargs["dtype"] = None
+        return func(*args, **kwargs)
+
+
+def _tolerances(want: dict, reordered: dict, float64: dict) -> dict[str, float]:
+    from ringify.testing.tolerance import FACTOR, relative_difference, reordering_tolerances
+
+    reordering = reordering_tolerances(want, reordered)
+    return {
+        n: max(t, FACTOR * relative_difference(want[n], float64[n])) for n, t in reordering.items()
+    }
+
+
+def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
+    """The rows (token copies) each batched expert product of a graph multiplies, from its
+    nodes' values (on a rank, once the pass is done: its local shapes)."""
+    rows = []
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            for n in m.graph.nodes:
+                if n.target is torch.ops.aten.bmm.default and n.meta["val"].dim() == 3:
+                    rows.append(n.meta["val"].shape[0])
+    return rows
+
+
+def compare(name: str, backend: str | None = None):
+    import torch.distributed as dist
+
+    from ringify.testing.tolerance import differences, exceeding
+
+    world = dist.get_world_size()
+    model = _model(name)
+    ids = torch.randint(1, 64, (2, 16 * world), generator=torch.Generator().manual_seed(1))
+    want = _results(model, model, ids)
+    reordered = _results(model, model, ids.flip(0), flipped=True)
+    with _Float64Softmax():
+        float64 = _results(model, model, ids)
+    ringified, run = ringified_run(model, backend)
+    got = _results(model, run, ids)
+    report = ringified.report()
+    whole = torch.export.export(model, (), {"input_ids": ids, "labels": ids}, strict=False)
+    return {
+        "wrong": exceeding(differences(got, want), _tolerances(want, reordered, float64)),
+        "same grads": set(got) == set(want),
+        "gathers": [(g.op, g.reason.value) for g in report.gathers],
+        "forms": sorted({a.form for a in report.attentions}),
+        "expert rows": _expert_rows(ringified._active.module),
+        "unmodified expert rows": _expert_rows(whole.module()),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_family_matches_the_unmodified_model(ranks, world, name):
+    for r in ranks(world).run(compare, name, timeout=600):
+        assert r["wrong"] == {}, r["wrong"]
+        assert r["same grads"], r
+        assert r["gathers"] == [], r["gathers"]
+        if name in MOE:  # every expert product sees this rank's tokens only
+            assert r["expert rows"], r
+            assert math.prod(r["expert rows"]) * world ** len(r["expert rows"]) == math.prod(
+                r["unmodified expert rows"]
+            ), r
+        if name == "gpt_oss":
+            assert r["forms"] == ["by hand, with sinks"], r["forms"]
+        if name == "gemma2":
+            assert r["forms"] == ["by hand, soft-capped"], r["forms"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_family_matches_the_unmodified_model_compiled(ranks, name):
+    for r in ranks(2).run(compare, name, "aot_eager", timeout=600):
+        assert r["wrong"] == {}, r["wrong"]
+        assert r["gathers"] == [], r["gathers"]
