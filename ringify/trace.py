@@ -35,6 +35,7 @@ from ringify.parallelized import (
     unsharded_for_trace,
 )
 from ringify.passes.attention import find_attention
+from ringify.passes.autocast import inline_autocast_regions
 from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
 from ringify.passes.constants import drop_empty_concatenated
 from ringify.passes.convs import fold_sequence_convs
@@ -338,8 +339,9 @@ def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
+    inline_autocast_regions(gm)
+    fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
     functionalize_writes(gm.graph)
-    fold_flex_attention(gm)
     fold_identity_indexing(gm.graph)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)

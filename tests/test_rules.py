@@ -61,8 +61,15 @@ CASES = {
         Seq(0),
     ),
     "cat": (lambda x: torch.cat([x, x], -1), (x3(2, S, 4),), 1, aten.cat.default, Seq(1)),
-    "cat along the sequence": (
+    "cat of whole sequences": (  # each rank's positions of each, end to end (an MoE's aux loss)
         lambda x: torch.cat([x, x], 1),
+        (x3(2, S, 4),),
+        1,
+        aten.cat.default,
+        Seq(1),
+    ),
+    "cat along the sequence": (
+        lambda x: torch.cat([x, x[:, :3]], 1),
         (x3(2, S, 4),),
         1,
         aten.cat.default,
@@ -155,8 +162,15 @@ CASES = {
         aten.index.Tensor,
         Seq(1),
     ),
-    "index along the sequence": (
+    "index of a few positions": (  # taken from their ranks: replicated
         lambda x: x[:, torch.tensor([0, 2])],
+        (x3(2, S, 4),),
+        1,
+        aten.index.Tensor,
+        None,
+    ),
+    "index along the sequence": (
+        lambda x: x[:, torch.arange(S).flip(0)],
         (x3(2, S, 4),),
         1,
         aten.index.Tensor,

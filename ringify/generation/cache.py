@@ -82,7 +82,9 @@ class ShardedCache:
         """The entries held as HF's ``DynamicCache`` (views, no copy)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache([(k[:, :, :0], k[:, :, :0]) for k in self._keys])
+        cache = DynamicCache(
+            [(k[:, :, :0], v[:, :, :0]) for k, v in zip(self._keys, self._values, strict=True)]
+        )
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = self.keys(i), self.values(i)
         return cache

@@ -11,6 +11,7 @@ model that branches on it), a length outside its range is traced again, and said
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -39,11 +40,16 @@ class DecodeStep:
     def __init__(self, model: nn.Module, ring: Ring, inputs: dict, like: list):
         self.model, self.ring = model, ring
         self.traces = 0
-        self._like = [(k.shape, k.dtype, k.device) for k, _ in like]
+        # per layer, the key's and the value's shape (MLA's differ), dtype and device
+        self._like = [((k.shape, v.shape), k.dtype, k.device) for k, v in like]
         # one element per layer, expanded to the cache's global shape at each step
         self._carriers = [torch.empty((), dtype=t, device=d) for _, t, d in self._like]
         self._keys = sorted(inputs)  # the step's inputs, by name
         self._cache_keyword = cache_keyword(model)
+        # an MoE's router statistics (its aux loss) are no output of a decode step, as in HF's
+        # generate: over one new token they would meet the mask of every cached one
+        takes = inspect.signature(model.forward).parameters
+        self._quiet = {"output_router_logits": False} if "output_router_logits" in takes else {}
         self._trace(inputs, _EXAMPLE_LENGTH)
 
     def _trace(self, inputs: dict, length: int) -> None:
@@ -51,11 +57,12 @@ class DecodeStep:
 
         exportable_dynamic_cache()
         cache = DynamicCache([
-            tuple(torch.zeros(*s[:2], length, s[3], dtype=t, device=d) for _ in range(2))
-            for s, t, d in self._like
+            tuple(torch.zeros(*s[:2], length, s[3], dtype=t, device=d) for s in shapes)
+            for shapes, t, d in self._like
         ])  # fmt: skip
         keyword = self._cache_keyword
         kwargs = {k: inputs[k] for k in self._keys} | {keyword: cache, "use_cache": True}
+        kwargs |= self._quiet
         kwargs = _with_length(kwargs, length)
         dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != keyword}
         dynamic[keyword] = [[{2: Dim.AUTO}] * len(self._like)] * 2
@@ -107,8 +114,9 @@ class DecodeStep:
         flat = []
         for name, source in zip(self._names, self._sources, strict=True):
             if isinstance(source, tuple):  # the cache's global shape only: no values are read
-                shape = self._like[source[1]][0]
-                flat.append(self._carriers[source[1]].expand(*shape[:2], cache.length, shape[3]))
+                kind, layer = source
+                shape = self._like[layer][0][kind == "value"]
+                flat.append(self._carriers[layer].expand(*shape[:2], cache.length, shape[3]))
             else:
                 flat.append(inputs.get(name, source))
         local = [cache.keys(i) for i in range(cache.layers)]

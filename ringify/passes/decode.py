@@ -47,7 +47,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
     whether it stores the new token."""
     layers = 1 + max(layer for _, layer in cache.values())
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    like = next(iter(cache))
+    like = {kind: next(x for x, (k, _) in cache.items() if k == kind) for kind in ("key", "value")}
     with graph.inserting_after(last):
         added = _inputs(graph, like, layers)
     local = {("key", i): added[i] for i in range(layers)}
@@ -84,16 +84,20 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
     graph.lint()
 
 
-def _inputs(graph: fx.Graph, like: fx.Node, layers: int) -> list[fx.Node]:
+def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.Node]:
     """The placeholders of this rank's cache, positions and ``own_new``, with values whose
-    cache length is a new symbol (it differs from rank to rank and step to step)."""
-    mode = detect_fake_mode([val(like)])
-    b, heads, _, d = shape(like)
+    cache length is a new symbol (it differs from rank to rank and step to step); keys and
+    values each shaped like the cache's (MLA's values have a head dim of their own)."""
+    key = val(like["key"])
+    mode = detect_fake_mode([key])
     with mode:
         n = mode.shape_env.create_unbacked_symint()
         torch._check(n >= 0)
-        kv = torch.empty(b, heads, n, d, dtype=val(like).dtype, device=val(like).device)
-        positions = torch.empty(n + 1, dtype=torch.long, device=val(like).device)
+        k, v = (
+            torch.empty(*val(x).shape[:2], n, val(x).shape[3], dtype=key.dtype, device=key.device)
+            for x in (like["key"], like["value"])
+        )
+        positions = torch.empty(n + 1, dtype=torch.long, device=key.device)
     made = []
     names = [f"local_keys_{i}" for i in range(layers)] + [
         f"local_values_{i}" for i in range(layers)
@@ -102,7 +106,8 @@ def _inputs(graph: fx.Graph, like: fx.Node, layers: int) -> list[fx.Node]:
         [*names, "positions", "own_new"]
     ):  # each goes right after the last placeholder
         made.insert(0, graph.placeholder(name))
-    for node, value in zip(made, [kv] * (2 * layers) + [positions, True], strict=True):
+    values = [k] * layers + [v] * layers + [positions, True]
+    for node, value in zip(made, values, strict=True):
         node.meta["val"] = value
     return made
 

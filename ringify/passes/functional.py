@@ -36,7 +36,7 @@ def functionalize_writes(graph: fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     rewritten = 0
     for node in list(graph.nodes):
-        if not _writes(node):
+        if not _writes(node) or _vmapped(node):
             continue
         path, base = _view_path(node.args[0])
         if base is None or not _made_here(base) or not _rewritable(node, path, base, order):
@@ -68,6 +68,15 @@ def _writes(node: fx.Node) -> bool:
         return False
     alias = schema.arguments[0].alias_info
     return alias is not None and alias.is_write and isinstance(node.args[0], fx.Node)
+
+
+def _vmapped(node: fx.Node) -> bool:
+    """A write inside a vmapped function (a ``BlockMask`` built in the graph: dropped with the
+    FlexAttention it serves), whose values are batched: left to that function."""
+    return any(
+        isinstance(val(a), torch.Tensor) and torch._C._functorch.is_batchedtensor(val(a))
+        for a in node.all_input_nodes
+    )
 
 
 def _view_path(x: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:

@@ -32,12 +32,26 @@ pass computes this rank's rows of them, against the whole keys (``rules.py``).
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 from torch import fx
 
 from ringify.passes.nodes import call, erase_unused, shape, slice_bounds, uses, val
+from ringify.passes.spellings import (
+    CASTS,
+    PRODUCTS,
+    WHERES,
+    capped,
+    constant,
+    einsum,
+    factor,
+    reaches_product,
+    row_max_subtracted,
+    scales,
+    skip_casts,
+    splits_heads,
+    untransposed,
+)
 from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
@@ -45,9 +59,6 @@ FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how
 UNREAD_NOTE = "ringify_unread"  # node.meta key: why a softmax (or flex node) is not attention
 
 _SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
-_CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
-_PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
-_WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 _RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
@@ -105,31 +116,31 @@ class _Scores:
         self.sinks, self.softcap = None, 0.0
         self.heads: list | None = None  # (B, H) where (B * H, S, S) scores are viewed 4-D
         while True:
-            x = _skip_casts(x)
+            x = skip_casts(x)
             target = x.target
-            if _row_max_subtracted(x):  # softmax(s - max(s)) is softmax(s)
+            if row_max_subtracted(x):  # softmax(s - max(s)) is softmax(s)
                 x = x.args[0]
             elif target is aten.cat.default and self.sinks is None:
                 x = self._sink(x)
-            elif _capped(x) is not None:
+            elif capped(x) is not None:
                 if self.scale != 1.0:
                     raise _NotAttention("the scores are scaled after their soft cap")
-                self.softcap, x = _capped(x)
-            elif _scales(x):
-                self.scale *= _factor(x)
+                self.softcap, x = capped(x)
+            elif scales(x):
+                self.scale *= factor(x)
                 x = x.args[0]
-            elif target in _RESHAPES and self.heads is None and _splits_heads(x):
+            elif target in _RESHAPES and self.heads is None and splits_heads(x):
                 self.heads = shape(x)[:2]
                 x = x.args[0]
             elif target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args[:2]):
-                side = 0 if _reaches_product(x.args[0]) else 1
+                side = 0 if reaches_product(x.args[0]) else 1
                 self._mask("add", x.args[1 - side], None)
                 x = x.args[side]
             elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
                 self._mask("hide", x.args[1], _fill(x.args[2], x))
                 x = x.args[0]
-            elif target in _WHERES:
-                side = 1 if _reaches_product(x.args[1]) else 2
+            elif target in WHERES:
+                side = 1 if reaches_product(x.args[1]) else 2
                 how = "keep" if side == 1 else "hide"
                 self._mask(how, x.args[0], _fill(x.args[3 - side], x))
                 x = x.args[side]
@@ -138,10 +149,10 @@ class _Scores:
                 self.scale *= float(x.kwargs.get("alpha", 1))
                 self._read_product(x.args[1], x.args[2])
                 break
-            elif target in _PRODUCTS:
+            elif target in PRODUCTS:
                 self._read_product(*x.args[:2])
                 break
-            elif _einsum(x) == "qk":  # einsum("bhid,bhjd->bhij", q, k): k not transposed
+            elif einsum(x) == "qk":  # einsum("bhid,bhjd->bhij", q, k): k not transposed
                 self.q, self.k = (self._unscaled(f) for f in x.args[1])
                 break
             else:
@@ -171,14 +182,14 @@ class _Scores:
 
     def _read_product(self, q: fx.Node, k_t: fx.Node) -> None:
         self.q = self._unscaled(q)
-        k = _untransposed(self._unscaled(k_t))
+        k = untransposed(self._unscaled(k_t))
         if k is None:
             raise _NotAttention("the keys are not transposed on their last two dims")
         self.k = self._unscaled(k)
 
     def _unscaled(self, x: fx.Node) -> fx.Node:
-        while _scales(x):
-            self.scale *= _factor(x)
+        while scales(x):
+            self.scale *= factor(x)
             x = x.args[0]
         return x
 
@@ -256,7 +267,7 @@ def _probabilities(softmax: fx.Node, scores: _Scores) -> tuple[list[fx.Node], fl
 
 def _passes_probabilities(node: fx.Node, scores: _Scores, sink_dropped: bool) -> bool:
     """Whether ``node`` carries the probabilities on towards v unchanged in value."""
-    if node.target in _CASTS or node.target is aten.dropout.default:
+    if node.target in CASTS or node.target is aten.dropout.default:
         return True
     if node.target in _RESHAPES:  # back to (B * H, S, S), as the scores were
         return scores.heads is not None and len(shape(node)) == 3
@@ -282,133 +293,15 @@ def _check_operands(q: fx.Node, k: fx.Node, v: fx.Node) -> None:
 def _times(node: fx.Node) -> tuple | None:
     """``(probabilities, v)`` if ``node`` multiplies them (``matmul``, ``bmm``, or an einsum
     of the form "bhij,bhjd->bhid"), else None."""
-    if node.target in _PRODUCTS:
+    if node.target in PRODUCTS:
         return tuple(node.args[:2])
-    return tuple(node.args[1]) if _einsum(node) == "pv" else None
-
-
-def _einsum(node: fx.Node) -> str | None:
-    """ "qk" for an einsum of q (..., i, d) and k (..., j, d) into (..., i, j); "pv" for one
-    of p (..., i, j) and v (..., j, d) into (..., i, d); the batch letters the same, in the
-    same order, one or two of them. Else None."""
-    if node.target is not aten.einsum.default or len(node.args[1]) != 2:
-        return None
-    equation = node.args[0].replace(" ", "")
-    if "." in equation or equation.count("->") != 1 or equation.count(",") != 1:
-        return None
-    inputs, out = equation.split("->")
-    a, b = inputs.split(",")
-    batch = out[:-2]
-    if len(batch) not in (1, 2) or not (a[:-2] == b[:-2] == batch) or len(a) != len(out):
-        return None
-    (a1, a2), (b1, b2), (o1, o2) = a[-2:], b[-2:], out[-2:]
-    if len({*batch, a1, a2, b1, b2, o1, o2}) != len(batch) + 3:
-        return None  # three distinct letters besides the batch's
-    if a2 == b2 and (o1, o2) == (a1, b1):
-        return "qk"
-    if a2 == b1 and (o1, o2) == (a1, b2):
-        return "pv"
-    return None
-
-
-def _row_max_subtracted(x: fx.Node) -> bool:
-    """``x`` is ``a - max(a, -1, keepdim=True)`` (gpt-oss guards its softmax so)."""
-    if x.target is not aten.sub.Tensor or not isinstance(x.args[1], fx.Node):
-        return False
-    a, m = x.args[:2]
-    m = m.args[0] if m.target in (aten.detach.default, aten.alias.default) else m
-    if m.target is operator.getitem and m.args[1] == 0:
-        m = m.args[0]
-        return m.target is aten.max.dim and m.args[0] is a and _last_keepdim(m, a, 1)
-    return m.target is aten.amax.default and m.args[0] is a and _last_keepdim(m, a, 1)
-
-
-def _last_keepdim(node: fx.Node, a: fx.Node, dim_at: int) -> bool:
-    dims = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim")
-    dims = [dims] if isinstance(dims, int) else list(dims or ())
-    keepdim = node.args[dim_at + 1] if len(node.args) > dim_at + 1 else node.kwargs.get("keepdim")
-    ndim = len(shape(a))
-    return [d % ndim for d in dims] == [ndim - 1] and bool(keepdim)
-
-
-def _capped(x: fx.Node) -> tuple[float, fx.Node] | None:
-    """``(cap, s)`` if ``x`` is ``tanh(s / cap) * cap`` (or ``s * (1 / cap)`` inside)."""
-    if x.target is not aten.mul.Tensor or _constant(x.args[1]) is None:
-        return None
-    cap, tanh = _constant(x.args[1]), x.args[0]
-    if not isinstance(tanh, fx.Node) or tanh.target is not aten.tanh.default:
-        return None
-    inner = tanh.args[0]
-    if not isinstance(inner, fx.Node) or not _scales(inner) or cap <= 0:
-        return None
-    return (cap, inner.args[0]) if math.isclose(_factor(inner), 1.0 / cap) else None
-
-
-def _splits_heads(x: fx.Node) -> bool:
-    """``x`` views (B * H, S, T) scores as (B, H, S, T)."""
-    before, after = shape(x.args[0]), shape(x)
-    return (
-        len(before) == 3
-        and len(after) == 4
-        and after[0] * after[1] == before[0]
-        and (after[2:] == before[1:])
-    )
-
-
-def _skip_casts(x: fx.Node) -> fx.Node:
-    while isinstance(x, fx.Node) and x.target in _CASTS:
-        x = x.args[0]
-    return x
-
-
-def _scales(x: fx.Node) -> bool:
-    return x.target in (aten.mul.Tensor, aten.div.Tensor) and _constant(x.args[1]) is not None
-
-
-def _factor(x: fx.Node) -> float:
-    c = _constant(x.args[1])
-    return c if x.target is aten.mul.Tensor else 1.0 / c
-
-
-def _constant(arg) -> float | None:
-    """A Python number, or a node filled with one (``scalar_tensor``, ``full``)."""
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return float(arg)
-    if isinstance(arg, fx.Node) and arg.target is aten.scalar_tensor.default:
-        return float(arg.args[0])
-    if isinstance(arg, fx.Node) and arg.target is aten.full.default and not arg.args[0]:
-        return float(arg.args[1])
-    return None
+    return tuple(node.args[1]) if einsum(node) == "pv" else None
 
 
 def _fill(arg, node: fx.Node) -> float:
     """The value hidden scores get: -inf, or the dtype's minimum (below any score, it
     absorbs an added score exactly). Another value would change rows with nothing kept."""
-    c = _constant(arg)
+    c = constant(arg)
     if c == -math.inf or (c is not None and c == torch.finfo(val(node).dtype).min):
         return c
     raise _NotAttention(f"hidden scores are filled with {arg}, not -inf or the dtype's minimum")
-
-
-def _reaches_product(x, depth: int = 8) -> bool:
-    """Whether ``x`` is computed from a product of q and k (the scores' side of an add)."""
-    for _ in range(depth):
-        if not isinstance(x, fx.Node) or x.op != "call_function":
-            return False
-        if x.target in _PRODUCTS or x.target is aten.baddbmm.default or _einsum(x) == "qk":
-            return True
-        x = x.args[1] if x.target in _WHERES else x.args[0]
-    return False
-
-
-def _untransposed(x: fx.Node) -> fx.Node | None:
-    """``k`` if ``x`` is ``k`` with its last two dims swapped, else None."""
-    ndim = val(x).dim()
-    last = {ndim - 2, ndim - 1}
-    if x.target is aten.transpose.int and {a % ndim for a in x.args[1:3]} == last:
-        return x.args[0]
-    if x.target is aten.permute.default:
-        dims = [d % ndim for d in x.args[1]]
-        if dims == [*range(ndim - 2), ndim - 1, ndim - 2]:
-            return x.args[0]
-    return None

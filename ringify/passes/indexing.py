@@ -9,6 +9,8 @@ the result is replicated. Longer picks fall back (a gather).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ringify.passes.crossings import PassState
@@ -46,18 +48,48 @@ def infer_indexing(node, place, p: Seq, ndim: int):
 
 @sharded_first
 def infer_index(node, place, p: Seq, ndim: int):
-    """``x[..., idx, ...]`` with replicated index tensors on dims other than the sequence."""
+    """``x[..., idx, ...]`` with replicated index tensors: local on dims other than the
+    sequence; along it, a few positions (CLIP's pooled token per row) taken from the ranks
+    that hold them (replicated), as ``_taken`` takes a slice."""
     indices = node.args[1]
     picked = [i for i, t in enumerate(indices) if t is not None]
-    if p.dim in picked:
-        return Fallback(GatherReason.ALONG_SEQUENCE)
     if any(place.sharded(t) for t in indices if t is not None):
         return Fallback(GatherReason.MIXED_DIMS)
+    if p.dim in picked:
+        count = math.prod(shape(indices[p.dim]))
+        if count > place.geometry.local or place.geometry.split(shape(node.args[0])[p.dim], p) != (
+            1,
+            1,
+        ):
+            return Fallback(GatherReason.ALONG_SEQUENCE, f"({count} positions)")
+        return None
     index_ndim = len(torch.broadcast_shapes(*(tuple(shape(indices[i])) for i in picked)))
     before = sum(i < p.dim for i in picked)
     if picked == list(range(picked[0], picked[-1] + 1)):  # adjacent: results stay in place
         return Seq(p.dim if p.dim < picked[0] else p.dim - len(picked) + index_ndim, p.inner)
     return Seq(index_ndim + p.dim - before, p.inner)  # apart: the indexed dims go first
+
+
+def rewrite_picked_positions(node, out, state: PassState) -> None:
+    """``x[..., idx, ...]`` along the sequence: the positions of ``idx`` taken from their ranks
+    (``ring_take``, every rank alike), then indexed in place of the sequence."""
+    x, indices = node.args[:2]
+    dim = state.place[x].dim
+    g, geo = state.graph, state.geo
+    positions = indices[dim]
+    count = math.prod(shape(positions))
+    with g.inserting_before(node):
+        flat = g.call_function(aten.reshape.default, (positions, [-1]))
+        taken = g.call_function(ring_take, (x, dim, flat, geo.padded, state.group_name, geo.layout))
+        device = val(positions).device
+        order = g.call_function(
+            aten.arange.default, (count,), {"dtype": torch.int64, "device": device}
+        )
+        order = g.call_function(aten.reshape.default, (order, shape(positions)))
+        picked = g.call_function(
+            aten.index.Tensor, (taken, [*indices[:dim], order, *indices[dim + 1 :]])
+        )
+    state.replace(node, picked, None)
 
 
 @sharded_first

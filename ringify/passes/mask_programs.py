@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import call, is_tensor, shape, val
+from ringify.passes.nodes import call, is_tensor, shape, slice_bounds, val
 from ringify.runtime.masks.grads import DIFFERENTIABLE
 from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.program import ELEMENTWISE, MaskProgram, parse, program_mask
@@ -178,6 +178,9 @@ class _Reader:
             return self._emit("const", [self.visit(value)], node)
         if target is aten.permute.default and args[0].target is aten.embedding.default:
             return self._embedding(node)
+        if target is aten.slice.Tensor and (diagonal := _triangle_buffer(node)) is not None:
+            kind, offset = diagonal  # nanoGPT's mask: a crop of a registered tril of ones
+            return self._emit(kind, [self._emit("const", [1], node), offset], node)
         if target in (aten.tril.default, aten.triu.default):
             diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
             return self._emit(target.__name__.split(".")[0], [self.visit(args[0]), diagonal], node)
@@ -205,6 +208,42 @@ class _Reader:
                 raise NotAProgram(f"{op} on a learned mask has no gradient rule in a program")
             self._learned.add(_key(ref))
         return ref
+
+
+_LARGEST_TRIANGLE = 1 << 14  # a buffer's side up to which its values are checked, once
+
+
+def _triangle_buffer(node: fx.Node) -> tuple[str, int] | None:
+    """``("tril" | "triu", diagonal)`` if ``node`` crops the top-left corner of a buffer of
+    the model (size-1 leading dims) that holds ``tril``/``triu`` of ones, checked by value
+    (once per trace: the buffer exists already), else ``None``."""
+    x = node
+    while x.op == "call_function" and x.target is aten.slice.Tensor:
+        ndim = len(shape(x.args[0]))
+        dim = x.args[1] % ndim
+        start, _, step = slice_bounds(x, shape(x.args[0])[dim])
+        crops = shape(x.args[0])[dim] != shape(x)[dim]
+        if crops and (start != 0 or step != 1 or dim < ndim - 2):
+            return None  # a crop of a leading dim, or not from the corner
+        x = x.args[0]
+    if x.op != "get_attr" or len(shape(x)) < 2 or max(shape(x)[-2:]) > _LARGEST_TRIANGLE:
+        return None
+    owner = node.graph.owning_module
+    value = owner.get_buffer(x.target) if owner is not None else None
+    if value is None or any(d != 1 for d in value.shape[:-2]):
+        return None
+    square = value.reshape(value.shape[-2:])
+    if not torch.all((square == 0) | (square == 1)):
+        return None
+    square = square != 0
+    ones = torch.ones_like(square)
+    for kind, diagonal in (
+        ("tril", int(square[0].sum()) - 1),
+        ("triu", -int(square[:, 0].sum()) + 1),
+    ):
+        if torch.equal(square, getattr(torch, kind)(ones, diagonal)):
+            return kind, diagonal
+    return None
 
 
 def _functional(node: fx.Node) -> str:
@@ -302,7 +341,7 @@ def program_inputs(
         latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
         with state.graph.inserting_before(state.after(latest)):
             args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
-            plan = call(state.graph, attention_plan._opoverload, args)
+            plan = call(state.graph, attention_plan._opoverload, args, like=folded)
         state.place[plan] = None
         state._cache["plan", program, is_causal] = plan
     return text, whole, state._cache["plan", program, is_causal]

@@ -24,10 +24,11 @@ from torch import fx
 
 from ringify.config import Config
 from ringify.passes.attention import find_attention
+from ringify.passes.dims import VIEWS
 from ringify.passes.handwritten import UNREAD_NOTE
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
-from ringify.passes.rules import SAME_SHAPE, VIEWS, infer_placements
+from ringify.passes.rules import SAME_SHAPE, infer_placements
 from ringify.runtime.collectives.shift import shifted
 from ringify.runtime.tiling.layout import padded_length, split_multiple
 
@@ -195,8 +196,8 @@ def _births(
             break
         if node.op != "call_function" or node not in ancestors or place[node] is not None:
             continue
-        if not is_tensor(node):
-            continue
+        if not is_tensor(node) or any(place[a] is not None for a in node.all_input_nodes):
+            continue  # a birth is computed whole from replicated tensors, not gathered ones
         for dim, size in enumerate(shape(node)):
             if size < 2 or size not in lengths:
                 continue

@@ -27,6 +27,19 @@ from torch import fx
 from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
 from ringify.passes.convs import infer_conv, rewrite_conv
 from ringify.passes.crossings import PassState
+from ringify.passes.dims import (
+    VIEWS,
+    infer_cat,
+    infer_expand,
+    infer_permute,
+    infer_squeeze,
+    infer_stack,
+    infer_t,
+    infer_transpose,
+    infer_unsqueeze,
+    infer_view,
+    rewrite_local_size,
+)
 from ringify.passes.dropout import rewrite_dropout
 from ringify.passes.indexing import (
     INDEXING,
@@ -36,10 +49,11 @@ from ringify.passes.indexing import (
     infer_indexing,
     infer_scatter,
     rewrite_indexing,
+    rewrite_picked_positions,
     rewrite_scatter,
 )
 from ringify.passes.mask_programs import rewrite_program_mask
-from ringify.passes.nodes import norm_dim, norm_dims, shape, val
+from ringify.passes.nodes import norm_dim, shape, val
 from ringify.passes.placement import (
     Fallback,
     Geometry,
@@ -47,7 +61,6 @@ from ringify.passes.placement import (
     Placements,
     Seq,
     sharded_first,
-    view_placement,
 )
 from ringify.passes.products import infer_addmm, infer_baddbmm, infer_matmul, rewrite_product
 from ringify.passes.reductions import (
@@ -110,10 +123,6 @@ SAME_SHAPE = frozenset({
 NEW_TENSORS = frozenset({
     aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
 })  # fmt: skip
-VIEWS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
-    aten.flatten.using_ints,
-})  # fmt: skip
 
 
 # ---- rewrites shared by several rules ---------------------------------------------------
@@ -127,18 +136,6 @@ def _fit_broadcast(node, out, state: PassState) -> None:
 def _fit_whole(node, out, state: PassState) -> None:
     """Replicated operands (weights, tables) are used whole by every position."""
     state.fit_replicated_inputs(node, None)
-
-
-def _local_size(node, out: Seq, state: PassState) -> None:
-    """A view or expand: its size argument becomes the local shape."""
-    local = state.local_shape(node, out)
-    if node.target in VIEWS:
-        # reshape, not view: the ring ops' outputs need not have the strides the
-        # traced kernels had (a .contiguous() the trace dropped as a no-op).
-        node.target = aten.reshape.default
-        node.args, node.kwargs = (node.args[0], local), {}
-    else:
-        node.args = (node.args[0], local, *node.args[2:])
 
 
 def _erase(node, out, state: PassState) -> None:
@@ -175,72 +172,11 @@ def _infer_per_position(node, place: Placements):
     return Fallback(GatherReason.FEATURE_DIM)
 
 
-def _infer_cat(node, place: Placements):
-    tensors = node.args[0]
-    placements = {place[a] for a in tensors if place.sharded(a)}
-    if len(placements) != 1:
-        return Fallback(GatherReason.MIXED_DIMS)
-    seq = placements.pop()
-    if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
-        return _cat_of_sequences(tensors, seq, place)
-    return place.line_up(node, tensors, seq)
-
-
-def _cat_of_sequences(tensors, seq: Seq, place: Placements):
-    """Whole sequences put end to end (every layer's router logits, for an MoE's aux loss):
-    each rank's positions of each, end to end, are its positions of the result."""
-    per_position = place.geometry.length * seq.inner
-    if all(place[a] == seq and shape(a)[seq.dim] % per_position == 0 for a in tensors):
-        return seq
-    return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
-
-
 def _infer_embedding(node, place: Placements):
     table, idx = node.args[:2]
     if place[idx] is not None and not place.sharded(table):
         return place[idx]
     return Fallback(GatherReason.SHARDED_TABLE)
-
-
-@sharded_first
-def _infer_view(node, place, p: Seq, ndim: int):
-    seq = view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry.length)
-    return seq or Fallback(GatherReason.VIEW_SPLITS)
-
-
-@sharded_first
-def _infer_transpose(node, place, p: Seq, ndim: int):
-    a, b = (norm_dim(d, ndim) for d in node.args[1:3])
-    return Seq({a: b, b: a}.get(p.dim, p.dim), p.inner)
-
-
-@sharded_first
-def _infer_t(node, place, p: Seq, ndim: int):
-    return Seq(ndim - 1 - p.dim, p.inner)
-
-
-@sharded_first
-def _infer_permute(node, place, p: Seq, ndim: int):
-    return Seq(norm_dims(node.args[1], ndim).index(p.dim), p.inner)
-
-
-@sharded_first
-def _infer_unsqueeze(node, place, p: Seq, ndim: int):
-    k = norm_dim(node.args[1], ndim + 1)
-    return Seq(p.dim + (k <= p.dim), p.inner)
-
-
-@sharded_first
-def _infer_squeeze(node, place, p: Seq, ndim: int):
-    x = node.args[0]
-    named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
-    dropped = [d for d in named if shape(x)[d] == 1]
-    return Seq(p.dim - sum(d < p.dim for d in dropped), p.inner)
-
-
-@sharded_first
-def _infer_expand(node, place, p: Seq, ndim: int):
-    return Seq(p.dim + val(node).dim() - ndim, p.inner)
 
 
 @sharded_first
@@ -268,10 +204,12 @@ def _infer_index(node, place: Placements):
 
 
 def _rewrite_index(node, out, state: PassState) -> None:
-    if state.sharded(node.args[0]):
-        _fit_whole(node, out, state)
-    else:
+    if not state.sharded(node.args[0]):
         rewrite_table_rows(node, out, state)
+    elif out is None:  # positions picked along the sequence
+        rewrite_picked_positions(node, out, state)
+    else:
+        _fit_whole(node, out, state)
 
 
 @sharded_first
@@ -304,7 +242,8 @@ RULES: dict[object, Rule] = {
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
-    aten.cat.default: Rule(_infer_cat, _fit_broadcast),
+    aten.cat.default: Rule(infer_cat, _fit_broadcast),
+    aten.stack.default: Rule(infer_stack, _as_it_is),
     **dict.fromkeys(
         (aten.linear.default, aten.layer_norm.default, aten.rms_norm.default),
         Rule(_infer_per_position, _fit_whole),
@@ -319,17 +258,17 @@ RULES: dict[object, Rule] = {
     ),
     aten.baddbmm.default: Rule(infer_baddbmm, rewrite_product),
     aten.embedding.default: Rule(_infer_embedding, _fit_whole),
-    **dict.fromkeys(VIEWS, Rule(_infer_view, _local_size)),
+    **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
     **dict.fromkeys(
-        (aten.expand.default, aten.broadcast_to.default), Rule(_infer_expand, _local_size)
+        (aten.expand.default, aten.broadcast_to.default), Rule(infer_expand, rewrite_local_size)
     ),
-    aten.transpose.int: Rule(_infer_transpose, _fit_whole),
-    aten.t.default: Rule(_infer_t, _fit_whole),
-    aten.permute.default: Rule(_infer_permute, _fit_whole),
-    aten.unsqueeze.default: Rule(_infer_unsqueeze, _fit_whole),
+    aten.transpose.int: Rule(infer_transpose, _fit_whole),
+    aten.t.default: Rule(infer_t, _fit_whole),
+    aten.permute.default: Rule(infer_permute, _fit_whole),
+    aten.unsqueeze.default: Rule(infer_unsqueeze, _fit_whole),
     **dict.fromkeys(
         (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
-        Rule(_infer_squeeze, _fit_whole),
+        Rule(infer_squeeze, _fit_whole),
     ),
     **dict.fromkeys((aten.select.int, aten.slice.Tensor), Rule(infer_indexing, rewrite_indexing)),
     **dict.fromkeys(

@@ -61,10 +61,17 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
-        if n.op != "output" and not isinstance(result, torch.nn.Module):  # not a HOP's body
+        if n.op != "output" and _a_value(result):  # not a HOP's body, nor an autocast state
             n.meta["val"] = result
         return result
 
     def get_attr(self, target, args, kwargs):
         recorded = self._state[target].meta.get("val")
         return recorded if recorded is not None else super().get_attr(target, args, kwargs)
+
+
+def _a_value(x) -> bool:
+    """A tensor, number or sequence of them: a node's value (not an object of the runtime)."""
+    if isinstance(x, (list, tuple)):
+        return all(_a_value(y) for y in x)
+    return x is None or isinstance(x, (torch.Tensor, int, float, bool, torch.SymInt))

@@ -263,3 +263,74 @@ class FlexTransformer(nn.Module):
             x = x + block["out"](y.transpose(1, 2).reshape(batch, length, -1))
             x = x + block["mlp"](block["mlp_norm"](x))
         return self.head(x)
+
+
+class ConstantMaskAttention(nn.Module):
+    """Attention under a causal mask built from constants, as research code writes it:
+    ``einsum`` scores, ``ones((i, j)).triu(j - i + 1)`` filled (``how="einsum"``), or an
+    ``nn.MultiheadAttention`` given the mask (``how="mha"``, its weights asked for with
+    ``need_weights``)."""
+
+    def __init__(self, dim=32, heads=4, how="einsum", need_weights=False):
+        super().__init__()
+        self.heads, self.how, self.need_weights = heads, how, need_weights
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        if self.how == "mha":
+            mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            return self.mha(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(c, -1))
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * (c // self.heads) ** -0.5
+        i, j = sim.shape[-2:]
+        hidden = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
+        attn = sim.masked_fill(hidden, -torch.finfo(sim.dtype).max).softmax(-1)
+        return self.out(torch.einsum("bhij,bhjd->bhid", attn, v).transpose(1, 2).reshape(b, n, c))
+
+
+class RotaryDecoder(nn.Module):
+    """A torchtitan-style attention layer: RoPE of interleaved pairs, ``torch.stack([...],
+    -1).flatten(-2)``, under ``torch.autocast(enabled=False)`` (as HF's rotary embeddings),
+    grouped-query attention through SDPA's ``enable_gqa`` (``gqa="sdpa"``), K/V repeated with
+    ``repeat_interleave`` (``"repeat_interleave"``) or FlexAttention (``"flex"``); then the
+    hidden state at each row's highest id (CLIP's pooled EOS token) with ``pooled``."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, gqa="sdpa", pooled=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.gqa, self.pooled = heads, kv_heads, gqa, pooled
+        self.embed = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * dim * kv_heads // heads, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def _rotated(self, t):
+        d = t.shape[-1]
+        with torch.autocast(device_type=t.device.type, enabled=False):
+            pos = torch.arange(t.shape[1], device=t.device, dtype=t.dtype)
+            freqs = pos[:, None] / 10000 ** (
+                torch.arange(0, d, 2, device=t.device, dtype=t.dtype) / d
+            )
+            cos, sin = freqs.cos()[None, :, None], freqs.sin()[None, :, None]
+            t1, t2 = t[..., 0::2], t[..., 1::2]
+            return torch.stack([t1 * cos - t2 * sin, t1 * sin + t2 * cos], -1).flatten(-2)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, n, c = x.shape
+        q = self._rotated(self.q(x).view(b, n, self.heads, -1)).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, -1).unbind(2)
+        k, v = self._rotated(k).transpose(1, 2), v.transpose(1, 2)
+        if self.gqa == "repeat_interleave":
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.gqa == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            mask = create_block_mask(lambda b_, h, i, j: i >= j, b, None, n, n, device=x.device)
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = self.out(y.transpose(1, 2).reshape(b, n, c))
+        return y[torch.arange(b, device=ids.device), ids.argmax(-1)] if self.pooled else y

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention.blocks import additive_mask, block_forward, merge_block
+from ringify.runtime.attention.blocks import (
+    additive_mask,
+    block_forward,
+    math_forward,
+    merge_block,
+)
 from ringify.runtime.attention.memory import merge_over_ring
 from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
 
@@ -40,27 +45,32 @@ def decode_attention_op(
         new = None if keep is None else keep[..., k_cache.shape[2] :]
         merge_block(out, lse, *_block(q, k_new, v_new, new, scale))
     out, _ = merge_over_ring(q, out, lse, group_name)
-    return empty_attention_outputs(q)[0].copy_(out)
+    return empty_attention_outputs(q, v_cache.shape[-1])[0].copy_(out)
 
 
 def _block(q, k, v, keep, scale):
     """One block's ``(out, lse)``. With GQA the query heads sharing a kv head are one head's
     rows (a decode row per query head): the kernel reads the cache with its own K heads,
-    never a copy expanded to H heads, whatever kernel the device picks."""
+    never a copy expanded to H heads, whatever kernel the device picks. A value head dim
+    other than q's (MLA) runs the math formulation: one row of scores, O(cache)."""
     b, h, s, d = q.shape
-    kv = k.shape[1]
+    kv, dv = k.shape[1], v.shape[-1]
     if s == 1 and h != kv:
         if keep is not None and keep.dim() == 4 and keep.shape[1] == h:
             keep = keep.reshape(keep.shape[0], kv, h // kv, keep.shape[-1])
         out, lse = _block(q.reshape(b, kv, h // kv, d), k, v, keep, scale)
-        return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
+        return out.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
     bias = None if keep is None else additive_mask(keep, q.dtype)
+    if dv != d:
+        acc = accumulation_dtype(q.dtype)
+        q, k, v = (x.to(acc) for x in (q, k, v))
+        return math_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
     return block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
 
 
 @decode_attention_op.register_fake
 def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, scale, group_name):
-    return empty_attention_outputs(q)[0]
+    return empty_attention_outputs(q, v_cache.shape[-1])[0]
 
 
 decode_attention = decode_attention_op._opoverload

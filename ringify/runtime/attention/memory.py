@@ -82,7 +82,7 @@ def merge_over_ring(q, out, lse, group_name: str):
     seen = total[..., 0] > 0
     merged = torch.where(seen.unsqueeze(-1), total[..., 1:] / total[..., :1], 0.0)
     lse = torch.where(seen, top + total[..., 0].log(), float("-inf"))
-    target, _ = empty_attention_outputs(q)
+    target, _ = empty_attention_outputs(q, out.shape[-1])
     return target.copy_(merged), lse
 
 

@@ -28,10 +28,17 @@ def bias_dtype(q: torch.Tensor) -> torch.dtype:
     return accumulation_dtype(q.dtype)
 
 
-def empty_in_dim_order_of(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor shaped like ``q`` whose dims lie in memory in q's order (by stride),
-    densely: unlike ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
-    return torch.empty_strided(q.shape, _dense_strides(q), dtype=dtype, device=q.device)
+def empty_in_dim_order_of(
+    q: torch.Tensor, dtype: torch.dtype, last: int | None = None
+) -> torch.Tensor:
+    """An empty tensor shaped like ``q`` (its last dim ``last`` where given: a value head dim
+    other than q's) whose dims lie in memory in q's order (by stride), densely: unlike
+    ``empty_like``, also for a q that is a strided slice of a bigger tensor."""
+    if last is None or last == q.shape[-1]:
+        return torch.empty_strided(q.shape, _dense_strides(q), dtype=dtype, device=q.device)
+    shape = (*q.shape[:-1], last)
+    strides = _dense_strides_of(shape, q.stride())
+    return torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
 
 
 def in_dim_order_of(
@@ -71,9 +78,12 @@ def _dense_strides_of(shape: tuple, stride: tuple) -> tuple:
 _kept_dense_strides = functools.lru_cache(maxsize=256)(_dense_strides_of)  # asked in every call
 
 
-def empty_attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out, lse)`` as the attention ops return them: ``out`` in q's dim order, ``lse``
-    (B, H, S) in the accumulation dtype. The ops' fake kernels are this, so the graph
-    pass, which fills ``meta["val"]`` from the fake kernels, states shapes exactly once."""
+def empty_attention_outputs(
+    q: torch.Tensor, value_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse)`` as the attention ops return them: ``out`` in q's dim order (its
+    last dim ``value_dim`` where v's differs from q's), ``lse`` (B, H, S) in the accumulation
+    dtype. The ops' fake kernels are this, so the graph pass, which fills ``meta["val"]``
+    from the fake kernels, states shapes exactly once."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-    return empty_in_dim_order_of(q, q.dtype), lse
+    return empty_in_dim_order_of(q, q.dtype, value_dim), lse
