@@ -13,8 +13,6 @@ and each rank's experts see 1/P of the tokens' rows."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -88,19 +86,21 @@ def compare(name: str, backend: str | None = None):
     ids = torch.randint(1, 64, (2, 16 * world), generator=torch.Generator().manual_seed(1))
     want = _results(model, model, ids)
     reordered = _results(model, model, ids.flip(0), flipped=True)
-    with _Float64Softmax():
-        float64 = _results(model, model, ids)
+    float64 = want
+    if name in ("gemma2", "bloom"):  # their eager softmax is float32
+        with _Float64Softmax():
+            float64 = _results(model, model, ids)
     ringified, run = ringified_run(model, backend)
     got = _results(model, run, ids)
     report = ringified.report()
-    whole = torch.export.export(model, (), {"input_ids": ids, "labels": ids}, strict=False)
+    top_k = getattr(model.config, "num_experts_per_tok", 0)
     return {
         "wrong": exceeding(differences(got, want), _tolerances(want, reordered, float64)),
         "same grads": set(got) == set(want),
         "gathers": [(g.op, g.reason.value) for g in report.gathers],
         "forms": sorted({a.form for a in report.attentions}),
         "expert rows": _expert_rows(ringified._active.module),
-        "unmodified expert rows": _expert_rows(whole.module()),
+        "token copies": ids.numel() * top_k,  # the rows of each expert product, unmodified
     }
 
 
@@ -111,11 +111,9 @@ def test_the_family_matches_the_unmodified_model(ranks, world, name):
         assert r["wrong"] == {}, r["wrong"]
         assert r["same grads"], r
         assert r["gathers"] == [], r["gathers"]
-        if name in MOE:  # every expert product sees this rank's tokens only
+        if name in MOE:  # every expert product sees this rank's tokens' copies only
             assert r["expert rows"], r
-            assert math.prod(r["expert rows"]) * world ** len(r["expert rows"]) == math.prod(
-                r["unmodified expert rows"]
-            ), r
+            assert set(r["expert rows"]) == {r["token copies"] // world}, r
         if name == "gpt_oss":
             assert r["forms"] == ["by hand, with sinks"], r["forms"]
         if name == "gemma2":

@@ -50,7 +50,12 @@ def _dense(case: str, seq: int):
     return bias
 
 
-def ring_forms(world_case: tuple, sinks_on: bool, softcap: float, dv: int, tiles: int):
+def ring_forms(world_case: tuple, sinks_on: bool, softcap: float, dv: int, tilings=(0, 2)):
+    """On every rank: per tiling, the gathered output and gradients."""
+    return [_ring_forms(world_case, sinks_on, softcap, dv, tiles) for tiles in tilings]
+
+
+def _ring_forms(world_case: tuple, sinks_on: bool, softcap: float, dv: int, tiles: int):
     import torch.distributed as dist
 
     world, case = world_case
@@ -106,8 +111,8 @@ def test_the_reference_is_sdpa_without_sinks_or_cap():
 )
 def test_ring_forms_match_their_definition(ranks, world, case, sinks_on, softcap, dv):
     want = reference(world, case, sinks_on, softcap, dv)
-    for tiles in (0, 2):
-        for got in ranks(world).run(ring_forms, (world, case), sinks_on, softcap, dv, tiles):
+    for tilings in ranks(world).run(ring_forms, (world, case), sinks_on, softcap, dv):
+        for got in tilings:  # the op's own tiling and two tiles per chunk
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=EXACT)
 
