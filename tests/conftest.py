@@ -20,7 +20,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """Mark ``hf`` every test of a module that runs HF transformers code: CI runs those again
-    against the oldest transformers the project supports (``.ci/run``)."""
+    against the oldest transformers the project supports (``.ci/run``). Mark ``slow`` every
+    test compiled with Inductor: on a fresh machine each compiles C++ for half a minute or
+    more, and its graphs are the aot_eager tests' (CI runs them in a pass of their own)."""
     uses: dict[str, bool] = {}
     for item in items:
         module = item.module
@@ -29,6 +31,9 @@ def pytest_collection_modifyitems(items):
             uses[module.__name__] = "transformers" in source or "hf_models" in source
         if uses[module.__name__]:
             item.add_marker(pytest.mark.hf)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "inductor" in params.values():
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

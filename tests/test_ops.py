@@ -162,6 +162,7 @@ def test_compiled_matches_eager(ranks, world, backend):
             torch.testing.assert_close(c, e, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow  # two pools compile with Inductor
 def test_warm_compile_cache_serves_every_rank_its_own_graph(tmp_path):
     """Fresh ranks meeting a compile cache that other ranks filled still compute their own part.
 
