@@ -7,7 +7,8 @@ S padding), packed (documents of 10, 20, 30 and 40% of S) and Mistral's sliding 
 4 layers at S = 2048; and one step of other families and attention forms: T5 (a learned
 relative-position bias), GPT-2 with HF's eager attention, ViT, Whisper's encoder, wav2vec2, a
 DiT block, FlexAttention with packed documents, HF Llama at a third length (the graph the
-second length traced for every length), and ``generate`` (a prefill and 6 decode steps).
+second length traced for every length), ``generate`` (a prefill and 6 decode steps), and
+diffusers' SD3 and Flux (joint attention).
 
     OMP_NUM_THREADS=1 python -m benchmarks.device_reads [--cases causal packed ...]
 """
@@ -22,7 +23,7 @@ from ringify.testing import RankPool
 
 LLAMA_CASES = ("causal", "padded", "packed", "swa")
 CASES = (*LLAMA_CASES, "generate", "lengths", "t5", "gpt2_eager", "vit", "whisper", "wav2vec2",
-         "dit", "flex")  # fmt: skip
+         "dit", "flex", "sd3", "flux")  # fmt: skip
 SEQ, LAYERS = 2048, 4
 
 
@@ -78,6 +79,11 @@ def _model(case: str):
         video, text = randn(2, 4, 2, 8, 8), randn(2, 5, 24)
         mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         return models.DiTBlock(), (video, torch.tensor([3.0, 500.0]), text, mask), {}
+    if case in ("sd3", "flux"):  # joint attention (diffusers)
+        from ringify.testing import diffusers_models
+
+        model, kwargs = getattr(diffusers_models, case)()
+        return model, (), kwargs
     if case == "flex":  # FlexAttention with packed documents
         docs = torch.cumsum(torch.rand(2, 48, generator=g) < 0.15, 1)
         return models.FlexTransformer(), (ids, docs), {}

@@ -45,6 +45,7 @@ from ringify.passes.functional import functionalize_writes
 from ringify.passes.gqa import fold_repeated_kv
 from ringify.passes.handwritten import fold_handwritten_attention
 from ringify.passes.identity_index import fold_identity_indexing
+from ringify.passes.joints import fold_joint_sequences
 from ringify.passes.loss_shift import fold_sliced_loss
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import plan_sequence, sharded_input_dims
@@ -348,6 +349,7 @@ def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     fold_sequence_convs(gm.graph)
     fold_handwritten_attention(gm.graph)
     fold_repeated_kv(gm.graph)
+    fold_joint_sequences(gm)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
     return gm
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ringify.testing.hf_models import gemma3, gpt2, llama, mistral
+from ringify.testing.hf_moe import gpt_oss, qwen3_moe
 
 TOL = 1e-10
 PROMPT, NEW = 13, 16
@@ -25,7 +26,10 @@ MODELS = {
     "mistral": lambda: mistral(window=6, layers=2),
     "gpt2": lambda: gpt2(layers=2),
     "gemma3": lambda: gemma3(layers=2, window=6),  # sliding and full layers, one RoPE each
+    "qwen3_moe": qwen3_moe,  # experts: router statistics off in a decode step
+    "gpt_oss": lambda: gpt_oss(window=6),  # sinks in the decode step's softmax
 }
+WINDOWED = ("mistral", "gemma3", "gpt_oss")  # their own caches keep only the window
 
 
 def _inputs(padded: bool):
@@ -62,7 +66,7 @@ def compare(kind: str, padded: bool, options: dict):
     pad = cache.length - (PROMPT + len(got.logits) - 1)  # the left padding generate added
     real = positions >= pad
     kv_error = 0.0
-    if kind not in ("mistral", "gemma3"):  # their own caches keep only the window
+    if kind not in WINDOWED:
         for i in range(cache.layers):
             for ours, theirs in ((cache.keys(i), reference.layers[i].keys),
                                  (cache.values(i), reference.layers[i].values)):  # fmt: skip
@@ -118,7 +122,15 @@ def _check(results: list, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
     "kind, padded",
-    [("llama", False), ("llama", True), ("mistral", True), ("gpt2", False), ("gemma3", True)],
+    [
+        ("llama", False),
+        ("llama", True),
+        ("mistral", True),
+        ("gpt2", False),
+        ("gemma3", True),
+        ("qwen3_moe", True),
+        ("gpt_oss", True),
+    ],
 )
 def test_greedy_matches_the_unmodified_model(ranks, world, kind, padded):
     if world == 4 and (kind, padded) == ("llama", False):
@@ -221,12 +233,13 @@ def test_decode_attention_reads_the_cache_with_its_own_heads_on_cuda_kernels(dty
 
 
 @pytest.mark.parametrize("own_new", [False, True])
-def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new):
+@pytest.mark.parametrize("sinks, softcap", [(False, 0.0), (True, 0.0), (False, 2.0)])
+def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new, sinks, softcap):
     """On one rank, float64: the op equals SDPA with GQA over the cached keys and, where this
-    rank stores it, the new key, under a mask that hides some of them."""
-    import torch.nn.functional as F
-
+    rank stores it, the new key, under a mask that hides some of them; with a sink logit per
+    head or soft-capped scores, the definition of both (``reference.attention``)."""
     from ringify.runtime.attention.decode import decode_attention_op
+    from ringify.runtime.attention.reference import attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 1, 16, generator=g, dtype=torch.float64)
@@ -234,11 +247,12 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new):
     k_new, v_new = (torch.randn(2, 2, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
     keep = torch.rand(2, 1, 1, 11, generator=g) > 0.3
     keep[..., -1] = True
-    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, 0.25, "")
+    logits = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64) if sinks else None
+    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, 0.25, "", logits, softcap)
     keys = 11 if own_new else 10
-    want = F.scaled_dot_product_attention(
+    want = attention(
         q, torch.cat([k, k_new], 2)[:, :, :keys], torch.cat([v, v_new], 2)[:, :, :keys],
-        attn_mask=keep[..., :keys], scale=0.25, enable_gqa=True,
+        attn_mask=keep[..., :keys], scale=0.25, enable_gqa=True, sinks=logits, softcap=softcap,
     )  # fmt: skip
     assert (out - want).abs().max() < TOL
 

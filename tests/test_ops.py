@@ -69,7 +69,7 @@ def opcheck_ops():
 def opcheck_beside_the_ring(name: str) -> None:
     """The ops that serve the ring: memory attention (replicated queries, this rank's keys;
     with and without a learned bias), a mask program and its plan, a decode step's attention,
-    the ring's maximum, sequence dropout."""
+    joint attention (image and text queries), the ring's maximum, sequence dropout."""
     import torch.distributed as dist
 
     from ringify.testing.attention import document_causal_program, document_inputs
@@ -106,7 +106,23 @@ def opcheck_beside_the_ring(name: str) -> None:
     for own_new in (False, True):  # a decode step over this rank's cache part
         args = (q, k, v, k_new, v_new, keep, own_new, 0.5, name)
         torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
+    sinks = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64)  # and soft-capped
+    args = (q, k, v, k_new, v_new, keep, True, 0.5, name, sinks, 2.0)
+    torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
+    (q, k, v), _ = ring_args(16)
+    k, v = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
+    k_text, v_text = (torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    q_text = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    for queries, sharded in ((q, True), (q_text, False)):  # image queries, then text queries
+        args = (queries, k, v, k_text.requires_grad_(), v_text.requires_grad_(), 0.3, name)
+        args = (*args, "zigzag", q.shape[2] * 2, sharded)
+        torch.library.opcheck(torch.ops.ringify.joint_attention.default, args)
+        out, lse = torch.ops.ringify.joint_attention(*args)
+        tensors = (torch.randn_like(out), *args[:5], out, lse)
+        bwd_args = (*(t.detach() for t in tensors), *args[5:])
+        torch.library.opcheck(torch.ops.ringify.joint_attention_backward.default, bwd_args)
     x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.ringify.with_zero_grads.default, (x, [q_text]))
     torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
     if name:  # a ring's maximum needs a ring: checked on 2 ranks
         torch.library.opcheck(torch.ops.ringify.ring_amax.default, (x, [1], name))
@@ -353,7 +369,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (13): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (16): a new op must join it."""
     import inspect
 
     import ringify.runtime  # noqa: F401  (registers the ops)
@@ -365,4 +381,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 13 and checked == registered, registered - checked
+    assert len(registered) == 16 and checked == registered, registered - checked

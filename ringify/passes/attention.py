@@ -32,6 +32,7 @@ from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
+from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
@@ -99,11 +100,20 @@ def read_attention(node: fx.Node) -> Attention:
     )
 
 
+def read_joint_attention(node: fx.Node) -> Attention:
+    """A ``joint_attention`` (``joints.py``) as an ``Attention`` over the key part as long as
+    its queries (its self-attention part), else the longest."""
+    q, keys, values, scale = node.args
+    lengths = [shape(k)[2] for k in keys]
+    i = lengths.index(shape(q)[2]) if shape(q)[2] in lengths else lengths.index(max(lengths))
+    return Attention(node, q, keys[i], values[i], None, 0.0, False, scale, False)
+
+
 def find_attention(graph: fx.Graph) -> list[Attention]:
     return [
-        read_attention(n)
+        read_joint_attention(n) if n.target is joint_attention else read_attention(n)
         for n in graph.nodes
-        if n.op == "call_function" and n.target in _SIGNATURES
+        if n.op == "call_function" and (n.target in _SIGNATURES or n.target is joint_attention)
     ]
 
 

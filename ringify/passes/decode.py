@@ -28,11 +28,13 @@ from torch._guards import detect_fake_mode
 
 from ringify.passes.nodes import call, erase_unused, shape, uses, val
 from ringify.runtime.attention.decode import decode_attention
+from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
 SUPPORTED = (
     "ringify's generate shards HF's DynamicCache of attention layers (full or sliding "
-    "window) read by scaled_dot_product_attention (attn_implementation='sdpa' or 'eager')"
+    "window) read by scaled_dot_product_attention (attn_implementation='sdpa' or 'eager', "
+    "sinks and soft caps included)"
 )
 
 
@@ -56,9 +58,11 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
     rows: dict[fx.Node, fx.Node] = {}  # mask -> its row at this rank's positions
     done = set()
     for node in list(graph.nodes):
-        if node.target is not aten.scaled_dot_product_attention.default:
+        if node.target not in (aten.scaled_dot_product_attention.default, reference_attention):
             continue
-        q, k, v, mask, dropout, is_causal, scale, _ = _sdpa_args(node)
+        q, k, v, mask, dropout, is_causal, scale, _, sinks, softcap = _sdpa_args(node)
+        if softcap and shape(v)[-1] != shape(q)[-1]:
+            raise NotDecodable(f"{node.name}: a soft cap with MLA's value head dim. {SUPPORTED}")
         (k_layer, k_new), (v_layer, v_new) = _appended(k, cache), _appended(v, cache)
         if k_layer != ("key", v_layer[1]) or v_layer[0] != "value" or dropout or is_causal:
             raise NotDecodable(f"{node.name} does not attend to one layer's cache. {SUPPORTED}")
@@ -74,7 +78,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
         scale = scale if scale is not None else 1 / math.sqrt(shape(q)[-1])
         args = (q, local[k_layer], local[v_layer], k_new, v_new, keep, own_new, scale, group_name)
         with graph.inserting_before(node):
-            out = call(graph, decode_attention, args)
+            out = call(graph, decode_attention, (*args, sinks, softcap))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     if len(done) != layers:
@@ -113,8 +117,10 @@ def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.N
 
 
 def _sdpa_args(node: fx.Node) -> tuple:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = (None, None, None, None, 0.0, False, None, False)
+    """SDPA's arguments, then ``sinks`` and ``softcap`` (``reference_attention``'s)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa",
+             "sinks", "softcap")  # fmt: skip
+    defaults = (None, None, None, None, 0.0, False, None, False, None, 0.0)
     given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
     return tuple(given.get(n, d) for n, d in zip(names, defaults, strict=True))
 

@@ -12,8 +12,8 @@ compute its own tokens only, so the rules keep the tokens sharded through all of
 - ``one_hot``: a new last dim; ``zeros_like`` and its kin: placed as their model;
 - ``scatter`` off the sequence (a mask of the chosen expert groups): local;
 - a replicated table indexed by sharded ids (``gate_up_proj[expert_ids]``): the ids' rows;
-- the router's load-balancing statistics are sums over the tokens: ``histc`` and a
-  ``scatter_add`` of token counts into a replicated per-expert tensor count this rank's
+- the router's load-balancing statistics are sums over the tokens: ``histc``, ``bincount``
+  and a ``scatter_add`` of token counts into a replicated per-expert tensor count this rank's
   tokens (padding left out) and add the ring's counts up.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import norm_dim, shape
+from ringify.passes.nodes import norm_dim, shape, val
 from ringify.passes.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.reductions import masked_padding
 from ringify.passes.report import GatherReason
@@ -121,6 +121,44 @@ def rewrite_histc(node: fx.Node, out, state: PassState) -> None:
     with g.inserting_before(node):
         local = masked_padding(x, low - 1, state)
         counts = g.call_function(node.target, (local, *node.args[1:]), node.kwargs)
+        total = g.call_function(reduce_from_ring, (counts, state.group_name))
+    state.replace(node, total, None)
+
+
+def infer_bincount(node, place: Placements):
+    """``bincount(ids, weights, minlength)`` of sharded ids: the ring's total (replicated).
+    Its length must be given (``minlength``): otherwise it is the data's largest id + 1,
+    which differs per rank."""
+    ids, weights, minlength = (*node.args, None, 0)[:3]
+    minlength = node.kwargs.get("minlength", minlength)
+    weights = node.kwargs.get("weights", weights)
+    if not place.sharded(ids) or (weights is not None and place[weights] != place[ids]):
+        return Fallback(GatherReason.MIXED_DIMS)
+    if not minlength or shape(node)[0] != minlength:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(a count whose length is the data's)")
+    return None
+
+
+def rewrite_bincount(node: fx.Node, out, state: PassState) -> None:
+    """This rank's ids counted by a ``scatter_add`` of fixed length (padding adds 0), then
+    the ring's counts."""
+    ids, weights = (*node.args, None)[:2]
+    weights = node.kwargs.get("weights", weights)
+    result = val(node)
+    g = state.graph
+    with g.inserting_before(node):
+        if weights is None:
+            weights = g.call_function(aten.ones_like.default, (ids,), {"dtype": result.dtype})
+        else:
+            weights = g.call_function(aten._to_copy.default, (weights,), {"dtype": result.dtype})
+        weights = masked_padding(weights, 0, state)
+        ids = masked_padding(ids, 0, state)
+        zeros = g.call_function(
+            aten.zeros.default,
+            ([shape(node)[0]],),
+            {"dtype": result.dtype, "device": result.device},
+        )
+        counts = g.call_function(aten.scatter_add.default, (zeros, 0, ids, weights))
         total = g.call_function(reduce_from_ring, (counts, state.group_name))
     state.replace(node, total, None)
 

@@ -52,6 +52,11 @@ from ringify.passes.indexing import (
     rewrite_picked_positions,
     rewrite_scatter,
 )
+from ringify.passes.joint_attention import (
+    infer_joint_attention,
+    infer_with_zero_grads,
+    rewrite_joint_attention,
+)
 from ringify.passes.mask_programs import rewrite_program_mask
 from ringify.passes.nodes import norm_dim, shape, val
 from ringify.passes.placement import (
@@ -82,6 +87,7 @@ from ringify.passes.routing import (
     LIKE,
     SCATTERS,
     SELECTIONS,
+    infer_bincount,
     infer_histc,
     infer_like,
     infer_one_hot,
@@ -91,16 +97,19 @@ from ringify.passes.routing import (
     infer_selection,
     infer_table_rows,
     is_table_lookup,
+    rewrite_bincount,
     rewrite_histc,
     rewrite_repeat_interleave,
     rewrite_scatter_add,
     rewrite_table_rows,
 )
 from ringify.passes.shifts import infer_shift, rewrite_shift
+from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.collectives.halo import same_conv1d
 from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.collectives.shift import shifted
 from ringify.runtime.masks.program import program_mask
+from ringify.runtime.zero_grads import with_zero_grads
 
 aten = torch.ops.aten
 
@@ -239,6 +248,8 @@ def _infer_loss(node, place, p: Seq, ndim: int):
 POINTWISE = Rule(_infer_broadcast, _fit_broadcast)
 RULES: dict[object, Rule] = {
     **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, rewrite_attention)),
+    joint_attention: Rule(infer_joint_attention, rewrite_joint_attention),
+    with_zero_grads: Rule(infer_with_zero_grads, _as_it_is),
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
@@ -286,6 +297,7 @@ RULES: dict[object, Rule] = {
     aten.repeat_interleave.self_int: Rule(infer_repeat_interleave, rewrite_repeat_interleave),
     aten.one_hot.default: Rule(infer_one_hot, _as_it_is),
     aten.histc.default: Rule(infer_histc, rewrite_histc),
+    aten.bincount.default: Rule(infer_bincount, rewrite_bincount),
     aten.scatter_add.default: Rule(infer_scatter_add, rewrite_scatter_add),
     **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, _as_it_is)),
     **dict.fromkeys(LIKE, Rule(infer_like, _as_it_is)),

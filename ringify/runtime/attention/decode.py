@@ -9,7 +9,9 @@ ring by log-sum-exp (``memory.merge_over_ring``: two all-reduces of (B, H, 1) an
 (B, H, 1, D + 1)). No K/V travel.
 
 ``keep``: the mask row at this rank's key columns, its cached keys' positions then the new
-token's (bool: kept; float: added), or ``None`` where every key is visible.
+token's (bool: kept; float: added), or ``None`` where every key is visible. ``sinks`` (a
+logit per head, gpt-oss) join each row's softmax once, after the ring's merge; ``softcap``
+caps each block's scores (Gemma 2).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ringify.runtime.attention.blocks import (
 )
 from ringify.runtime.attention.memory import merge_over_ring
 from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
+from ringify.runtime.attention.sinks import with_sinks
 
 
 @torch.library.custom_op("ringify::decode_attention", mutates_args=())
@@ -37,18 +40,22 @@ def decode_attention_op(
     own_new: bool,
     scale: float,
     group_name: str,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     cached = None if keep is None else keep[..., : k_cache.shape[2]]
-    out, lse = _block(q, k_cache, v_cache, cached, scale)
+    out, lse = _block(q, k_cache, v_cache, cached, scale, softcap)
     if own_new:  # the new key's block merged in: the cache is not copied to append it
         out, lse = out.to(accumulation_dtype(q.dtype)), lse.to(accumulation_dtype(q.dtype))
         new = None if keep is None else keep[..., k_cache.shape[2] :]
-        merge_block(out, lse, *_block(q, k_new, v_new, new, scale))
-    out, _ = merge_over_ring(q, out, lse, group_name)
+        merge_block(out, lse, *_block(q, k_new, v_new, new, scale, softcap))
+    out, lse = merge_over_ring(q, out, lse, group_name)
+    if sinks is not None:  # once per row, after the ring's merge
+        out, _ = with_sinks(out, lse, sinks)
     return empty_attention_outputs(q, v_cache.shape[-1])[0].copy_(out)
 
 
-def _block(q, k, v, keep, scale):
+def _block(q, k, v, keep, scale, softcap):
     """One block's ``(out, lse)``. With GQA the query heads sharing a kv head are one head's
     rows (a decode row per query head): the kernel reads the cache with its own K heads,
     never a copy expanded to H heads, whatever kernel the device picks. A value head dim
@@ -58,18 +65,18 @@ def _block(q, k, v, keep, scale):
     if s == 1 and h != kv:
         if keep is not None and keep.dim() == 4 and keep.shape[1] == h:
             keep = keep.reshape(keep.shape[0], kv, h // kv, keep.shape[-1])
-        out, lse = _block(q.reshape(b, kv, h // kv, d), k, v, keep, scale)
+        out, lse = _block(q.reshape(b, kv, h // kv, d), k, v, keep, scale, softcap)
         return out.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
     bias = None if keep is None else additive_mask(keep, q.dtype)
     if dv != d:
         acc = accumulation_dtype(q.dtype)
         q, k, v = (x.to(acc) for x in (q, k, v))
         return math_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
-    return block_forward(q, k, v, is_causal=False, scale=scale, bias=bias)
+    return block_forward(q, k, v, is_causal=False, scale=scale, bias=bias, softcap=softcap)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, scale, group_name):
+def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, scale, group_name, sinks=None, softcap=0.0):
     return empty_attention_outputs(q, v_cache.shape[-1])[0]
 
 

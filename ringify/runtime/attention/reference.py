@@ -57,3 +57,16 @@ def attention(
     else:
         probs = torch.softmax(scores, -1)
     return probs @ value
+
+
+def joint_attention(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA of ``query`` over keys and values given in parts along the sequence (a joint
+    sequence of text and image tokens): no mask, not causal. The pass keeps the parts apart
+    so that each is placed on its own (``passes/joints.py``)."""
+    key, value = torch.cat(keys, 2), torch.cat(values, 2)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale)

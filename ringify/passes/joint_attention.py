@@ -1,0 +1,77 @@
+"""Rules of ``joint_attention``: queries over keys and values given in parts (``joints.py``).
+
+In a diffusion transformer's joint attention one key part is the sharded image sequence and
+the others are replicated text. Sharded queries (the image's) run the ring over the image
+keys and a local block over the text keys; replicated queries (the text's) attend to each
+rank's image keys, merged over the ring, and to the text keys locally: both are
+``ringify::joint_attention``. With every key part replicated it runs as it is, on this
+rank's queries. More than one sharded part is gathered.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from ringify.passes.attention import read_joint_attention, reported
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import call, shape
+from ringify.passes.placement import Fallback, Placement, Placements, Seq
+from ringify.passes.report import AttentionRun, GatherReason
+from ringify.runtime.attention.joint import joint_attention_op
+
+aten = torch.ops.aten
+
+
+def infer_joint_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
+    q, keys, values, _ = node.args
+    key_places, value_places = [place[k] for k in keys], [place[v] for v in values]
+    if key_places != value_places or place[q] not in (None, Seq(2)):
+        return Fallback(GatherReason.QKV_NOT_SHARDED)
+    if any(p not in (None, Seq(2)) for p in key_places) or key_places.count(Seq(2)) > 1:
+        return Fallback(GatherReason.QKV_NOT_SHARDED)
+    if any(shape(x)[-1] != shape(q)[-1] for x in (*keys, *values)):
+        return Fallback(GatherReason.QKV_NOT_SHARDED, "(value head dim unlike the queries')")
+    return place[q]
+
+
+def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> None:
+    """The ring (or memory) op over the sharded part, merged with the replicated ones."""
+    q, keys, values, scale = node.args
+    att = read_joint_attention(node)
+    sharded = [i for i, k in enumerate(keys) if state.sharded(k)]
+    if not sharded:  # this rank's queries over every key: their gradients summed over the ring
+        copies = [[state.copy_to_ring(x) for x in xs] for xs in (keys, values)]
+        node.args = (q, *copies, scale)
+        state.attentions.append(reported(att, AttentionRun.LOCAL, state))
+        return
+    (i,) = sharded
+    g, geo = state.graph, state.geo
+    scale = float(scale if scale is not None else 1.0 / math.sqrt(shape(q)[-1]))
+    queries_sharded = state.sharded(q)
+    with g.inserting_before(node):
+        extra = []
+        for xs in (keys, values):
+            rest = [x for j, x in enumerate(xs) if j != i]
+            if queries_sharded:  # each rank's rows add their part of the text keys' gradient
+                rest = [state.copy_to_ring(x) for x in rest]
+            whole = rest[0] if len(rest) == 1 else call(g, aten.cat.default, (rest, 2))
+            state.place[whole] = None
+            extra.append(whole)
+        args = (q, keys[i], values[i], *extra, scale, state.group_name, geo.layout, geo.length)
+        joint = call(g, joint_attention_op._opoverload, (*args, queries_sharded))
+        result = call(g, operator.getitem, (joint, 0))
+    placed = Seq(2) if queries_sharded else None
+    state.place.update({joint: [placed, placed], result: placed})
+    node.replace_all_uses_with(result)
+    g.erase_node(node)
+    run = AttentionRun.RING if queries_sharded else AttentionRun.MEMORY
+    state.attentions.append(reported(att, run, state))
+
+
+def infer_with_zero_grads(node: fx.Node, place: Placements) -> Placement:
+    """``with_zero_grads(x, dropped)``: placed as ``x`` (the dropped inputs as they are)."""
+    return place[node.args[0]]

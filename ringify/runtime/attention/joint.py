@@ -1,0 +1,114 @@
+"""Attention over a joint sequence: ``ringify::joint_attention``.
+
+Diffusion transformers (SD3, Flux, CogVideoX) attend over text and image tokens put end to
+end: keys ``cat(text, image)``. The image part is long and sharded over the ring; the text
+part is short and every rank holds it whole. Each query row's softmax runs over both, so
+its result is two attentions merged by their log-sum-exp:
+
+- to the sharded keys: the ring (sharded queries, ``ring_attention``) or each rank's part
+  merged over the ring (replicated queries, ``memory_attention``);
+- to the replicated keys (``extra``): one local block on every rank.
+
+Backward: each part's gradients from the merged ``out`` and ``lse`` (the blocks' final
+probabilities), as the ring does per block. The extra keys' gradient from sharded queries
+is this rank's rows' part: the pass sums it over the ring (``copy_to_ring``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.runtime.attention.blocks import block_backward, block_forward, merge_block
+from ringify.runtime.attention.memory import memory_attention_backward_op, memory_attention_op
+from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.outputs import (
+    accumulation_dtype,
+    empty_attention_outputs,
+    in_dim_order_of,
+)
+
+
+@torch.library.custom_op("ringify::joint_attention", mutates_args=())
+def joint_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_extra: torch.Tensor,
+    v_extra: torch.Tensor,
+    scale: float,
+    group_name: str,
+    layout: str,
+    key_len: int,
+    queries_sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if queries_sharded:
+        args = (None, False, scale, group_name, layout, key_len, "", [])
+        out, lse = ring_attention_op(q, k, v, *args)
+    else:
+        out, lse = memory_attention_op(q, k, v, None, scale, group_name, layout, key_len)
+    extra_out, extra_lse = block_forward(q, k_extra, v_extra, is_causal=False, scale=scale)
+    acc = accumulation_dtype(q.dtype)
+    out_acc, lse_acc = out.to(acc), lse.to(acc).clone()
+    merge_block(out_acc, lse_acc, extra_out, extra_lse)
+    return in_dim_order_of(q, out_acc, q.dtype), lse_acc
+
+
+@joint_attention_op.register_fake
+def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, queries_sharded):
+    return empty_attention_outputs(q)
+
+
+@torch.library.custom_op("ringify::joint_attention_backward", mutates_args=())
+def joint_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_extra: torch.Tensor,
+    v_extra: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    group_name: str,
+    layout: str,
+    key_len: int,
+    queries_sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
+    this rank's rows' part."""
+    grad_out = grad_out.contiguous()
+    if queries_sharded:
+        args = (None, False, scale, group_name, layout, key_len, "", [])
+        dq, dk, dv, *_ = ring_attention_backward_op(grad_out, q, k, v, out, lse, *args)
+    else:
+        args = (None, scale, group_name, layout, key_len)
+        dq, dk, dv, _ = memory_attention_backward_op(grad_out, q, k, v, out, lse, *args)
+    block = (grad_out, q, k_extra, v_extra, out, lse)
+    dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale)
+    grads = (dq + dq_extra, dk, dv, dk_extra, dv_extra)
+    return tuple(
+        g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v, k_extra, v_extra), strict=True)
+    )
+
+
+@joint_attention_backward_op.register_fake
+def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
+    return tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t in (q, k, v, k_extra, v_extra)
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, k_extra, v_extra, *ctx.flags = inputs  # scale, group, layout, key_len, sharded
+    out, lse = output
+    ctx.save_for_backward(q, k, v, k_extra, v_extra, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    grads = joint_attention_backward_op(grad_out, *ctx.saved_tensors, *ctx.flags)
+    return *grads, *([None] * len(ctx.flags))
+
+
+joint_attention_op.register_autograd(_backward, setup_context=_setup_context)

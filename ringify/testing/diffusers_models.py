@@ -1,0 +1,80 @@
+"""Tiny diffusers transformers with joint attention (text and image tokens attended together),
+built from configs (random weights), and their inputs in float64.
+
+SD3 (MM-DiT: joint attention, then the text and image tokens split back), Flux (double
+blocks like SD3's, single blocks that run a whole block on the joint sequence; RoPE from
+the text and image ids put end to end) and CogVideoX (the text and video tokens joined for
+attention and the feed-forward; RoPE on the video tokens only, written into a slice).
+Each returns ``(model, kwargs)``; the model's output is ``model(**kwargs)[0]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _randn(*shape, seed: int = 3) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def sd3(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """SD3: (side / 2)^2 image tokens beside 5 text tokens."""
+    from diffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(
+        sample_size=side, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
+        pooled_projection_dim=8, out_channels=4, pos_embed_max_size=2 * side,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, side, side),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "pooled_projections": _randn(2, 8, seed=5),
+        "timestep": torch.tensor([3.0, 500.0], dtype=torch.float64),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def flux(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
+    """Flux: height x width image tokens beside 5 text tokens, one double and one single block."""
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+        axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    grid = torch.meshgrid(
+        torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"
+    )
+    kwargs = {
+        "hidden_states": _randn(2, height * width, 8),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "pooled_projections": _randn(2, 8, seed=5),
+        "timestep": torch.tensor([0.3, 0.5], dtype=torch.float64),
+        "img_ids": torch.stack(grid, -1).reshape(-1, 3).double(),
+        "txt_ids": torch.zeros(5, 3, dtype=torch.float64),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def cogvideox(frames: int = 9, side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """CogVideoX: ((frames - 1) / 4 + 1) latent frames of (side / 2)^2 patches beside 5 text
+    tokens."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    latent = (frames - 1) // 4 + 1
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        num_layers=2, sample_width=side, sample_height=side, sample_frames=frames,
+        patch_size=2, text_embed_dim=16, time_embed_dim=8, max_text_seq_length=5,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, latent, 4, side, side),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "timestep": torch.tensor([3, 500]),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
