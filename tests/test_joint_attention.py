@@ -73,7 +73,7 @@ def test_joint_attention_with_padding(ranks, name, sizes, world):
         assert r["gathers"] == CASES[name], r["gathers"]
 
 
-@pytest.mark.parametrize("name", ["flux", "cogvideox"])
+@pytest.mark.parametrize("name", ["flux", pytest.param("cogvideox", marks=pytest.mark.slow)])
 def test_joint_attention_compiled(ranks, name):
     for r in ranks(2).run(compare, name, "aot_eager"):
         assert r["out"] < TOL and r["grads"] < TOL, r

@@ -86,7 +86,8 @@ def _counted(backend: str, graphs: list):
     return compile_graph
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks: a long sweep the slow pass runs (2 ranks cover the default suite)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_thirty_random_lengths_trace_twice(ranks, world):
     for r in ranks(world).run(train, 30, None, timeout=600):
         assert r["lengths"] > 20, r
@@ -96,6 +97,7 @@ def test_thirty_random_lengths_trace_twice(ranks, world):
         assert r["report"].startswith("any length"), r
 
 
+@pytest.mark.slow  # thirty lengths compiled: a long sweep (the eager sweep is in the default suite)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_random_lengths_compile_twice(ranks, backend):
     for r in ranks(2).run(train, 30, backend, timeout=900):

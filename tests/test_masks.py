@@ -88,7 +88,8 @@ def test_llama_masks_are_programs(ranks, world, case):
         assert all(r["plans"] == {"balanced": 4, "kept": 0} for r in results), results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# compiled on 4 ranks: the slow pass (the eager test covers 4 ranks in the default suite)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", ["left", "packed"])
 def test_llama_masks_are_programs_compiled(ranks, world, case):
     results = ranks(world).run(hf_case, "llama", case, world, True)
