@@ -179,9 +179,9 @@ def _length_range(exported, cache_nodes: dict) -> tuple[int, float]:
     symbol), read from the inputs that are cache entries: a full layer's length is the symbol
     itself, a sliding layer's an expression of it (its window's part)."""
     sizes = [node.meta["val"].shape[2] for node in cache_nodes]
-    if any(isinstance(size, int) for size in sizes):
-        size = next(size for size in sizes if isinstance(size, int))
-        return size, size
+    for size in sizes:
+        if isinstance(size, int):
+            return size, size
     for size in sorted(sizes, key=lambda s: not s.node.expr.is_symbol):
         symbols = size.node.expr.free_symbols
         if len(symbols) == 1 and next(iter(symbols)) in exported.range_constraints:

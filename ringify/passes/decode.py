@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from ringify.passes.attention import read_attention
 from ringify.passes.nodes import call, erase_unused, shape, uses, val
 from ringify.runtime.attention.decode import decode_attention
 from ringify.runtime.attention.reference import attention as reference_attention
@@ -60,11 +61,17 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
     for node in list(graph.nodes):
         if node.target not in (aten.scaled_dot_product_attention.default, reference_attention):
             continue
-        q, k, v, mask, dropout, is_causal, scale, _, sinks, softcap = _sdpa_args(node)
+        att = read_attention(node)
+        q, k, v, mask, scale, softcap = att.q, att.k, att.v, att.mask, att.scale, att.softcap
         if softcap and shape(v)[-1] != shape(q)[-1]:
             raise NotDecodable(f"{node.name}: a soft cap with MLA's value head dim. {SUPPORTED}")
         (k_layer, k_new), (v_layer, v_new) = _appended(k, cache), _appended(v, cache)
-        if k_layer != ("key", v_layer[1]) or v_layer[0] != "value" or dropout or is_causal:
+        if (
+            k_layer != ("key", v_layer[1])
+            or v_layer[0] != "value"
+            or att.dropout_p
+            or att.is_causal
+        ):
             raise NotDecodable(f"{node.name} does not attend to one layer's cache. {SUPPORTED}")
         if k_layer in done:
             raise NotDecodable(f"{node.name} reads layer {k_layer[1]}'s cache twice. {SUPPORTED}")
@@ -78,7 +85,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
         scale = scale if scale is not None else 1 / math.sqrt(shape(q)[-1])
         args = (q, local[k_layer], local[v_layer], k_new, v_new, keep, own_new, scale, group_name)
         with graph.inserting_before(node):
-            out = call(graph, decode_attention, (*args, sinks, softcap))
+            out = call(graph, decode_attention, (*args, att.sinks, softcap))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     if len(done) != layers:
@@ -114,15 +121,6 @@ def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.N
     for node, value in zip(made, values, strict=True):
         node.meta["val"] = value
     return made
-
-
-def _sdpa_args(node: fx.Node) -> tuple:
-    """SDPA's arguments, then ``sinks`` and ``softcap`` (``reference_attention``'s)."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa",
-             "sinks", "softcap")  # fmt: skip
-    defaults = (None, None, None, None, 0.0, False, None, False, None, 0.0)
-    given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
-    return tuple(given.get(n, d) for n, d in zip(names, defaults, strict=True))
 
 
 def _appended(x, cache: dict) -> tuple[tuple[str, int], fx.Node]:

@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ringify.passes.nodes import call, erase_unused, norm_dim, shape
+from ringify.passes.attention import read_attention
+from ringify.passes.nodes import (
+    ancestors,
+    call,
+    erase_unused,
+    norm_dim,
+    shape,
+    slice_bounds,
+    val,
+)
 from ringify.passes.positionwise import Items, Joint, distributed
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.zero_grads import with_zero_grads
@@ -44,8 +53,7 @@ _SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
 @dataclass
 class _Carried:
     """What carrying did: the seeds whose values reached an attention or were split back
-    at their bounds, the nodes replaced, and per
-    attention its parts with their queries."""
+    at their bounds, the nodes replaced, and per attention its parts with their queries."""
 
     reached: set = field(default_factory=set)
     handled: list = field(default_factory=list)
@@ -99,9 +107,10 @@ def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
             node.replace_all_uses_with(done)
         else:
             joints[node] = done
+    handled = set(carried.handled)
     for node, joint in joints.items():
         if isinstance(joint, Joint):
-            _put_back(graph, node, joint, set(carried.handled))
+            _put_back(graph, node, joint, handled)
     return carried
 
 
@@ -121,7 +130,7 @@ def _keep_dropped_queries(graph: fx.Graph, carried: _Carried) -> None:
     """A query part whose output the model drops (SD3's last block drops its text tokens)
     still gets its zero gradient, as from the unmodified SDPA: a part that is used passes
     through ``with_zero_grads`` of the dropped queries."""
-    live = _live(graph)
+    live = ancestors([graph.output_node()])
     for parts, queries in carried.attentions:
         used = [p for p in parts if p in live]
         dropped = [q for p, q in zip(parts, queries, strict=True) if p not in live]
@@ -132,18 +141,6 @@ def _keep_dropped_queries(graph: fx.Graph, carried: _Carried) -> None:
             tied = call(graph, with_zero_grads, (used[0], dropped))
         for user in users:
             user.replace_input_with(used[0], tied)
-
-
-def _live(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes the graph's outputs are computed from."""
-    live: set[fx.Node] = set()
-    pending = [n for n in graph.nodes if n.op == "output"]
-    while pending:
-        node = pending.pop()
-        if node not in live:
-            live.add(node)
-            pending.extend(node.all_input_nodes)
-    return live
 
 
 def _fold(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
@@ -163,7 +160,8 @@ def _fold(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
     dim = norm_dim(args[1] if len(args) > 1 else 0, len(shape(args[0]))) if along else None
     if (along and dim == first.dim) or (target in _SPLITS and _split_dim(node) == first.dim):
         if target is aten.slice.Tensor:
-            split = _slice(first, *_slice_bounds(node))
+            start, end, step = slice_bounds(node, first.bounds()[-1])
+            split = _slice(first, start, end) if step == 1 else None
         elif target is aten.narrow.default:
             split = _slice(first, args[2], args[2] + args[3])
         else:
@@ -181,14 +179,6 @@ def _split_dim(node: fx.Node) -> int:
     return norm_dim(dim, len(shape(node.args[0])))
 
 
-def _slice_bounds(node: fx.Node) -> tuple[int, int]:
-    length = shape(node.args[0])[norm_dim(node.args[1], len(shape(node.args[0])))]
-    start, end, step = slice(*node.args[2:5], *[None, None, 1][len(node.args[2:5]) :]).indices(
-        length
-    )
-    return (start, end) if step == 1 else (-1, -1)
-
-
 def _slice(joint: Joint, start: int, end: int):
     """The parts between ``start`` and ``end`` if both are part bounds."""
     bounds = joint.bounds()
@@ -199,14 +189,9 @@ def _slice(joint: Joint, start: int, end: int):
 
 
 def _split(node: fx.Node, joint: Joint):
-    length = joint.bounds()[-1]
-    size = node.args[1]
-    sizes = list(size) if isinstance(size, (list, tuple)) else [size] * -(-length // size)
-    if isinstance(size, int):
-        sizes[-1] = length - size * (len(sizes) - 1)
-    ends = [0]
-    for s in sizes:
-        ends.append(ends[-1] + s)
+    """A split along the joint dim whose pieces are each whole parts (their sizes read from
+    its result)."""
+    ends = [0, *itertools.accumulate(piece.shape[joint.dim] for piece in val(node))]
     items = tuple(_slice(joint, a, b) for a, b in itertools.pairwise(ends))
     return None if None in items else Items(items, joint.seeds)
 
@@ -257,26 +242,25 @@ def _cat(graph: fx.Graph, node: fx.Node, joints: dict):
 
 def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
     """SDPA with no mask, not causal: per query part, over key parts (``joint_attention``)."""
-    names = ("q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    a = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
-    if a.get("attn_mask") is not None or a.get("is_causal") or a.get("dropout_p"):
+    att = read_attention(node)
+    if att.mask is not None or att.is_causal or att.dropout_p:
         return None
-    if a.get("enable_gqa"):
+    if shape(att.k)[1] != shape(att.q)[1]:  # GQA's fewer K/V heads: left to the ring op
         return None
-    q, k, v = (joints.get(a[n]) for n in "qkv")
+    q, k, v = (joints.get(x) for x in (att.q, att.k, att.v))
     if any(j is not None and (not isinstance(j, Joint) or j.dim != 2) for j in (q, k, v)):
         return None
     if (k is None) != (v is None) or (k is not None and k.bounds() != v.bounds()):
         return None
     if k is not None and (q is None or q.bounds() != k.bounds()):
         return None  # a joint sequence attends to itself (not a cache's past beside a step)
-    queries = q.parts if q is not None else (a["q"],)
+    queries = q.parts if q is not None else (att.q,)
     outs = []
     for part in queries:
         if k is not None:
-            outs.append(call(graph, joint_attention, (part, k.parts, v.parts, a.get("scale"))))
+            outs.append(call(graph, joint_attention, (part, k.parts, v.parts, att.scale)))
         else:
-            outs.append(call(graph, _SDPA, (part, a["k"], a["v"]), {"scale": a.get("scale")}))
+            outs.append(call(graph, _SDPA, (part, att.k, att.v), {"scale": att.scale}))
     seeds = frozenset().union(*(j.seeds for j in (q, k, v) if j is not None))
     carried.reached.update(seeds)
     carried.attentions.append((outs, list(queries)))
@@ -284,10 +268,11 @@ def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
 
 
 def _put_back(graph: fx.Graph, node: fx.Node, joint: Joint, handled: set) -> None:
-    """Where a reader takes the whole joint value: ``cat`` of its parts, made just before."""
-    if node.target is aten.cat.default and tuple(node.args[0]) == joint.parts:
+    """Where readers take the whole joint value: one ``cat`` of its parts, in its place."""
+    readers = [u for u in node.users if u not in handled]
+    if not readers or (node.target is aten.cat.default and tuple(node.args[0]) == joint.parts):
         return
-    for user in [u for u in node.users if u not in handled]:
-        with graph.inserting_before(user):
-            whole = call(graph, aten.cat.default, (list(joint.parts), joint.dim))
+    with graph.inserting_after(node):
+        whole = call(graph, aten.cat.default, (list(joint.parts), joint.dim))
+    for user in readers:
         user.replace_input_with(node, whole)

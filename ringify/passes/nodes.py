@@ -67,6 +67,17 @@ def evaluate(node: fx.Node, like: fx.Node | None = None):
 _ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
+def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def uses(x: fx.Node) -> list[fx.Node]:
     """The nodes that read ``x``, assertions on its metadata left out."""
     return [u for u in x.users if u.target not in _ASSERTS]

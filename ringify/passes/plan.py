@@ -26,7 +26,7 @@ from ringify.config import Config
 from ringify.passes.attention import find_attention
 from ringify.passes.dims import VIEWS
 from ringify.passes.handwritten import UNREAD_NOTE
-from ringify.passes.nodes import is_tensor, shape, val
+from ringify.passes.nodes import ancestors, is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, infer_placements
 from ringify.runtime.collectives.shift import shifted
@@ -190,11 +190,11 @@ def _births(
         return {t for t in targets if p[t] == Seq(2)}
 
     found: dict[fx.Node, Seq] = {}
-    ancestors = _ancestors(targets)
+    above = ancestors(targets)
     for node in graph.nodes:
         if len(reached(place)) == len(targets):
             break
-        if node.op != "call_function" or node not in ancestors or place[node] is not None:
+        if node.op != "call_function" or node not in above or place[node] is not None:
             continue
         if not is_tensor(node) or any(place[a] is not None for a in node.all_input_nodes):
             continue  # a birth is computed whole from replicated tensors, not gathered ones
@@ -207,16 +207,6 @@ def _births(
                 found[node], place = Seq(dim), trial
                 break
     return found
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def _check_attention_shapes(attentions: list, config: Config) -> None:
@@ -271,7 +261,7 @@ def _mask_inputs(
     functions), which the rules do not follow: here the length names the dim."""
     masks = [a.mask for a in find_attention(graph) if a.mask is not None]
     found: dict[fx.Node, Seq] = {}
-    for node in _ancestors(masks):
+    for node in ancestors(masks):
         if node.op != "placeholder" or node in seeds or not is_tensor(node):
             continue
         dims = [d for d, size in enumerate(shape(node)) if size == geometry.length]

@@ -10,6 +10,7 @@ sizes) made the part's.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -160,18 +161,11 @@ def _view_dim(before: list, after: list, d: int) -> int | None:
     its own size; else ``None`` (the view splits or merges it)."""
     if not all(isinstance(s, int) for s in (*before, *after)):
         return None
-    leading = _prod(before[:d])
+    leading = math.prod(before[:d])
     for e in range(len(after)):
-        if _prod(after[:e]) == leading and after[e] == before[d]:
+        if math.prod(after[:e]) == leading and after[e] == before[d]:
             return e
     return None
-
-
-def _prod(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def _part_sizes(node: fx.Node, out: int, length: int) -> tuple:

@@ -125,13 +125,17 @@ def rewrite_histc(node: fx.Node, out, state: PassState) -> None:
     state.replace(node, total, None)
 
 
+def _bincount_args(node: fx.Node) -> tuple:
+    """``(ids, weights, minlength)`` of a ``bincount`` node, given by position or name."""
+    given = dict(zip(("self", "weights", "minlength"), node.args, strict=False)) | node.kwargs
+    return given["self"], given.get("weights"), given.get("minlength", 0)
+
+
 def infer_bincount(node, place: Placements):
     """``bincount(ids, weights, minlength)`` of sharded ids: the ring's total (replicated).
     Its length must be given (``minlength``): otherwise it is the data's largest id + 1,
     which differs per rank."""
-    ids, weights, minlength = (*node.args, None, 0)[:3]
-    minlength = node.kwargs.get("minlength", minlength)
-    weights = node.kwargs.get("weights", weights)
+    ids, weights, minlength = _bincount_args(node)
     if not place.sharded(ids) or (weights is not None and place[weights] != place[ids]):
         return Fallback(GatherReason.MIXED_DIMS)
     if not minlength or shape(node)[0] != minlength:
@@ -142,8 +146,7 @@ def infer_bincount(node, place: Placements):
 def rewrite_bincount(node: fx.Node, out, state: PassState) -> None:
     """This rank's ids counted by a ``scatter_add`` of fixed length (padding adds 0), then
     the ring's counts."""
-    ids, weights = (*node.args, None)[:2]
-    weights = node.kwargs.get("weights", weights)
+    ids, weights, _ = _bincount_args(node)
     result = val(node)
     g = state.graph
     with g.inserting_before(node):
