@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rule_graphs import S, check_inferred, infer, node_of, targets_after, x3
 
 from ringify.passes.crossings import PassState
-from ringify.passes.placement import Seq
+from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.report import GatherReason
 from ringify.runtime.collectives.reduce import copy_to_ring
 
@@ -103,12 +103,40 @@ CASES = {
         aten.reshape.default,
         Seq(1, 4),
     ),
-    "view splits the sequence": (
+    "view splits the sequence into rows": (  # 2 rows of 4: each rank's chunk is one row
         lambda x: x.view(2, 2, S // 2, 4),
         (x3(2, S, 4),),
         1,
         aten.view.default,
-        GatherReason.VIEW_SPLITS,
+        Seq(1, 1, S // 2),
+    ),
+    "einsum permute": (
+        lambda x: torch.einsum("bsc->bcs", x),
+        (x3(2, S, 4),),
+        1,
+        aten.einsum.default,
+        Seq(2),
+    ),
+    "einsum with a weight": (
+        lambda x: torch.einsum("...sc,cd->...sd", x, W),
+        (x3(2, S, 4),),
+        1,
+        aten.einsum.default,
+        Seq(1),
+    ),
+    "einsum over the sequence": (
+        lambda x: torch.einsum("bsc,bsd->bcd", x, x),
+        (x3(2, S, 4),),
+        1,
+        aten.einsum.default,
+        GatherReason.PRODUCT,
+    ),
+    "einsum with a replicated sequence": (
+        lambda x, p: torch.einsum("bsc,sc->bsc", x, p),
+        (x3(2, S, 4), x3(S, 4)),
+        1,
+        aten.einsum.default,
+        GatherReason.MISALIGNED,
     ),
     "transpose": (lambda x: x.transpose(1, 2), (x3(2, S, 4),), 1, aten.transpose.int, Seq(2)),
     "t": (lambda x: x.t(), (x3(S, 4),), 0, aten.t.default, Seq(1)),
@@ -220,6 +248,30 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_inferred_placement(case):
     check_inferred(CASES, case)
+
+
+@pytest.mark.parametrize(
+    ("geometry", "columns", "want"),
+    [
+        (Geometry(S, S, 2, "contiguous"), 4, Seq(1, 1, 4)),  # chunks of 4: one row each
+        (Geometry(S - 4, S, 2, "contiguous"), 2, Seq(1, 1, 2)),  # 4 positions padded to 8
+        (Geometry(S, S, 2, "zigzag"), 2, Seq(1, 1, 2)),  # 2 chunks of one row per rank
+        (Geometry(S, S, 2, "zigzag"), 4, "chunks of 2"),  # chunks cut the rows
+        (Geometry(S, S, 2, "contiguous", general=True), 4, "chunks of 4"),  # any length
+    ],
+)
+def test_a_view_into_a_grid_keeps_whole_rows(geometry, columns, want):
+    """An unpatchify's (B, S, C) -> (B, rows, columns, C): sharded along the rows where every
+    chunk of the layout is whole rows; else gathered, the report naming the rows and chunks."""
+    rows = geometry.length // columns
+    got = view_placement([2, geometry.length, 3], Seq(1), [2, rows, columns, 3], geometry)
+    if isinstance(want, Seq):
+        assert got == want
+    else:
+        assert got.reason is GatherReason.VIEW_SPLITS and want in got.detail, got
+    # a grid's rows follow into a later view that keeps them whole (row, column pairs)
+    if isinstance(want, Seq):
+        assert view_placement([2, rows, columns, 3], got, [2, rows, columns * 3], geometry) == got
 
 
 def test_a_replicated_operand_that_lines_up_is_a_meeting():

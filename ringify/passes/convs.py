@@ -76,7 +76,7 @@ def infer_conv(node, place, p: Seq, ndim: int):
     if p.dim == 0:
         return p
     geometry = place.geometry
-    if p.dim != ndim - 1 or geometry.split(shape(x)[p.dim], p) != (1, 1):
+    if p.dim != ndim - 1 or not geometry.alone(shape(x)[p.dim], p):
         return Fallback(GatherReason.FEATURE_DIM)
     return p
 

@@ -60,11 +60,11 @@ class PassState:
         key = ("slice", x, seq, pad_value)
         if key in self._cache:
             return self._cache[key]
-        g, geo = self.graph, self.geo
+        g, geo, units = self.graph, self.geo, self.geo.in_units(seq)
         with g.inserting_before(self.after(x)):
-            factored = geo.factored_shape(shape(x), seq, geo.length)
+            factored = geo.factored_shape(shape(x), seq, units.length)
             y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
-            pad = geo.padded - geo.length
+            pad = units.padded - units.length
             if geo.pads:
                 spec = [0, 0] * (len(factored) - seq.dim - 2) + [0, pad]
                 y = g.call_function(torch.ops.aten.constant_pad_nd.default, (y, spec, pad_value))
@@ -83,6 +83,7 @@ class PassState:
         if key in self._cache:
             return self._cache[key]
         g, geo, seq = self.graph, self.geo, self.place[x]
+        units = geo.in_units(seq)
         # the sequence as a dim of its own: already one where nothing shares its dim (no
         # reshapes, whose view-or-copy would depend on the length under a dynamic length)
         alone = geo.split(shape(x)[seq.dim], seq) == (1, 1)
@@ -90,9 +91,9 @@ class PassState:
         with g.inserting_before(self.after(x)):
             y = x
             if not alone:
-                factored = geo.factored_shape(shape(x), seq, geo.local)
+                factored = geo.factored_shape(shape(x), seq, units.local)
                 y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
-            trimmed = geo.length if geo.pads else -1  # the padding cut off by the op itself
+            trimmed = units.length if geo.pads else -1  # the padding cut off by the op itself
             args = (y, dim, self.group_name, geo.layout, trimmed)
             y = g.call_function(ringify_ops.gather.default, args)
             if not alone:
@@ -125,7 +126,7 @@ class PassState:
             if seq is not None and out_ndim is not None and (aligned is None or a in aligned):
                 k = seq.dim - (out_ndim - len(shape(a)))
             if k is not None and k >= 0 and shape(a)[k] == out.shape[seq.dim] > 1:
-                node.replace_input_with(a, self.slice(a, Seq(k, seq.inner), 0))
+                node.replace_input_with(a, self.slice(a, seq.at(k), 0))
             elif val(a).is_floating_point():
                 node.replace_input_with(a, self.copy_to_ring(a))
 

@@ -45,7 +45,7 @@ def infer_cat(node, place: Placements):
 def _cat_of_sequences(tensors, seq: Seq, place: Placements):
     """Whole sequences put end to end (every layer's router logits, for an MoE's aux loss):
     each rank's positions of each, end to end, are its positions of the result."""
-    per_position = place.geometry.length * seq.inner
+    per_position = place.geometry.in_units(seq).length * seq.inner
     if all(place[a] == seq and shape(a)[seq.dim] % per_position == 0 for a in tensors):
         return seq
     return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
@@ -61,35 +61,34 @@ def infer_stack(node, place: Placements):
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0])) + 1)
     if not all(place[a] == seq for a in tensors):
         return Fallback(GatherReason.MISALIGNED)
-    return Seq(seq.dim + (dim <= seq.dim), seq.inner)
+    return seq.at(seq.dim + (dim <= seq.dim))
 
 
 @sharded_first
 def infer_view(node, place, p: Seq, ndim: int):
-    seq = view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry.length)
-    return seq or Fallback(GatherReason.VIEW_SPLITS)
+    return view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry)
 
 
 @sharded_first
 def infer_transpose(node, place, p: Seq, ndim: int):
     a, b = (norm_dim(d, ndim) for d in node.args[1:3])
-    return Seq({a: b, b: a}.get(p.dim, p.dim), p.inner)
+    return p.at({a: b, b: a}.get(p.dim, p.dim))
 
 
 @sharded_first
 def infer_t(node, place, p: Seq, ndim: int):
-    return Seq(ndim - 1 - p.dim, p.inner)
+    return p.at(ndim - 1 - p.dim)
 
 
 @sharded_first
 def infer_permute(node, place, p: Seq, ndim: int):
-    return Seq(norm_dims(node.args[1], ndim).index(p.dim), p.inner)
+    return p.at(norm_dims(node.args[1], ndim).index(p.dim))
 
 
 @sharded_first
 def infer_unsqueeze(node, place, p: Seq, ndim: int):
     k = norm_dim(node.args[1], ndim + 1)
-    return Seq(p.dim + (k <= p.dim), p.inner)
+    return p.at(p.dim + (k <= p.dim))
 
 
 @sharded_first
@@ -97,9 +96,9 @@ def infer_squeeze(node, place, p: Seq, ndim: int):
     x = node.args[0]
     named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
     dropped = [d for d in named if shape(x)[d] == 1]
-    return Seq(p.dim - sum(d < p.dim for d in dropped), p.inner)
+    return p.at(p.dim - sum(d < p.dim for d in dropped))
 
 
 @sharded_first
 def infer_expand(node, place, p: Seq, ndim: int):
-    return Seq(p.dim + val(node).dim() - ndim, p.inner)
+    return p.at(p.dim + val(node).dim() - ndim)

@@ -41,7 +41,7 @@ def infer_indexing(node, place, p: Seq, ndim: int):
             return _taken(node, place, p, k)
         return Fallback(GatherReason.ALONG_SEQUENCE)
     if t is aten.select.int or t is aten.unbind.int:
-        seq = Seq(p.dim - (k < p.dim), p.inner)
+        seq = p.at(p.dim - (k < p.dim))
         return seq if t is aten.select.int else [seq] * len(out)
     return p if t is aten.slice.Tensor else [p] * len(out)
 
@@ -57,17 +57,14 @@ def infer_index(node, place, p: Seq, ndim: int):
         return Fallback(GatherReason.MIXED_DIMS)
     if p.dim in picked:
         count = math.prod(shape(indices[p.dim]))
-        if count > place.geometry.local or place.geometry.split(shape(node.args[0])[p.dim], p) != (
-            1,
-            1,
-        ):
+        if count > place.geometry.local or not place.geometry.alone(shape(node.args[0])[p.dim], p):
             return Fallback(GatherReason.ALONG_SEQUENCE, f"({count} positions)")
         return None
     index_ndim = len(torch.broadcast_shapes(*(tuple(shape(indices[i])) for i in picked)))
     before = sum(i < p.dim for i in picked)
     if picked == list(range(picked[0], picked[-1] + 1)):  # adjacent: results stay in place
-        return Seq(p.dim if p.dim < picked[0] else p.dim - len(picked) + index_ndim, p.inner)
-    return Seq(index_ndim + p.dim - before, p.inner)  # apart: the indexed dims go first
+        return p.at(p.dim if p.dim < picked[0] else p.dim - len(picked) + index_ndim)
+    return p.at(index_ndim + p.dim - before)  # apart: the indexed dims go first
 
 
 def rewrite_picked_positions(node, out, state: PassState) -> None:
@@ -106,7 +103,7 @@ def _taken(node, place, p: Seq, dim: int) -> Fallback | None:
     x = node.args[0]
     out_shape = val(node).shape
     count = out_shape[dim] if len(out_shape) == len(shape(x)) else 1
-    if place.geometry.split(shape(x)[p.dim], p) != (1, 1):
+    if not place.geometry.alone(shape(x)[p.dim], p):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
     if count > place.geometry.local:
         return Fallback(GatherReason.ALONG_SEQUENCE, f"({count} positions: more than a shard)")
@@ -164,7 +161,7 @@ def infer_scatter(node, place):
     if place.sharded(src):
         p = place[src]
         lifted = p.dim + (p.dim >= dim) if node.target is aten.select_scatter.default else p.dim
-        placements.add(Seq(lifted, p.inner))
+        placements.add(p.at(lifted))
     if len(placements) != 1:
         return Fallback(GatherReason.MIXED_DIMS)
     seq = placements.pop()

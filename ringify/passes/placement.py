@@ -1,18 +1,21 @@
 """Where the sequence lives in a tensor of the graph, and every node's placement as inferred.
 
 A tensor is either replicated (``None``: full and identical on every rank) or
-``Seq(dim, inner)``: sharded along ``dim``, which holds the sequence factor,
+``Seq(dim, inner, unit)``: sharded along ``dim``, which holds the sequence factor,
 possibly merged with other dims by a view. Element ``i`` of ``dim`` is
-``(outer * length + position) * inner + j``: ``inner`` counts the elements of
-dims merged *after* the sequence (e.g. heads by a ``view(B, S*H, D)``), ``outer``
-those merged before it (e.g. batch by the ``view(-1, vocab)`` before a loss).
-Every rank holds the same ``outer`` and ``inner`` and its own positions, so two
-tensors with the same ``Seq`` line up element by element. A node with several
-outputs has a list of placements.
+``(outer * length / unit + position // unit) * inner + j``: ``inner`` counts the
+elements of dims merged *after* the sequence (e.g. heads by a ``view(B, S*H, D)``),
+``outer`` those merged before it (e.g. batch by the ``view(-1, vocab)`` before a
+loss), and ``unit`` the positions an element stands for: 1, or a grid's row after a
+view splits the sequence into (rows, columns), as an unpatchify does, where every
+rank's shard is whole rows. Every rank holds the same ``outer`` and ``inner`` and its
+own positions, so two tensors with the same ``Seq`` line up element by element. A
+node with several outputs has a list of placements.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -22,12 +25,18 @@ from torch import fx
 
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.report import GatherReason
+from ringify.runtime.tiling.layout import split_multiple
 
 
 @dataclass(frozen=True)
 class Seq:
     dim: int
     inner: int = 1
+    unit: int = 1
+
+    def at(self, dim: int) -> Seq:
+        """The same sequence factor, moved to ``dim`` (by a transpose, a squeeze, ...)."""
+        return dataclasses.replace(self, dim=dim)
 
 
 Placement = Seq | list | None
@@ -61,35 +70,68 @@ class Geometry:
     def local(self) -> int:
         return self.padded // self.ring_size
 
+    def in_units(self, seq: Seq) -> Geometry:
+        """The sequence counted in ``seq``'s units (grid rows): lengths divided by the unit."""
+        if seq.unit == 1:
+            return self
+        u = seq.unit
+        return dataclasses.replace(self, length=self.length // u, padded=self.padded // u)
+
+    def holds_units(self, unit: int) -> bool:
+        """Whether every chunk of the layout is whole units of ``unit`` positions (a grid's
+        rows), so that a view into (rows, columns) keeps each rank's positions in its rows."""
+        chunk = split_multiple(self.ring_size, self.layout) * unit
+        return not self.general and self.length % unit == 0 and self.padded % chunk == 0
+
     def split(self, size: int, seq: Seq) -> tuple[int, int]:
         """``(outer, inner)`` of a dim of global ``size`` holding the sequence as ``seq``."""
-        return size // (self.length * seq.inner), seq.inner
+        return size // (self.in_units(seq).length * seq.inner), seq.inner
+
+    def alone(self, size: int, seq: Seq) -> bool:
+        """Whether a dim of global ``size`` holds the sequence's positions and nothing else."""
+        return seq.unit == 1 and self.split(size, seq) == (1, 1)
 
     def local_shape(self, shape, seq: Seq) -> list[int]:
         outer, inner = self.split(shape[seq.dim], seq)
         local = list(shape)
-        local[seq.dim] = outer * self.local * inner
+        local[seq.dim] = outer * self.in_units(seq).local * inner
         return local
 
     def factored_shape(self, shape, seq: Seq, length: int) -> list[int]:
-        """``shape`` with ``seq.dim`` split into (outer, ``length``, inner)."""
+        """``shape`` with ``seq.dim`` split into (outer, ``length``, inner); ``length`` counts
+        ``seq``'s units."""
         outer, inner = self.split(shape[seq.dim], seq)
         return [*shape[: seq.dim], outer, length, inner, *shape[seq.dim + 1 :]]
 
 
-def view_placement(in_shape, seq: Seq, out_shape, length: int) -> Seq | None:
+def view_placement(in_shape, seq: Seq, out_shape, geometry: Geometry) -> Seq | Fallback:
     """Where the sequence factor lands after a view from ``in_shape`` to ``out_shape``.
 
-    ``None`` if the view splits the sequence factor across dims (the positions
-    would no longer be one block per rank).
+    A view that splits the sequence into (rows, columns), an unpatchify, keeps it on the
+    rows where every rank's shard is whole rows (``Geometry.holds_units``). Otherwise the
+    positions would no longer be one block per rank along one dim: a ``Fallback``.
     """
-    stride = seq.inner * math.prod(in_shape[seq.dim + 1 :])  # elements per position
+    units = geometry.in_units(seq).length
+    stride = seq.inner * math.prod(in_shape[seq.dim + 1 :])  # elements per unit
+    grid = None  # a grid whose rows the chunks would cut
     for e in range(len(out_shape)):
         inner_e = math.prod(out_shape[e + 1 :])
-        span = inner_e * out_shape[e]
-        if stride % inner_e == 0 and span % (stride * length) == 0 and length > 1:
-            return Seq(e, stride // inner_e)
-    return None
+        if units < 2 or (inner_e * out_shape[e]) % (stride * units):
+            continue  # the sequence does not lie within dims e...
+        if stride % inner_e == 0:
+            return Seq(e, stride // inner_e, seq.unit)
+        rows = inner_e // stride  # units per element of e: a row of a grid
+        if inner_e % stride == 0 and rows < units and units % rows == 0:
+            if geometry.holds_units(seq.unit * rows):
+                return Seq(e, 1, seq.unit * rows)
+            grid = grid or seq.unit * rows
+    if grid is None:
+        return Fallback(GatherReason.VIEW_SPLITS)
+    chunk = geometry.padded // split_multiple(geometry.ring_size, geometry.layout)
+    return Fallback(
+        GatherReason.VIEW_SPLITS,
+        f"(into rows of {grid} positions: the layout's chunks of {chunk} are not whole rows)",
+    )
 
 
 @dataclass
@@ -124,7 +166,7 @@ class Placements:
             if k >= 0 and shape(a)[k] not in (1, out_shape[seq.dim]):
                 return Fallback(GatherReason.MISALIGNED)
             if k >= 0 and shape(a)[k] > 1:
-                self.meetings.append((a, Seq(k, seq.inner)))
+                self.meetings.append((a, seq.at(k)))
         return seq
 
 

@@ -69,7 +69,7 @@ def sharded_input_dims(gm: fx.GraphModule, config: Config) -> tuple[dict[int, in
         return {
             placeholders.index(n): s.dim
             for n, s in found.items()
-            if n.op == "placeholder" and s.inner == 1
+            if n.op == "placeholder" and (s.inner, s.unit) == (1, 1)
         }
 
     return dims(seeds), dims(masks)
@@ -239,16 +239,16 @@ def _companion_inputs(
     """Inputs that never reach attention but meet the sharded sequence (labels, say)."""
     found: dict[fx.Node, Seq] = {}
     for node, seq in infer_placements(graph, geometry, seeds).place.meetings:
-        while node.op == "call_function" and seq is not None:
+        while node.op == "call_function" and isinstance(seq, Seq):
             x = node.args[0] if node.args else None
             if not is_tensor(x):
                 break
             if node.target in VIEWS:
-                seq = view_placement(list(val(node).shape), seq, shape(x), geometry.length)
+                seq = view_placement(list(val(node).shape), seq, shape(x), geometry)
             elif node.target not in SAME_SHAPE | _SEQUENCE_PRESERVING:
                 break
             node = x
-        if node.op == "placeholder" and seq is not None and node not in seeds:
+        if node.op == "placeholder" and isinstance(seq, Seq) and node not in seeds:
             found.setdefault(node, seq)
     return found
 

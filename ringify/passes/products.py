@@ -1,4 +1,5 @@
-"""Products whose rows carry the sequence: ``mm``/``matmul``/``bmm``, ``baddbmm``, ``addmm``.
+"""Products whose rows carry the sequence: ``mm``/``matmul``/``bmm``, ``baddbmm``, ``addmm``,
+``einsum``.
 
 The rows of ``x @ w`` are computed from the rows of ``x``: a sharded x gives a sharded
 output, its weights used whole. A ``w`` sharded along its columns (k transposed, when an
@@ -8,11 +9,13 @@ each rank computes its rows of the map from the whole keys: O(S) gathered, never
 
 from __future__ import annotations
 
+import string
+
 import torch
 
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import shape, val
-from ringify.passes.placement import Fallback, Placements, Seq
+from ringify.passes.placement import Fallback, Placements
 from ringify.passes.report import GatherReason, InsertedGather
 
 aten = torch.ops.aten
@@ -31,7 +34,7 @@ def infer_baddbmm(node, place: Placements):
     if not place.sharded(bias):
         return place.line_up(node, [bias], rows)
     aligned = place[bias].dim + val(node).dim() - len(shape(bias))
-    return rows if Seq(aligned, place[bias].inner) == rows else Fallback(GatherReason.MIXED_DIMS)
+    return rows if place[bias].at(aligned) == rows else Fallback(GatherReason.MIXED_DIMS)
 
 
 def _product_rows(node, x, w, place: Placements):
@@ -40,7 +43,7 @@ def _product_rows(node, x, w, place: Placements):
     whole_w = place.sharded(w) and len(shape(w)) >= 2 and place[w].dim == len(shape(w)) - 1
     rows = place.sharded(x) and place[x].dim < len(shape(x)) - 1
     if rows and (whole_w or not place.sharded(w)):
-        return Seq(place[x].dim + val(node).dim() - len(shape(x)), place[x].inner)
+        return place[x].at(place[x].dim + val(node).dim() - len(shape(x)))
     batch = len(shape(x)) == len(shape(w)) and place[x] == place[w]
     if batch and place.sharded(x) and place[x].dim < len(shape(x)) - 2:
         return place[x]  # both sharded on a batch dim (one token's expert copies): local
@@ -70,3 +73,53 @@ def infer_addmm(node, place: Placements):
     if place.sharded(x) and not place.sharded(w) and place[x].dim == 0:
         return place.line_up(node, [bias], place[x])
     return Fallback(GatherReason.PRODUCT)
+
+
+def infer_einsum(node, place: Placements):
+    """``einsum`` that keeps the sequence's letter in its output (a permute, such as an
+    unpatchify's ``nhwpqc->nchpwq``, or a product over other letters): local. Every sharded
+    operand holds the sequence at that letter alike; a replicated one holds it at size 1
+    (a broadcast) or not at all."""
+    operands = node.args[1]
+    letters = _einsum_letters(node.args[0], [len(shape(x)) for x in operands])
+    if letters is None:
+        return Fallback(GatherReason.UNREADABLE)
+    terms, out = letters
+    sharded = {(terms[i][place[x].dim], place[x].at(0)) for i, x in enumerate(operands)
+               if place.sharded(x)}  # fmt: skip
+    if len(sharded) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    letter, seq = sharded.pop()
+    if letter not in out:
+        return Fallback(GatherReason.PRODUCT)
+    for term, x in zip(terms, operands, strict=True):
+        if term.count(letter) > 1 or (
+            not place.sharded(x) and letter in term and shape(x)[term.index(letter)] != 1
+        ):
+            return Fallback(GatherReason.MISALIGNED)
+    return seq.at(out.index(letter))
+
+
+def _einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str] | None:
+    """Each operand's letters and the output's, an ellipsis spelled out as fresh letters
+    (right-aligned, as it broadcasts); ``None`` if the equation does not fit the operands."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims):
+        return None
+    named = [len(t.replace("...", "")) for t in terms]
+    width = max(
+        (n - k for t, n, k in zip(terms, ndims, named, strict=True) if "..." in t), default=0
+    )
+    fresh = "".join(c for c in string.ascii_letters if c not in equation)[:width]
+    terms = [
+        t.replace("...", fresh[width - (n - k) :])
+        for t, n, k in zip(terms, ndims, named, strict=True)
+    ]
+    if any(len(t) != n for t, n in zip(terms, ndims, strict=True)):
+        return None
+    if arrow:
+        return terms, rhs.replace("...", fresh)
+    once = [c for c in sorted(set("".join(terms)) - set(fresh)) if "".join(terms).count(c) == 1]
+    return terms, fresh + "".join(once)

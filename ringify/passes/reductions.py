@@ -54,7 +54,7 @@ def infer_reduction(node: fx.Node, place: Placements) -> Placement:
     if p.dim in dims:
         return None
     keep = _keepdim(node)
-    return Seq(p.dim if keep else p.dim - sum(d < p.dim for d in dims), p.inner)
+    return p.at(p.dim if keep else p.dim - sum(d < p.dim for d in dims))
 
 
 def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
@@ -109,12 +109,12 @@ def infer_argmax(node: fx.Node, place: Placements) -> Placement | Fallback:
     x = node.args[0]
     p, ndim = place[x], len(shape(x))
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if dim is None or place.geometry.split(shape(x)[p.dim], p) != (1, 1):
+    if dim is None or not place.geometry.alone(shape(x)[p.dim], p):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(argmax over several dims)")
     dim = norm_dim(dim, ndim)
     if dim == p.dim:
         return None
-    return Seq(p.dim if _keepdim(node) else p.dim - (dim < p.dim), p.inner)
+    return p.at(p.dim if _keepdim(node) else p.dim - (dim < p.dim))
 
 
 def rewrite_argmax(node: fx.Node, out: Placement, state: PassState) -> None:
@@ -177,15 +177,16 @@ def masked_padding(x: fx.Node, fill, state: PassState) -> fx.Node:
     seq = state.place[x]
     x_shape = shape(x)
     outer, inner = geo.split(x_shape[seq.dim], seq)
-    positions = g.call_function(aten.arange.default, (geo.padded,), {"device": val(x).device})
-    valid = g.call_function(aten.lt.Scalar, (positions, geo.length))
+    units = geo.in_units(seq)  # padding is whole units
+    positions = g.call_function(aten.arange.default, (units.padded,), {"device": val(x).device})
+    valid = g.call_function(aten.lt.Scalar, (positions, units.length))
     valid = g.call_function(
         ringify_ops.take_shard.default, (valid, 0, state.group_name, geo.layout)
     )
-    valid = g.call_function(aten.view.default, (valid, [1, geo.local, 1]))
-    valid = g.call_function(aten.expand.default, (valid, [outer, geo.local, inner]))
+    valid = g.call_function(aten.view.default, (valid, [1, units.local, 1]))
+    valid = g.call_function(aten.expand.default, (valid, [outer, units.local, inner]))
     view = [1] * len(x_shape)
-    view[seq.dim] = outer * geo.local * inner
+    view[seq.dim] = outer * units.local * inner
     valid = g.call_function(aten.reshape.default, (valid, view))
     return g.call_function(aten.where.ScalarOther, (valid, x, fill))
 

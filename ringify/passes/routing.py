@@ -19,6 +19,8 @@ compute its own tokens only, so the rules keep the tokens sharded through all of
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 
@@ -61,7 +63,7 @@ def infer_repeat_interleave(node, place, p: Seq, ndim: int):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(repeats of a tensor, or flattened)")
     if norm_dim(dim, ndim) != p.dim:
         return p
-    return Seq(p.dim, p.inner * repeats)
+    return dataclasses.replace(p, inner=p.inner * repeats)
 
 
 def rewrite_repeat_interleave(node: fx.Node, out: Seq, state: PassState) -> None:
@@ -84,7 +86,7 @@ def infer_table_rows(node, place: Placements):
     picked = [i for i, t in enumerate(indices) if t is not None]
     width = max(len(shape(indices[i])) for i in picked)  # dims of the broadcast ids
     aligned = {
-        Seq(place[ids].dim + width - len(shape(ids)), place[ids].inner)
+        place[ids].at(place[ids].dim + width - len(shape(ids)))
         for ids in (indices[i] for i in picked)
         if place.sharded(ids)
     }
@@ -92,7 +94,7 @@ def infer_table_rows(node, place: Placements):
         return Fallback(GatherReason.MIXED_DIMS)
     seq = aligned.pop()
     first = picked[0] if picked == list(range(picked[0], picked[-1] + 1)) else 0
-    return Seq(first + seq.dim, seq.inner)
+    return seq.at(first + seq.dim)
 
 
 def rewrite_table_rows(node: fx.Node, out: Seq, state: PassState) -> None:

@@ -67,7 +67,13 @@ from ringify.passes.placement import (
     Seq,
     sharded_first,
 )
-from ringify.passes.products import infer_addmm, infer_baddbmm, infer_matmul, rewrite_product
+from ringify.passes.products import (
+    infer_addmm,
+    infer_baddbmm,
+    infer_einsum,
+    infer_matmul,
+    rewrite_product,
+)
 from ringify.passes.reductions import (
     EXTREMA,
     LOSSES,
@@ -163,9 +169,7 @@ def _infer_broadcast(node, place: Placements):
     tensors = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
     out_ndim = val(node).dim()
     aligned = {
-        Seq(place[a].dim + out_ndim - len(shape(a)), place[a].inner)
-        for a in tensors
-        if place.sharded(a)
+        place[a].at(place[a].dim + out_ndim - len(shape(a))) for a in tensors if place.sharded(a)
     }
     if len(aligned) != 1:
         return Fallback(GatherReason.MIXED_DIMS)
@@ -193,7 +197,7 @@ def _infer_cumsum(node, place, p: Seq, ndim: int):
     """A running sum: local off the sequence, a scan over the ring along it."""
     if norm_dim(node.args[1], ndim) != p.dim:
         return p
-    if place.geometry.split(shape(node.args[0])[p.dim], p) != (1, 1):
+    if not place.geometry.alone(shape(node.args[0])[p.dim], p):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
     return p
 
@@ -268,6 +272,7 @@ RULES: dict[object, Rule] = {
         infer_addmm, lambda n, out, s: s.fit_replicated_inputs(n, out, aligned=[n.args[0]])
     ),
     aten.baddbmm.default: Rule(infer_baddbmm, rewrite_product),
+    aten.einsum.default: Rule(infer_einsum, lambda n, out, s: s.fit_replicated_inputs(n, None)),
     aten.embedding.default: Rule(_infer_embedding, _fit_whole),
     **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
     **dict.fromkeys(

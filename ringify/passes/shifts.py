@@ -134,7 +134,7 @@ def infer_shift(node, place, p: Seq, ndim: int):
     if sharded_fill:  # a start token that is itself sharded along the sequence
         return Fallback(GatherReason.MIXED_DIMS)
     geometry = place.geometry
-    if geometry.split(shape(x)[p.dim], p) != (1, 1):
+    if not geometry.alone(shape(x)[p.dim], p):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
     if abs(shift) > geometry.local // chunks_per_rank(geometry.layout):
         return Fallback(GatherReason.ALONG_SEQUENCE, f"(a shift by {shift}: more than a chunk)")

@@ -5,7 +5,10 @@ SD3 (MM-DiT: joint attention, then the text and image tokens split back), Flux (
 blocks like SD3's, single blocks that run a whole block on the joint sequence; RoPE from
 the text and image ids put end to end) and CogVideoX (the text and video tokens joined for
 attention and the feed-forward; RoPE on the video tokens only, written into a slice).
-Each returns ``(model, kwargs)``; the model's output is ``model(**kwargs)[0]``.
+DiT and PixArt (self-attention over the image tokens; PixArt cross-attends to the text)
+have no joint sequence; with the others they end in an unpatchify, a view of the tokens
+into the image's grid. Each returns ``(model, kwargs)``; the model's output is
+``model(**kwargs)[0]``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,41 @@ def cogvideox(frames: int = 9, side: int = 8) -> tuple[torch.nn.Module, dict]:
         "hidden_states": _randn(2, latent, 4, side, side),
         "encoder_hidden_states": _randn(2, 5, 16, seed=4),
         "timestep": torch.tensor([3, 500]),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def dit(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """DiT: (side / 2)^2 image tokens, class-conditioned."""
+    from diffusers import DiTTransformer2DModel
+
+    model = DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2,
+        sample_size=side, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=4,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, side, side),
+        "timestep": torch.tensor([3, 5]),
+        "class_labels": torch.tensor([1, 2]),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def pixart(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """PixArt: (side / 2)^2 image tokens cross-attending to 5 text tokens."""
+    from diffusers import PixArtTransformer2DModel
+
+    model = PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+        num_layers=2, sample_size=side, patch_size=2, cross_attention_dim=16,
+        caption_channels=12, norm_num_groups=4, use_additional_conditions=False,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, side, side),
+        "timestep": torch.tensor([3, 5]),
+        "encoder_hidden_states": _randn(2, 5, 12, seed=4),
         "return_dict": False,
     }
     return model.double(), kwargs
