@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ringify.testing.hf_models import gemma3, gpt2, llama, mistral
-from ringify.testing.hf_moe import gpt_oss, qwen3_moe
+from ringify.testing.hf_moe import deepseek_v3, gpt_oss, qwen3_moe
 
 TOL = 1e-10
 PROMPT, NEW = 13, 16
@@ -28,6 +28,7 @@ MODELS = {
     "gemma3": lambda: gemma3(layers=2, window=6),  # sliding and full layers, one RoPE each
     "qwen3_moe": qwen3_moe,  # experts: router statistics off in a decode step
     "gpt_oss": lambda: gpt_oss(window=6),  # sinks in the decode step's softmax
+    "deepseek_v3": deepseek_v3,  # MLA: the cache holds latents, expanded at each step
 }
 WINDOWED = ("mistral", "gemma3", "gpt_oss")  # their own caches keep only the window
 
@@ -130,6 +131,7 @@ def _check(results: list, world: int) -> None:
         ("gemma3", True),
         ("qwen3_moe", True),
         ("gpt_oss", True),
+        ("deepseek_v3", True),
     ],
 )
 def test_greedy_matches_the_unmodified_model(ranks, world, kind, padded):

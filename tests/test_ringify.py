@@ -421,3 +421,43 @@ def test_sharded_inputs_for_hf_llama(ranks, world, name, mask):
         assert r["gathers"] == []
         for kind in ("logits", "loss", "grads"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+class _TwoOutputs(torch.nn.Module):
+    """An output and a second one the loss leaves out, computed by a layer of its own (LLaVA's
+    vision tower returns its last layer, whose parameters its loss never reaches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        return self.used(y), self.unused(y)
+
+
+def unused_output_grads(backend):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _TwoOutputs().double()
+    x = torch.randn(2, 2, 8 * dist.get_world_size(), 8, dtype=torch.float64)
+    found = {}
+    for name, fn in (("unmodified", model), ("ringified", ringify(model, ring_size=2))):
+        run = torch.compile(fn, backend=backend) if backend else fn
+        run(x)[0].sum().backward()
+        found[name] = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    return found
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_layer_only_an_unused_output_reaches_gets_what_the_unmodified_model_gives(ranks, backend):
+    """Eager: no gradient (None). Compiled: what torch.compile gives the unmodified model,
+    zeros (AOTAutograd fills the missing gradient of an unused output with zeros)."""
+    for found in ranks(2).run(unused_output_grads, backend):
+        want, got = found["unmodified"], found["ringified"]
+        for name in ("unused.weight", "unused.bias"):
+            assert (got[name] is None) == (want[name] is None), name
+            assert got[name] is None or torch.equal(got[name], want[name]), name
+        assert backend is not None or want["unused.weight"] is None

@@ -1,7 +1,8 @@
 """Attention and sequence ops as models write them, each exact on the ring with nothing gathered:
 a causal mask from constants (``einsum`` scores, ``nn.MultiheadAttention`` given it, with and
 without its weights), nanoGPT's mask cropped from a registered ``tril`` buffer (a program, never
-an S x S tensor per rank), a torchtitan-style layer (RoPE through ``stack``, under
+an S x S tensor per rank), a causal mask extended with ``F.pad`` (a program too), a
+torchtitan-style layer (RoPE through ``stack``, under
 ``torch.autocast(enabled=False)``; GQA through ``enable_gqa``, ``repeat_interleave`` or
 FlexAttention) and a pooled token per row (CLIP's EOS: a few positions taken from their ranks).
 Float64, against the unmodified model: output and every gradient, on 2 and 4 ranks."""
@@ -15,7 +16,10 @@ from ringify.passes.report import MaskKind
 from ringify.testing.runs import ringified_run
 
 TOL = 1e-10
-CASES = ("einsum", "mha", "mha weights", "nanogpt", "titan", "titan repeat", "titan flex", "pooled")
+CASES = (
+    "einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive", "titan", "titan repeat",
+    "titan flex", "pooled",
+)  # fmt: skip
 
 
 def _model(case: str):
@@ -27,6 +31,8 @@ def _model(case: str):
         "mha": lambda: models.ConstantMaskAttention(how="mha"),
         "mha weights": lambda: models.ConstantMaskAttention(how="mha", need_weights=True),
         "nanogpt": lambda: models.Block(32, 4, models.AttentionByHand(max_len=128)),
+        "pad": lambda: models.ConstantMaskAttention(how="pad"),
+        "pad additive": lambda: models.ConstantMaskAttention(how="pad additive"),
         "titan": models.RotaryDecoder,
         "titan repeat": lambda: models.RotaryDecoder(gqa="repeat_interleave"),
         "titan flex": lambda: models.RotaryDecoder(gqa="flex"),
@@ -85,5 +91,5 @@ def test_the_form_is_exact_and_nothing_is_gathered(ranks, world, case):
         assert r["out"] <= TOL and r["grads"] <= TOL and r["same grads"], r
         assert r["gathers"] == [], r["gathers"]
         assert r["quadratic"] == [], r["quadratic"]
-        if case in ("einsum", "mha", "mha weights", "nanogpt"):
+        if case in ("einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive"):
             assert r["masks"] == [MaskKind.PROGRAM], r["masks"]

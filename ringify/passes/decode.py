@@ -27,7 +27,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from ringify.passes.attention import read_attention
-from ringify.passes.nodes import call, erase_unused, shape, uses, val
+from ringify.passes.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
 from ringify.runtime.attention.decode import decode_attention
 from ringify.runtime.attention.reference import attention as reference_attention
 
@@ -65,7 +65,14 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
         q, k, v, mask, scale, softcap = att.q, att.k, att.v, att.mask, att.scale, att.softcap
         if softcap and shape(v)[-1] != shape(q)[-1]:
             raise NotDecodable(f"{node.name}: a soft cap with MLA's value head dim. {SUPPORTED}")
-        (k_layer, k_new), (v_layer, v_new) = _appended(k, cache), _appended(v, cache)
+        if _is_appended(k) and _is_appended(v):
+            (k_layer, k_new), (v_layer, v_new) = _appended(k, cache), _appended(v, cache)
+            k_local, v_local = local[k_layer], local[v_layer]
+        else:  # MLA's latents, expanded into keys and values at each step
+            with graph.inserting_before(node):
+                k_layer, v_layer, (k_local, k_new), (v_local, v_new) = _expanded(
+                    graph, k, v, cache, local
+                )
         if (
             k_layer != ("key", v_layer[1])
             or v_layer[0] != "value"
@@ -83,7 +90,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
                     rows[mask] = _row(graph, mask, positions)
             keep = rows[mask]
         scale = scale if scale is not None else 1 / math.sqrt(shape(q)[-1])
-        args = (q, local[k_layer], local[v_layer], k_new, v_new, keep, own_new, scale, group_name)
+        args = (q, k_local, v_local, k_new, v_new, keep, own_new, scale, group_name)
         with graph.inserting_before(node):
             out = call(graph, decode_attention, (*args, att.sinks, softcap))
         node.replace_all_uses_with(out)
@@ -121,6 +128,66 @@ def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.N
     for node, value in zip(made, values, strict=True):
         node.meta["val"] = value
     return made
+
+
+def _is_appended(x) -> bool:
+    return isinstance(x, fx.Node) and x.target is aten.cat.default and len(x.args[0]) == 2
+
+
+def _expanded(graph: fx.Graph, k: fx.Node, v: fx.Node, cache: dict, local: dict) -> tuple:
+    """MLA with a cache of latents (transformers 5.24's DeepSeek-V3): k and v are computed
+    position by position from ``cat([cache, new], -2)`` of each latent. For the attention,
+    each cat becomes this rank's latents with the new one, and the sizes along the sequence
+    inside are read from it: k and v then hold this rank's positions, the new token's last.
+    Returns the two cache entries and ``(this rank's part, the new token's)`` of k and v."""
+    above = ancestors([k, v])
+    cats = [n for n in graph.nodes if n in above and _is_appended(n) and _reads_cache(n, cache)]
+    entries = {_appended(c, cache)[0] for c in cats}
+    layer = {i for _, i in entries}
+    if len(layer) != 1 or entries != {("key", *layer), ("value", *layer)}:
+        raise NotDecodable(f"{k.name} is not computed from one layer's cache. {SUPPORTED}")
+    length = val(cats[0]).shape[2]  # the global length the region was traced at
+    region, reached = [], set(cats)
+    for node in graph.nodes:
+        if node not in cats and node in above and reached.intersection(node.all_input_nodes):
+            reached.add(node)
+            region.append(node)
+    outside = [u for n in region if n not in (k, v) for u in n.users if u not in reached]
+    if outside or len(k.users) > 1 or len(v.users) > 1:
+        raise NotDecodable(f"{k.name}: MLA's expanded cache is read beyond the attention")
+    for cat in cats:
+        old, new = cat.args[0]
+        with graph.inserting_before(cat.next):  # where the latents, cached and new, are
+            mine = call(graph, aten.cat.default, ([local[_cache_entry(old, cache)], new], 2))
+            size = call(graph, aten.sym_size.int, (mine, 2))
+        for node in region:
+            node.args, node.kwargs = fx.node.map_arg(
+                (node.args, node.kwargs),
+                lambda a, cat=cat, mine=mine, size=size: (
+                    mine if a is cat else size if _is_size(a, length) else a
+                ),
+            )
+    for node in region:  # this rank's values, in graph order
+        node.meta["val"] = evaluate(node)
+    parts = [
+        (call(graph, aten.slice.Tensor, (x, 2, 0, -1)), call(graph, aten.slice.Tensor, (x, 2, -1)))
+        for x in (k, v)
+    ]
+    return ("key", *layer), ("value", *layer), *parts
+
+
+def _reads_cache(cat: fx.Node, cache: dict) -> bool:
+    try:
+        _cache_entry(cat.args[0][0], cache)
+    except NotDecodable:
+        return False
+    return True
+
+
+def _is_size(a, length) -> bool:
+    """Whether ``a`` is a node of the symbolic size ``length``."""
+    size = val(a) if isinstance(a, fx.Node) else None
+    return isinstance(size, torch.SymInt) and size.node.expr == length.node.expr
 
 
 def _appended(x, cache: dict) -> tuple[tuple[str, int], fx.Node]:

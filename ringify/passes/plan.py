@@ -118,8 +118,9 @@ def _no_attention(graph: fx.Graph) -> str:
     if flex:
         return (
             f"the model computes attention with FlexAttention that ringify cannot read: "
-            f"{'; '.join(flex)}. One-line fixes: for an HF model, "
-            'attn_implementation="sdpa" in from_pretrained or its config; otherwise, call '
+            f"{'; '.join(flex)}. One-line fixes: for an HF model with an SDPA path (its "
+            'class\'s _supports_sdpa), attn_implementation="sdpa" in from_pretrained or its '
+            "config; otherwise (or for a model without one), call "
             "F.scaled_dot_product_attention (is_causal=True, or the mask_mod's mask as a tensor "
             "built from positions, which ringify reads as a program)."
         )
@@ -136,10 +137,13 @@ def _no_attention(graph: fx.Graph) -> str:
         "F.scaled_dot_product_attention, and attention written by hand as "
         "softmax(q @ k^T * scale + mask) @ v; these softmaxes were not read as attention: "
         + "; ".join(unread)
-        + '. One-line fixes: for an HF model, attn_implementation="sdpa" in from_pretrained '
-        "or its config; for nn.MultiheadAttention, need_weights=False; otherwise, call "
-        "F.scaled_dot_product_attention, or scale the scores before masking them and hide "
-        "scores with -inf or torch.finfo(dtype).min."
+        + ". One-line fixes: for an HF model with an SDPA path (its class's _supports_sdpa), "
+        'attn_implementation="sdpa" in from_pretrained or its config; for '
+        "nn.MultiheadAttention, need_weights=False; otherwise (an HF model without one "
+        "included), call F.scaled_dot_product_attention, or write the scores as ringify reads "
+        "them: scaled before masking, hidden with -inf or torch.finfo(dtype).min, capped as "
+        "tanh(s / c) * c, a sink logit as one column concatenated and dropped after the "
+        "softmax, a bias added or through baddbmm."
     )
 
 

@@ -267,9 +267,11 @@ class FlexTransformer(nn.Module):
 
 class ConstantMaskAttention(nn.Module):
     """Attention under a causal mask built from constants, as research code writes it:
-    ``einsum`` scores, ``ones((i, j)).triu(j - i + 1)`` filled (``how="einsum"``), or an
+    ``einsum`` scores, ``ones((i, j)).triu(j - i + 1)`` filled (``how="einsum"``), an
     ``nn.MultiheadAttention`` given the mask (``how="mha"``, its weights asked for with
-    ``need_weights``)."""
+    ``need_weights``), or SDPA under a causal mask extended with ``F.pad`` by 3 keys every
+    query sees (``how="pad"``: a boolean mask padded on the left; ``"pad additive"``: a
+    float mask padded on the left and the top)."""
 
     def __init__(self, dim=32, heads=4, how="einsum", need_weights=False):
         super().__init__()
@@ -283,6 +285,18 @@ class ConstantMaskAttention(nn.Module):
             mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
             return self.mha(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
         q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(c, -1))
+        if self.how.startswith("pad"):
+            sinks = 3
+            if self.how == "pad":
+                mask = torch.ones(n, n - sinks, dtype=torch.bool, device=x.device).tril(-sinks)
+                mask = F.pad(mask, (sinks, 0), value=True)
+            else:
+                hidden = torch.ones(n - sinks, n - sinks, dtype=torch.bool, device=x.device)
+                mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device)
+                mask = mask.masked_fill(hidden.triu(1), float("-inf"))
+                mask = F.pad(mask, (sinks, 0, sinks, 0), value=0.0)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(y.transpose(1, 2).reshape(b, n, c))
         sim = torch.einsum("bhid,bhjd->bhij", q, k) * (c // self.heads) ** -0.5
         i, j = sim.shape[-2:]
         hidden = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
