@@ -15,7 +15,7 @@ import sys
 import torch
 from tabulate import tabulate
 
-from ringify.runtime.tiling.layout import unshard
+from ringify.runtime.collectives.layout import unshard
 from ringify.testing import RankPool
 from ringify.testing.attention import (
     make_inputs,

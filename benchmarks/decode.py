@@ -87,7 +87,7 @@ def ringified(seq: int, new: int) -> dict:
     t_dec, peak_dec, sequences = measured_step(lambda: loop.decode(ring, started, config, new))
     held = started.cache.nbytes()
     sent = 4 * LAYERS * HEADS * (HIDDEN // HEADS + 2)  # per step: (B, H, 1) + (B, H, 1, D + 1)
-    traces = sum(step.traces for step in ring._generation["steps"].values())
+    traces = sum(step.traces for step in ring._generation.steps.values())
     return _row(
         t_pre, peak_pre, t_dec / (new - 1), peak_dec, held, sequences[:, seq:], sent, traces
     )

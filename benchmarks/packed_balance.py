@@ -1,5 +1,5 @@
 """How evenly packed documents of uneven length spread attention work over a ring, with and
-without the ring op's load balancing (``ringify/runtime/tiling/balance.py``).
+without the ring op's load balancing (``ringify/runtime/masks/balance.py``).
 
     python benchmarks/packed_balance.py --seq 131072 --rings 2 4 8
     python benchmarks/packed_balance.py --seq 32768 --rings 2 --time
@@ -31,16 +31,16 @@ import sys
 import torch
 from tabulate import tabulate
 
-from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
-from ringify.runtime.masks.program import parse
-from ringify.runtime.masks.tile_masks import TileMasks
-from ringify.runtime.tiling.balance import (
+from ringify.runtime.collectives.layout import padded_length, rank_chunks
+from ringify.runtime.masks.balance import (
     balanced_tiling,
     ring_time,
     tile_costs,
     tile_owners,
 )
-from ringify.runtime.tiling.layout import padded_length, rank_chunks
+from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
+from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.schedule import shard_tiles
 from ringify.runtime.tiling.tiles import Visibility, all_tiles, sub_ring_tiles
 from ringify.testing import RankPool

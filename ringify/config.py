@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import Ring, resolve_ring
-from ringify.runtime.tiling.layout import check_layout
 
 MODES = ("full", "sharded")
 

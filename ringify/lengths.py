@@ -43,7 +43,7 @@ from ringify.passes.length_integers import (
     padded,
     read_at_run_time,
 )
-from ringify.runtime.tiling.layout import split_multiple
+from ringify.runtime.collectives.layout import split_multiple
 from ringify.trace import Rewritten, rewrite
 
 

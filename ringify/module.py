@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from ringify.caches import cache_kwargs
 from ringify.config import Config
 from ringify.consistency import check_call, check_trace
+from ringify.generation import Generation, generate
 from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
 from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
@@ -106,7 +107,7 @@ class RingifiedModule(nn.Module):
         self.traces = 0  # graphs traced (a lifted graph counts once)
         self._active: Traced | None = None
         self._warned: set[str] = set()  # warnings given once per module
-        self._generation: dict = {}  # generate's prefill module and decode steps (not submodules)
+        self._generation: Generation | None = None  # generate's state, made on its first call
         signature = _signature_of(model.forward)
         self._takes_use_cache = signature is not None and "use_cache" in signature.parameters
         self.register_forward_pre_hook(_prepare, with_kwargs=True)
@@ -144,9 +145,11 @@ class RingifiedModule(nn.Module):
         """Greedy or sampled generation on the ring, HF ``generate``-compatible: the prompt's KV
         cache stays split across the ranks and each new token is one traced decode step
         (``ringify/generation/``). Returns what HF's ``generate`` returns."""
-        from ringify.generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
+        if self._generation is None:
+            config = dataclasses.replace(self.ringify_config, inputs="full", outputs="sharded")
+            prefill = RingifiedModule(self._model, config)
+            self._generation = Generation(self._model, self._ring, config.layout, prefill)
+        return generate(self._generation, input_ids, attention_mask, **kwargs)
 
     def _last(self) -> Traced:
         if self._active is None:

@@ -1,4 +1,4 @@
-"""Load balancing inside the ring op (``ringify/runtime/tiling/balance.py``).
+"""Load balancing inside the ring op (``ringify/runtime/masks/balance.py``).
 
 Packed documents of uneven length give zigzag's ranks unequal work; the op deals its
 tiles to the ranks by work and runs on that plan, moving rows there and back. The
@@ -14,9 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import shard
-from ringify.runtime.masks.program import parse
-from ringify.runtime.masks.tile_masks import TileMasks
-from ringify.runtime.tiling.balance import (
+from ringify.runtime.masks.balance import (
     DEVICE_MOVE_AREA,
     MIN_GAIN,
     balanced_tiling,
@@ -25,6 +23,8 @@ from ringify.runtime.tiling.balance import (
     tile_costs,
     tile_owners,
 )
+from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.schedule import shard_tiles
 from ringify.runtime.tiling.tiles import all_tiles
 from ringify.testing.attention import document_causal_program, document_inputs, model_layout

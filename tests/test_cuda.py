@@ -10,7 +10,7 @@ import torch
 from test_ring_attention import make_inputs, reference, ring_forward_backward
 
 from ringify.runtime import ring_attention
-from ringify.runtime.tiling.layout import unshard
+from ringify.runtime.collectives.layout import unshard
 from ringify.testing import RankPool
 from ringify.testing.tolerance import relative_difference, truth_tolerance
 

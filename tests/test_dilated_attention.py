@@ -9,7 +9,7 @@ from test_ring_attention import EXACT, assert_matches, assert_near_truth, make_i
 
 from ringify.passes.report import MaskKind
 from ringify.runtime import Dilation, dilated_attention, ring_attention, shard
-from ringify.runtime.tiling.layout import unshard
+from ringify.runtime.collectives.layout import unshard
 
 
 @pytest.mark.parametrize(

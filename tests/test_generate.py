@@ -55,7 +55,7 @@ def compare(kind: str, padded: bool, options: dict):
     ringified = ringify(model, ring_size=dist.get_world_size())
     torch.manual_seed(5)
     got = ringified.generate(ids, attention_mask=mask, **args)
-    cache = ringified._generation["cache"]
+    cache = ringified._generation.cache
     held = [tuple(cache.keys(i).shape) for i in range(cache.layers)]
     positions = cache.positions()[:-1]
     # the unmodified model's K/V of every position the cache holds: one forward over them
@@ -85,8 +85,8 @@ def compare(kind: str, padded: bool, options: dict):
         "rank_entries": cache.filled,
         "length": cache.length,
         "kv": kv_error,
-        "traces": sum(step.traces for step in ringified._generation["steps"].values()),
-        "empty_constants": _empty_constants(ringified._generation["prefill"]._active.module),
+        "traces": sum(step.traces for step in ringified._generation.steps.values()),
+        "empty_constants": _empty_constants(ringified._generation.prefill._active.module),
     }
 
 
@@ -272,10 +272,10 @@ def prompts_of_three_lengths():
         ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(length))
         want = model.generate(ids, max_new_tokens=6, do_sample=False)
         equal &= torch.equal(ringified.generate(ids, max_new_tokens=6, do_sample=False), want)
-    steps = ringified._generation["steps"]
+    steps = ringified._generation.steps
     return {
         "equal": equal,
-        "prefill traces": ringified._generation["prefill"].traces,
+        "prefill traces": ringified._generation.prefill.traces,
         "decode traces": sum(step.traces for step in steps.values()),
     }
 

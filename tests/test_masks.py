@@ -24,7 +24,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.tiling.balance import plan_counts, reset_plan_counts
+    from ringify.runtime.masks.balance import plan_counts, reset_plan_counts
     from ringify.testing import hf_models
     from ringify.testing.graphs import quadratic_nodes
 

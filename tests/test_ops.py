@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import gather, ring_attention, shard
-from ringify.runtime.tiling.layout import unshard
+from ringify.runtime.collectives.layout import unshard
 from ringify.testing import RankPool
 from ringify.testing.attention import model_layout
 

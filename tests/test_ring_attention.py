@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
-from ringify.runtime.tiling.layout import unshard
+from ringify.runtime.collectives.layout import unshard
 from ringify.testing.attention import (
     make_inputs,
     reference,

@@ -16,25 +16,40 @@ def _module_name(path: Path) -> str:
 
 
 def _imports() -> dict[str, set[str]]:
-    """Module -> the ringify modules it imports (at any depth of its code)."""
+    """Module -> the ringify modules it imports, at any depth of its code (imports inside
+    functions too), with the packages each import runs (``a.b.c`` runs ``a.b``'s
+    ``__init__``), a module's own packages left out."""
     modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                found |= {
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                }
             elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            found |= {t for t in targets if t in modules and t != name}
-        graph[name] = found
+                found |= {a.name for a in node.names}
+        graph[name] = {
+            package
+            for target in found
+            for package in _packages_of(target)
+            if package in modules and package != name and not name.startswith(package + ".")
+        }
     return graph
 
 
+def _packages_of(module: str) -> list[str]:
+    """``a.b.c`` and the packages importing it runs: ``a.b`` (``a`` is ringify itself)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle through modules (not through package ``__init__`` re-exports), or None."""
+    """One import cycle, or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -55,11 +70,28 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle():
+    """Through packages and imports inside functions too."""
     graph = _imports()
-    # A package's __init__ re-exports its modules: an edge into a package is not a cycle.
-    packages = {n for n in graph if (ROOT.parent / n.replace(".", "/") / "__init__.py").exists()}
-    graph = {n: {t for t in ts if t not in packages} for n, ts in graph.items()}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+# the runtime's rooms, lowest first: each imports only rooms below it
+RUNTIME_ROOMS = ("collectives", "tiling", "masks", "attention")
+
+
+def test_the_runtime_rooms_import_only_downwards():
+    def room(module: str) -> int | None:
+        parts = module.split(".")
+        inside = parts[:2] == ["ringify", "runtime"] and len(parts) > 2
+        return RUNTIME_ROOMS.index(parts[2]) if inside and parts[2] in RUNTIME_ROOMS else None
+
+    upward = {
+        (module, target)
+        for module, targets in _imports().items()
+        for target in targets
+        if room(module) is not None and room(target) is not None and room(target) > room(module)
+    }
+    assert not upward, sorted(upward)
 
 
 def test_runtime_never_imports_the_passes():

@@ -1,5 +1,5 @@
 """Generation on the ring: a prefill that keeps the KV cache split, then one decode step per token."""
 
-from ringify.generation.loop import generate
+from ringify.generation.loop import Generation, generate
 
-__all__ = ["generate"]
+__all__ = ["Generation", "generate"]

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ringify.caches import cache_field, cache_keyword, cache_of
 from ringify.generation.cache import ShardedCache
 from ringify.generation.step import DecodeStep
 from ringify.passes.decode import SUPPORTED
-from ringify.runtime.tiling.layout import shard_for_rank, split_multiple
+from ringify.runtime.collectives.layout import shard_for_rank, split_multiple
+from ringify.runtime.collectives.ring import Ring
 
 # options that change what is generated, at their neutral values: any other value is refused
 _UNSUPPORTED = {
@@ -49,14 +51,31 @@ _SUPPORTED = (
 
 
 @torch.no_grad()
-def generate(module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-    """Generate from ``input_ids`` (B, L) on the ring of ``module`` (a ``RingifiedModule``)."""
-    if module._model.training:
+def generate(
+    gen: Generation, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+):
+    """Generate from ``input_ids`` (B, L) with ``gen``'s model on its ring."""
+    if gen.model.training:
         raise ValueError("ringify's generate runs in eval mode: call model.eval() first")
-    config = _generation_config(module._model, kwargs)
+    config = _generation_config(gen.model, kwargs)
     new_tokens = config.max_new_tokens or config.max_length - input_ids.shape[1]
-    started = prefill(module, input_ids, attention_mask, new_tokens, _pad_id(config))
-    return decode(module, started, config, new_tokens)
+    started = prefill(gen, input_ids, attention_mask, new_tokens, _pad_id(config))
+    return decode(gen, started, config, new_tokens)
+
+
+@dataclass
+class Generation:
+    """What ``generate`` keeps between calls on one ringified model: the model, its ring and
+    layout, the ringified copy that prefills (``outputs="sharded"``: each rank keeps its part
+    of the cache), the decode steps traced (by batch, inputs, cache shapes and modes), and the
+    last call's cache."""
+
+    model: nn.Module
+    ring: Ring
+    layout: str
+    prefill: nn.Module
+    steps: dict = field(default_factory=dict)
+    cache: ShardedCache | None = None
 
 
 @dataclass
@@ -73,10 +92,10 @@ class Prefilled:
 
 
 @torch.no_grad()
-def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> Prefilled:
+def prefill(gen: Generation, input_ids, attention_mask, new_tokens: int, pad_id: int) -> Prefilled:
     """Run the prompt through the ringified model, keeping this rank's part of the cache,
     with room for its share of ``new_tokens``."""
-    model, ring, layout = module._model, module._ring, module.ringify_config.layout
+    model, ring, layout = gen.model, gen.ring, gen.layout
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     pad = -input_ids.shape[1] % split_multiple(ring.size, layout)
@@ -96,7 +115,7 @@ def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> 
         if keyword is None:
             raise TypeError("its forward takes no KV cache argument")
         cache = {keyword: DynamicCache()}
-        out = _prefill(module)(**inputs, **keep_last, **cache, use_cache=True)
+        out = gen.prefill(**inputs, **keep_last, **cache, use_cache=True)
     except Exception as e:
         raise ValueError(
             f"ringify's generate could not prefill {type(model).__name__} with a DynamicCache "
@@ -104,20 +123,20 @@ def prefill(module, input_ids, attention_mask, new_tokens: int, pad_id: int) -> 
             "for another cache, prefill with the ringified model and continue with "
             "model.generate (README, 'Long prompts')."
         ) from e
-    logits = out.logits[:, -1:] if keep_last else _last_logits(out.logits, module)
+    logits = out.logits[:, -1:] if keep_last else _last_logits(out.logits, gen)
     parts = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     length = ids.shape[1]
     local = shard_for_rank(torch.arange(length, device=ids.device), 0, ring.rank, ring.size, layout)
-    step = _decode_step(module, inputs, parts)
+    step = _decode_step(gen, inputs, parts)
     cache = ShardedCache(parts, local, ring, -(-new_tokens // ring.size) + 1, length)
     return Prefilled(input_ids, logits, mask, cache, step, "position_ids" in takes)
 
 
 @torch.no_grad()
-def decode(module, started: Prefilled, config, new_tokens: int):
+def decode(gen: Generation, started: Prefilled, config, new_tokens: int):
     """Choose ``new_tokens`` tokens, one decode step each after the first; HF's output."""
-    ring, cache, mask, logits = module._ring, started.cache, started.mask, started.logits
+    ring, cache, mask, logits = gen.ring, started.cache, started.mask, started.logits
     eos = _token_ids(config.eos_token_id, mask.device)
     pad_id = _pad_id(config)
     sequences = started.input_ids
@@ -142,7 +161,7 @@ def decode(module, started: Prefilled, config, new_tokens: int):
             inputs["position_ids"] = _positions(mask)[:, -1:]
         logits, new_keys, new_values = started.step(inputs, cache)
         cache.append(new_keys, new_values)
-    module._generation["cache"] = cache
+    gen.cache = cache
     if not config.return_dict_in_generate:
         return sequences
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -220,31 +239,21 @@ def _choose(config, scores: torch.Tensor, ring) -> torch.Tensor:
     return token
 
 
-def _prefill(module):
-    """The ringified model that returns this rank's part of its outputs (made once)."""
-    if "prefill" not in module._generation:
-        from ringify.module import RingifiedModule
-
-        config = replace(module.ringify_config, inputs="full", outputs="sharded")
-        module._generation["prefill"] = RingifiedModule(module._model, config)
-    return module._generation["prefill"]
-
-
-def _decode_step(module, inputs: dict, parts: list) -> DecodeStep:
+def _decode_step(gen: Generation, inputs: dict, parts: list) -> DecodeStep:
     """The decode step for this batch, cache dtype and model modes (traced once for them)."""
     like = tuple((k.shape[:2], k.shape[3], k.dtype, k.device) for k, _ in parts)
-    modes = tuple(m.training for m in module._model.modules())
+    modes = tuple(m.training for m in gen.model.modules())
     key = (inputs["input_ids"].shape[0], tuple(sorted(inputs)), like, modes)
-    steps = module._generation.setdefault("steps", {})
+    steps = gen.steps
     if key not in steps:
         step_inputs = {k: x[:, -1:] if k != "attention_mask" else x for k, x in inputs.items()}
-        steps[key] = DecodeStep(module._model, module._ring, step_inputs, parts)
+        steps[key] = DecodeStep(gen.model, gen.ring, step_inputs, parts)
     return steps[key]
 
 
-def _last_logits(logits: torch.Tensor, module) -> torch.Tensor:
+def _last_logits(logits: torch.Tensor, gen: Generation) -> torch.Tensor:
     """The last position's logits from this rank's part (a model with no ``logits_to_keep``)."""
     from ringify.runtime.collectives.sharding import gather
 
-    ring, layout = module._ring, module.ringify_config.layout
+    ring, layout = gen.ring, gen.layout
     return gather(logits, 1, group=ring.group, layout=layout)[:, -1:]

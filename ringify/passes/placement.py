@@ -25,7 +25,7 @@ from torch import fx
 
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.report import GatherReason
-from ringify.runtime.tiling.layout import split_multiple
+from ringify.runtime.collectives.layout import split_multiple
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from ringify.passes.handwritten import UNREAD_NOTE
 from ringify.passes.nodes import ancestors, is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
 from ringify.passes.rules import SAME_SHAPE, infer_placements
+from ringify.runtime.collectives.layout import padded_length, split_multiple
 from ringify.runtime.collectives.shift import shifted
-from ringify.runtime.tiling.layout import padded_length, split_multiple
 
 _SEQUENCE_PRESERVING = frozenset({
     torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default,

@@ -23,8 +23,8 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import call, norm_dim, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
+from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.collectives.shift import ring_shift, shifted
-from ringify.runtime.tiling.layout import chunks_per_rank
 
 aten = torch.ops.aten
 _PADS = (aten.pad.default, aten.constant_pad_nd.default)

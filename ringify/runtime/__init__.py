@@ -11,7 +11,7 @@
 from ringify.runtime.attention import decode as _decode  # noqa: F401  (registers its op)
 from ringify.runtime.attention.api import ring_attention
 from ringify.runtime.attention.dilation import Dilation, dilated_attention
+from ringify.runtime.collectives.layout import LAYOUTS
 from ringify.runtime.collectives.sharding import gather, shard
-from ringify.runtime.tiling.layout import LAYOUTS
 
 __all__ = ["LAYOUTS", "Dilation", "dilated_attention", "gather", "ring_attention", "shard"]

@@ -17,8 +17,8 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_op
 from ringify.runtime.attention.outputs import DTYPES
 from ringify.runtime.collectives.agreement import check_ranks_agree
+from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring
-from ringify.runtime.tiling.layout import check_layout
 
 
 def ring_attention(

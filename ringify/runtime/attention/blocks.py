@@ -153,20 +153,6 @@ def block_backward(
     return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias;
-    on an accelerator with rows 16-byte aligned, as the efficient kernel takes it as it is
-    (``_cuda_bias``: a kept bias is then never copied again)."""
-    if mask.device.type == "cpu":
-        bias = mask.to(dtype)
-    else:
-        t = mask.shape[-1]
-        padded = torch.empty(*mask.shape[:-1], t + (-t % 8), dtype=dtype, device=mask.device)
-        bias = padded[..., :t].copy_(mask)
-    # log(1) = 0 and log(0) = -inf, exactly (IEEE)
-    return bias.log_() if mask.dtype == torch.bool else bias
-
-
 def _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale):
     if q_BHsD.device.type == "cpu":
         q_BHsD, k_BKtD, v_BKtD = _cpu_kernel_inputs(q_BHsD, k_BKtD, v_BKtD)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention.blocks import (
-    additive_mask,
     block_forward,
     math_forward,
     merge_block,
@@ -27,6 +26,7 @@ from ringify.runtime.attention.blocks import (
 from ringify.runtime.attention.memory import merge_over_ring
 from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
 from ringify.runtime.attention.sinks import with_sinks
+from ringify.runtime.masks.additive import additive_mask
 
 
 @torch.library.custom_op("ringify::decode_attention", mutates_args=())

@@ -18,15 +18,15 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention.blocks import (
-    additive_mask,
     bias_backward,
     block_backward,
     block_forward,
 )
 from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
+from ringify.runtime.collectives.layout import shard_for_rank
 from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
 from ringify.runtime.collectives.ring import LOCAL, ring_by_name
-from ringify.runtime.tiling.layout import shard_for_rank
+from ringify.runtime.masks.additive import additive_mask
 
 
 def _bias(q, k, attn_mask, group_name: str, layout: str, key_len: int):

@@ -29,7 +29,7 @@ float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home.
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
-length), both run on a balanced plan (``tiling/balance.py``): some query tiles change rank,
+length), both run on a balanced plan (``masks/balance.py``): some query tiles change rank,
 their rows move there first and their results move back (``tiling/moves.py``), while
 K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling
 (tests and benchmarks compare the two).

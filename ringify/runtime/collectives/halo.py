@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.collectives.sharding import gather_op, take_shard_op
 from ringify.runtime.collectives.shift import shifted
-from ringify.runtime.tiling.layout import chunks_per_rank
 
 
 def same_conv1d(x, weight, bias, left: int, right: int, groups: int) -> torch.Tensor:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.collectives.ring import LOCAL
 from ringify.runtime.collectives.sharding import gather_op, take_shard_op
-from ringify.runtime.tiling.layout import chunks_per_rank
 
 
 def ring_cumsum(

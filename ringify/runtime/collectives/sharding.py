@@ -19,8 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringify.runtime.collectives.layout import (
+    check_layout,
+    check_splittable,
+    shard_for_rank,
+    unshard,
+)
 from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring, ring_by_name
-from ringify.runtime.tiling.layout import check_layout, check_splittable, shard_for_rank, unshard
 
 
 @torch.library.custom_op("ringify::gather", mutates_args=())

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.collectives.sharding import gather_op, take_shard_op
-from ringify.runtime.tiling.layout import chunks_per_rank
 
 
 def shifted(x: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.masks.bounds import program_bounds, settled
 from ringify.runtime.masks.program import parse, tile_bounds
 from ringify.runtime.tiling import tiles as tiling_sizes
-from ringify.runtime.tiling.layout import chunks_per_rank
 from ringify.runtime.tiling.tiles import (
     MAX_BANDED_TILES_PER_CHUNK,
     MIN_TILE_ROWS,

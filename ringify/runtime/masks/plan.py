@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
+from ringify.runtime.masks.balance import balanced_tiling, count_plan, min_gain_area
 from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
-from ringify.runtime.tiling.balance import balanced_tiling, count_plan, min_gain_area
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
 from ringify.runtime.tiling.tiles import Tiling
 

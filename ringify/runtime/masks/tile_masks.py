@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from ringify.runtime.attention.blocks import additive_mask
+from ringify.runtime.masks.additive import additive_mask
 from ringify.runtime.masks.calls import (
     Block,
     as_varlen,
@@ -60,7 +60,7 @@ def reset_tile_counts() -> None:
 class TileMasks:
     """The visibility of every tile pair of one call (the same on every rank). The key
     tiles of each rank are those of its shard, ``home(rank)``; so are its query tiles
-    unless ``working_on`` gives it others (a balanced plan, ``tiling/balance.py``).
+    unless ``working_on`` gives it others (a balanced plan, ``masks/balance.py``).
 
     A program is bounded and its open blocks classified on the host, from ``inputs``:
     host copies of its inputs (``masks/plan.py`` makes them once per model call), so

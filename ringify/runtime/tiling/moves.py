@@ -1,4 +1,4 @@
-"""Rows of a shard between its own tiling and a balanced one (``tiling/balance.py``), with no
+"""Rows of a shard between its own tiling and a balanced one (``masks/balance.py``), with no
 copy of the shard.
 
 A balanced plan leaves every tile that stays on a rank in its own local rows; only

@@ -24,7 +24,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ringify.runtime.tiling.layout import chunks_per_rank, rank_chunks
+from ringify.runtime.collectives.layout import chunks_per_rank, rank_chunks
 
 # Each tile pair is one kernel call plus one merge, ~1-3 ms of fixed cost on CPU:
 # tiles under 1024 rows multiply the pairs per step beyond what the smaller
