@@ -1,4 +1,5 @@
-"""Joint-attention diffusion transformers on the ring (diffusers SD3, Flux, CogVideoX), against
+"""Joint-attention diffusion transformers on the ring (diffusers SD3, Flux, CogVideoX, and
+QwenImage and HunyuanVideo under a padding mask of the text tokens), against
 the unmodified model in float64: output and every parameter gradient, 2 and 4 ranks, eager
 and compiled.
 
@@ -26,6 +27,9 @@ CASES = {
     ("sd3", 2): {}, ("sd3", 4): {"side": 16},
     ("flux", 2): {}, ("flux", 4): {},
     ("cogvideox", 2): {"frames": 13}, ("cogvideox", 4): {"frames": 29, "side": 4},
+    # under a padding mask of the text tokens
+    ("qwenimage", 2): {}, ("qwenimage", 4): {"side": 16}, ("hunyuan_video", 2): {},
+    ("cogview4", 2): {},
 }  # fmt: skip
 
 
@@ -63,7 +67,8 @@ def test_joint_attention_matches_unmodified_model(ranks, name, world):
     for r in ranks(world).run(compare, name, None, CASES[name, world]):
         assert r["out"] < TOL and r["grads"] < TOL, r
         assert r["same_grads"], "every parameter gets a gradient (zeros where the model drops)"
-        assert r["runs"] == {AttentionRun.RING, AttentionRun.MEMORY}, r["runs"]
+        assert {AttentionRun.RING, AttentionRun.MEMORY} <= r["runs"], r["runs"]  # a text-only
+        # attention (HunyuanVideo's token refiner) runs replicated
         assert r["gathers"] == [], r["gathers"]
 
 

@@ -461,3 +461,30 @@ def test_a_layer_only_an_unused_output_reaches_gets_what_the_unmodified_model_gi
             assert (got[name] is None) == (want[name] is None), name
             assert got[name] is None or torch.equal(got[name], want[name]), name
         assert backend is not None or want["unused.weight"] is None
+
+
+class _PickedTokens(torch.nn.Module):
+    """Attention over the tokens and those a mask picks again (Mochi joins the valid text
+    tokens, picked by ``nonzero``, to the image's): a length the data decides."""
+
+    def forward(self, x, keep):
+        joint = torch.cat([x, x[:, :, keep[0].nonzero().flatten()]], 2)
+        return torch.nn.functional.scaled_dot_product_attention(joint, joint, joint)
+
+
+def refused_picked_tokens() -> str:
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 8 * dist.get_world_size(), 4, generator=g, dtype=torch.float64)
+    keep = torch.ones(1, x.shape[2], dtype=torch.bool)
+    try:
+        ringify(_PickedTokens(), ring_size=dist.get_world_size())(x, keep)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_sequence_whose_length_the_data_decides_is_refused_on_every_rank(ranks):
+    for message in ranks(2).run(refused_picked_tokens):
+        assert "depends on the data" in message and "Pad to a fixed length" in message, message

@@ -110,6 +110,13 @@ CASES = {
         aten.view.default,
         Seq(1, 1, S // 2),
     ),
+    "type_as reads a dtype": (  # the other tensor, sharded along another dim, gives a dtype
+        lambda x: x.type_as(x.transpose(0, 1)),
+        (x3(S, S, 4),),
+        0,
+        aten.type_as.default,
+        Seq(0),
+    ),
     "einsum permute": (
         lambda x: torch.einsum("bsc->bcs", x),
         (x3(2, S, 4),),

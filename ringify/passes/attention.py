@@ -103,7 +103,7 @@ def read_attention(node: fx.Node) -> Attention:
 def read_joint_attention(node: fx.Node) -> Attention:
     """A ``joint_attention`` (``joints.py``) as an ``Attention`` over the key part as long as
     its queries (its self-attention part), else the longest."""
-    q, keys, values, scale = node.args
+    q, keys, values, scale, *_ = node.args
     lengths = [shape(k)[2] for k in keys]
     i = lengths.index(shape(q)[2]) if shape(q)[2] in lengths else lengths.index(max(lengths))
     return Attention(node, q, keys[i], values[i], None, 0.0, False, scale, False)
@@ -175,7 +175,7 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         text, inputs, plan = program_inputs(att.mask, state, att.is_causal)
         program, kind = (text, inputs, 0, True, plan), MaskKind.PROGRAM
     elif att.mask is not None:
-        mask, kind = _local_mask(att.mask, state), MaskKind.KEPT
+        mask, kind = local_mask(att.mask, state), MaskKind.KEPT
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)
@@ -346,7 +346,7 @@ def _value_columns(out: fx.Node, att: Attention, state: PassState, seq: Seq | No
     return call(state.graph, aten.slice.Tensor, (out, -1, 0, dv))
 
 
-def _local_mask(mask: fx.Node, state: PassState) -> fx.Node:
+def local_mask(mask: fx.Node, state: PassState) -> fx.Node:
     """This rank's query rows of a kept mask, over all (padded) key columns."""
     if state.sharded(mask):
         mask = state.gather(mask)

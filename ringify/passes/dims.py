@@ -102,3 +102,12 @@ def infer_squeeze(node, place, p: Seq, ndim: int):
 @sharded_first
 def infer_expand(node, place, p: Seq, ndim: int):
     return p.at(p.dim + val(node).dim() - ndim)
+
+
+@sharded_first
+def infer_complex_view(node, place, p: Seq, ndim: int):
+    """``view_as_complex`` (its last dim, of pairs, becomes the dtype) and ``view_as_real``
+    (a last dim of 2 added): the sequence stays on its dim, which is not the last."""
+    if node.target is aten.view_as_complex.default and p.dim == ndim - 1:
+        return Fallback(GatherReason.FEATURE_DIM)
+    return p

@@ -25,7 +25,7 @@ import operator
 import torch
 from torch import fx
 
-from ringify.passes.nodes import call, shape, val
+from ringify.passes.nodes import call, shape, uses, val
 
 aten = torch.ops.aten
 _VIEWS = frozenset({aten.slice.Tensor, aten.select.int, aten.alias.default})
@@ -101,7 +101,7 @@ def _made_here(base: fx.Node) -> bool:
     schema = getattr(base.target, "_schema", None)
     if schema is not None and any(r.alias_info is not None for r in schema.returns):
         source = base.args[0]
-        return isinstance(source, fx.Node) and set(source.users) == {base} and _made_here(source)
+        return isinstance(source, fx.Node) and set(uses(source)) == {base} and _made_here(source)
     return True
 
 

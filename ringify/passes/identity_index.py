@@ -84,6 +84,8 @@ def _arange_dim(index: fx.Node, length, width: int) -> int | bool | None:
     if not isinstance(val(index), torch.Tensor) or val(index).is_floating_point():
         return False
     sizes = [1] * (width - len(shape(index))) + shape(index)
+    if not all(isinstance(n, int) for n in (*sizes, length)):
+        return False  # a size the data decides (a row's count of valid tokens, say)
     long = [d for d, size in enumerate(sizes) if size != 1]
     if long and (len(long) > 1 or sizes[long[0]] != length):
         return False

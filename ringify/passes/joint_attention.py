@@ -16,9 +16,9 @@ import operator
 import torch
 from torch import fx
 
-from ringify.passes.attention import read_joint_attention, reported
+from ringify.passes.attention import local_mask, read_joint_attention, reported
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import call, shape
+from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason
 from ringify.runtime.attention.joint import joint_attention_op
@@ -27,7 +27,9 @@ aten = torch.ops.aten
 
 
 def infer_joint_attention(node: fx.Node, place: Placements) -> Placement | Fallback:
-    q, keys, values, _ = node.args
+    q, keys, values, _, masks = _args(node)
+    if any(place[m] is not None for m in masks or ()):
+        return Fallback(GatherReason.MIXED_DIMS, "(a mask of the keys sharded)")
     key_places, value_places = [place[k] for k in keys], [place[v] for v in values]
     if key_places != value_places or place[q] not in (None, Seq(2)):
         return Fallback(GatherReason.QKV_NOT_SHARDED)
@@ -38,14 +40,20 @@ def infer_joint_attention(node: fx.Node, place: Placements) -> Placement | Fallb
     return place[q]
 
 
+def _args(node: fx.Node) -> tuple:
+    """(q, keys, values, scale, masks): ``masks`` each key part's columns of a mask, or None."""
+    q, keys, values, scale, *rest = node.args
+    return q, keys, values, scale, rest[0] if rest else None
+
+
 def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     """The ring (or memory) op over the sharded part, merged with the replicated ones."""
-    q, keys, values, scale = node.args
+    q, keys, values, scale, masks = _args(node)
     att = read_joint_attention(node)
     sharded = [i for i, k in enumerate(keys) if state.sharded(k)]
     if not sharded:  # this rank's queries over every key: their gradients summed over the ring
         copies = [[state.copy_to_ring(x) for x in xs] for xs in (keys, values)]
-        node.args = (q, *copies, scale)
+        node.args = (q, *copies, scale, masks)  # the masks' rows broadcast: whole
         state.attentions.append(reported(att, AttentionRun.LOCAL, state))
         return
     (i,) = sharded
@@ -61,8 +69,14 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
             whole = rest[0] if len(rest) == 1 else call(g, aten.cat.default, (rest, 2))
             state.place[whole] = None
             extra.append(whole)
+        mask = mask_extra = None
+        if masks is not None:
+            rest = [m for j, m in enumerate(masks) if j != i]
+            mask_extra = rest[0] if len(rest) == 1 else call(g, aten.cat.default, (rest, -1))
+            state.place[mask_extra] = None
+            mask = _sharded_keys_mask(masks[i], queries_sharded, state)
         args = (q, keys[i], values[i], *extra, scale, state.group_name, geo.layout, geo.length)
-        joint = call(g, joint_attention_op._opoverload, (*args, queries_sharded))
+        joint = call(g, joint_attention_op._opoverload, (*args, queries_sharded, mask, mask_extra))
         result = call(g, operator.getitem, (joint, 0))
     placed = Seq(2) if queries_sharded else None
     state.place.update({joint: [placed, placed], result: placed})
@@ -70,6 +84,16 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
     g.erase_node(node)
     run = AttentionRun.RING if queries_sharded else AttentionRun.MEMORY
     state.attentions.append(reported(att, run, state))
+
+
+def _sharded_keys_mask(mask: fx.Node, queries_sharded: bool, state: PassState) -> fx.Node:
+    """The mask's columns of the sharded keys: whole (padded) for the ring, which reads the
+    columns of each key tile it holds; this rank's for the memory merge. Padding keys are
+    hidden either way (the ops also cut them by ``key_len``)."""
+    if queries_sharded:
+        return local_mask(mask, state)
+    fill = False if val(mask).dtype == torch.bool else float("-inf")
+    return state.slice(mask, Seq(len(shape(mask)) - 1), fill)
 
 
 def infer_with_zero_grads(node: fx.Node, place: Placements) -> Placement:

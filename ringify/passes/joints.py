@@ -123,7 +123,9 @@ def _joins(node: fx.Node) -> bool:
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
     # (cat takes an empty 1-D tensor beside any: an empty cache's past)
     same = all(len(shape(t)) == ndim for t in node.args[0])
-    return len(node.args[0]) > 1 and dim < ndim - 1 and same
+    # parts as long as the data decides (Mochi's valid text tokens of one row) stay joined
+    fixed = all(isinstance(shape(t)[dim], int) for t in node.args[0] if len(shape(t)) == ndim)
+    return len(node.args[0]) > 1 and dim < ndim - 1 and same and fixed
 
 
 def _keep_dropped_queries(graph: fx.Graph, carried: _Carried) -> None:
@@ -241,9 +243,15 @@ def _cat(graph: fx.Graph, node: fx.Node, joints: dict):
 
 
 def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
-    """SDPA with no mask, not causal: per query part, over key parts (``joint_attention``)."""
+    """SDPA, not causal, with no mask or one whose rows broadcast (a padding mask of the
+    keys): per query part, over key parts (``joint_attention``), the mask's columns cut
+    alike."""
     att = read_attention(node)
-    if att.mask is not None or att.is_causal or att.dropout_p:
+    if att.is_causal or att.dropout_p or att.sinks is not None or att.softcap:
+        return None
+    if att.mask is not None and (
+        att.mask in joints or shape(att.mask)[-2] != 1 or _may_be_learned(att.mask)
+    ):
         return None
     if shape(att.k)[1] != shape(att.q)[1]:  # GQA's fewer K/V heads: left to the ring op
         return None
@@ -255,16 +263,37 @@ def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
     if k is not None and (q is None or q.bounds() != k.bounds()):
         return None  # a joint sequence attends to itself (not a cache's past beside a step)
     queries = q.parts if q is not None else (att.q,)
+    masks = None
+    if att.mask is not None and k is not None:
+        ends = k.bounds()
+        masks = [
+            call(graph, aten.slice.Tensor, (att.mask, -1, start, end))
+            for start, end in itertools.pairwise(ends)
+        ]
     outs = []
     for part in queries:
         if k is not None:
-            outs.append(call(graph, joint_attention, (part, k.parts, v.parts, att.scale)))
+            args = (part, k.parts, v.parts, att.scale, masks)
+            outs.append(call(graph, joint_attention, args))
         else:
-            outs.append(call(graph, _SDPA, (part, att.k, att.v), {"scale": att.scale}))
+            kwargs = {"attn_mask": att.mask, "scale": att.scale}
+            outs.append(call(graph, _SDPA, (part, att.k, att.v), kwargs))
     seeds = frozenset().union(*(j.seeds for j in (q, k, v) if j is not None))
     carried.reached.update(seeds)
     carried.attentions.append((outs, list(queries)))
     return Joint(2, tuple(outs), seeds) if q is not None else outs[0]
+
+
+def _may_be_learned(mask: fx.Node) -> bool:
+    """A float mask computed from a float input, parameter or buffer (its gradient would be
+    owed: the joint op takes padding masks, which have none)."""
+    if not val(mask).is_floating_point():
+        return False
+    return any(
+        n.op in ("placeholder", "get_attr") and isinstance(val(n), torch.Tensor)
+        and val(n).is_floating_point()
+        for n in ancestors([mask])
+    )  # fmt: skip
 
 
 def _put_back(graph: fx.Graph, node: fx.Node, joint: Joint, handled: set) -> None:

@@ -28,7 +28,7 @@ from ringify.passes.dims import VIEWS
 from ringify.passes.handwritten import UNREAD_NOTE
 from ringify.passes.nodes import ancestors, is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
-from ringify.passes.rules import SAME_SHAPE, infer_placements
+from ringify.passes.rules import CASTS_LIKE, SAME_SHAPE, infer_placements
 from ringify.runtime.collectives.layout import padded_length, split_multiple
 from ringify.runtime.collectives.shift import shifted
 
@@ -102,8 +102,8 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
         raise ValueError(_no_attention(graph))
     _check_attention_shapes(attentions, config)
     length = _sequence_length(attentions)
-    attentions = [a for a in attentions if len(shape(a.q)) == 4 and shape(a.q)[2] == length]
-    self_attention = [a for a in attentions if shape(a.q)[-2:-1] == shape(a.k)[-2:-1]]
+    attentions = [a for a in attentions if len(shape(a.q)) == 4 and _sized(a.q) == length]
+    self_attention = [a for a in attentions if _sized(a.k) == length]
     return [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
 
 
@@ -149,8 +149,22 @@ def _no_attention(graph: fx.Graph) -> str:
 
 def _sequence_length(attentions: list) -> int:
     """The sequence the ring splits: the longest any attention's queries see. Attentions
-    over a sequence of another length (a short decoder beside a long encoder) run whole."""
-    return max(shape(a.q)[2] for a in attentions if len(shape(a.q)) == 4)
+    over a sequence of another length (a short decoder beside a long encoder), or of one the
+    data decides (Mochi's valid text tokens beside the image's), run whole."""
+    lengths = [_sized(a.q) for a in attentions if len(shape(a.q)) == 4]
+    if not any(lengths):
+        raise ValueError(
+            "the length of every attention's sequence depends on the data (tokens picked by "
+            "a mask, say): ringify splits sequences of a length known when the model is "
+            "traced. Pad to a fixed length and mask the padding instead"
+        )
+    return max(lengths)
+
+
+def _sized(x: fx.Node) -> int:
+    """The sequence length (dim -2) of attention input ``x``; 0 where the data decides it."""
+    length = shape(x)[-2]
+    return length if isinstance(length, int) else 0
 
 
 def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
@@ -170,12 +184,21 @@ def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
                 break
     seeds |= _births(graph, config, seeds, reached)
     if not seeds:
+        unsized = [a.node.name for a in find_attention(graph) if not _sized(a.q)]
         raise ValueError(
             "no input of the model, and no tensor computed inside it, has a dim that reaches "
             "the sequence dim of its attention's q, k and v: ringify follows the sequence "
             "from where it is created (token ids, embeddings, a patch embedding) through ops "
-            "that act per position. Set RINGIFY_DUMP_DIR=<folder> to see the graph, and "
-            "report the op between the sequence and attention"
+            "that act per position. "
+            + (
+                f"{len(unsized)} attentions ({', '.join(unsized[:3])}, ...) run over a "
+                "sequence whose length the data decides (tokens picked by a mask): pad them "
+                "to a fixed length and mask the padding, or run the model unmodified. "
+                if unsized
+                else ""
+            )
+            + "Set RINGIFY_DUMP_DIR=<folder> to see the graph, and report the op between the "
+            "sequence and attention"
         )
     return seeds
 
@@ -249,7 +272,7 @@ def _companion_inputs(
                 break
             if node.target in VIEWS:
                 seq = view_placement(list(val(node).shape), seq, shape(x), geometry)
-            elif node.target not in SAME_SHAPE | _SEQUENCE_PRESERVING:
+            elif node.target not in SAME_SHAPE | CASTS_LIKE | _SEQUENCE_PRESERVING:
                 break
             node = x
         if node.op == "placeholder" and isinstance(seq, Seq) and node not in seeds:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ringify.passes.attention import ATTENTION_OPS, infer_attention, rewrite_attention
 from ringify.passes.convs import infer_conv, rewrite_conv
@@ -30,6 +31,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.dims import (
     VIEWS,
     infer_cat,
+    infer_complex_view,
     infer_expand,
     infer_permute,
     infer_squeeze,
@@ -132,8 +134,10 @@ class Rule:
 SAME_SHAPE = frozenset({
     aten.dropout.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
-    aten.to.device, aten.to.other, aten.type_as.default, aten.lift_fresh_copy.default,
+    aten.to.device, aten.lift_fresh_copy.default,
 })  # fmt: skip
+# casts to another tensor's dtype (and device): that tensor is read for them alone
+CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
 # new tensors that take only their input's dtype and device: replicated
 NEW_TENSORS = frozenset({
     aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
@@ -256,6 +260,7 @@ RULES: dict[object, Rule] = {
     with_zero_grads: Rule(infer_with_zero_grads, _as_it_is),
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
+    **dict.fromkeys(CASTS_LIKE, Rule(lambda node, place: place[node.args[0]], _as_it_is)),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
     aten.cat.default: Rule(infer_cat, _fit_broadcast),
     aten.stack.default: Rule(infer_stack, _as_it_is),
@@ -277,6 +282,10 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
     **dict.fromkeys(
         (aten.expand.default, aten.broadcast_to.default), Rule(infer_expand, rewrite_local_size)
+    ),
+    **dict.fromkeys(
+        (aten.view_as_complex.default, aten.view_as_real.default),
+        Rule(infer_complex_view, _as_it_is),
     ),
     aten.transpose.int: Rule(infer_transpose, _fit_whole),
     aten.t.default: Rule(infer_t, _fit_whole),
@@ -337,6 +346,8 @@ def infer(node: fx.Node, place: Placements) -> Placement | Fallback:
         return rule.infer(node, place)
     except (IndexError, KeyError, TypeError, ValueError) as e:
         return Fallback(GatherReason.UNREADABLE, str(e))
+    except GuardOnDataDependentSymNode:  # a decision on a size the data decides
+        return Fallback(GatherReason.UNREADABLE, "(a size the data decides)")
 
 
 @dataclass

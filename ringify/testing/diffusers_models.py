@@ -5,7 +5,8 @@ SD3 (MM-DiT: joint attention, then the text and image tokens split back), Flux (
 blocks like SD3's, single blocks that run a whole block on the joint sequence; RoPE from
 the text and image ids put end to end) and CogVideoX (the text and video tokens joined for
 attention and the feed-forward; RoPE on the video tokens only, written into a slice).
-DiT and PixArt (self-attention over the image tokens; PixArt cross-attends to the text)
+QwenImage and HunyuanVideo join them too, under a padding mask of the text tokens (the
+second row's last two text tokens hidden), and CogView4. DiT and PixArt (self-attention over the image tokens; PixArt cross-attends to the text)
 have no joint sequence; with the others they end in an unpatchify, a view of the tokens
 into the image's grid. Each returns ``(model, kwargs)``; the model's output is
 ``model(**kwargs)[0]``.
@@ -113,6 +114,78 @@ def pixart(side: int = 8) -> tuple[torch.nn.Module, dict]:
         "hidden_states": _randn(2, 4, side, side),
         "timestep": torch.tensor([3, 5]),
         "encoder_hidden_states": _randn(2, 5, 12, seed=4),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def _text_mask(dtype=torch.bool) -> torch.Tensor:
+    mask = torch.ones(2, 5, dtype=dtype)
+    mask[1, 3:] = 0  # the second row's last two text tokens are padding
+    return mask
+
+
+def qwenimage(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """QwenImage: (side / 2)^2 image tokens (packed 2 x 2 latents) beside 5 text tokens under
+    a padding mask."""
+    from diffusers import QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    patches = (side // 2) ** 2
+    kwargs = {
+        "hidden_states": _randn(2, patches, 16),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "encoder_hidden_states_mask": _text_mask(),
+        "timestep": torch.tensor([0.3, 0.5], dtype=torch.float64),
+        "img_shapes": [[(1, side // 2, side // 2)]] * 2,
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def hunyuan_video(frames: int = 4, side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """HunyuanVideo: frames of (side / 2)^2 patches beside 5 text tokens under a padding mask
+    (a double and a single block, a token refiner)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 4, 4),
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, frames, side, side),
+        "timestep": torch.tensor([3, 500]),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "encoder_attention_mask": _text_mask(torch.int64),
+        "pooled_projections": _randn(2, 8, seed=5),
+        "guidance": torch.tensor([3000.0, 3000.0]),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def cogview4(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """CogView4: (side / 2)^2 image tokens beside 5 text tokens (its output cast with
+    ``type_as`` of the joint queries)."""
+    from diffusers import CogView4Transformer2DModel
+
+    model = CogView4Transformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, text_embed_dim=16, time_embed_dim=8, condition_dim=4,
+        pos_embed_max_size=16, sample_size=side, rope_axes_dim=(4, 4),
+    )  # fmt: skip
+    size = torch.tensor([[float(side), float(side)]] * 2, dtype=torch.float64)
+    kwargs = {
+        "hidden_states": _randn(2, 4, side, side),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "timestep": torch.tensor([3, 500]),
+        "original_size": size,
+        "target_size": size,
+        "crop_coords": torch.zeros(2, 2, dtype=torch.float64),
         "return_dict": False,
     }
     return model.double(), kwargs

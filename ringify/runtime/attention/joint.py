@@ -9,6 +9,10 @@ its result is two attentions merged by their log-sum-exp:
   merged over the ring (replicated queries, ``memory_attention``);
 - to the replicated keys (``extra``): one local block on every rank.
 
+``mask`` and ``mask_extra``: the columns of a mask whose rows broadcast (a padding mask of
+the text keys), over the sharded keys (at their global, padded positions for the ring; this
+rank's for the memory merge) and over the extra keys.
+
 Backward: each part's gradients from the merged ``out`` and ``lse`` (the blocks' final
 probabilities), as the ring does per block. The extra keys' gradient from sharded queries
 is this rank's rows' part: the pass sums it over the ring (``copy_to_ring``).
@@ -26,6 +30,7 @@ from ringify.runtime.attention.outputs import (
     empty_attention_outputs,
     in_dim_order_of,
 )
+from ringify.runtime.masks.additive import additive_mask
 
 
 @torch.library.custom_op("ringify::joint_attention", mutates_args=())
@@ -40,13 +45,18 @@ def joint_attention_op(
     layout: str,
     key_len: int,
     queries_sharded: bool,
+    mask: torch.Tensor | None = None,
+    mask_extra: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if queries_sharded:
-        args = (None, False, scale, group_name, layout, key_len, "", [])
+        args = (mask, False, scale, group_name, layout, key_len, "", [])
         out, lse = ring_attention_op(q, k, v, *args)
     else:
-        out, lse = memory_attention_op(q, k, v, None, scale, group_name, layout, key_len)
-    extra_out, extra_lse = block_forward(q, k_extra, v_extra, is_causal=False, scale=scale)
+        out, lse = memory_attention_op(q, k, v, mask, scale, group_name, layout, key_len)
+    bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
+    extra_out, extra_lse = block_forward(
+        q, k_extra, v_extra, is_causal=False, scale=scale, bias=bias
+    )
     acc = accumulation_dtype(q.dtype)
     out_acc, lse_acc = out.to(acc), lse.to(acc).clone()
     merge_block(out_acc, lse_acc, extra_out, extra_lse)
@@ -54,7 +64,7 @@ def joint_attention_op(
 
 
 @joint_attention_op.register_fake
-def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, queries_sharded):
+def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, sharded, *masks):
     return empty_attention_outputs(q)
 
 
@@ -73,18 +83,21 @@ def joint_attention_backward_op(
     layout: str,
     key_len: int,
     queries_sharded: bool,
+    mask: torch.Tensor | None = None,
+    mask_extra: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
     this rank's rows' part."""
     grad_out = grad_out.contiguous()
     if queries_sharded:
-        args = (None, False, scale, group_name, layout, key_len, "", [])
+        args = (mask, False, scale, group_name, layout, key_len, "", [])
         dq, dk, dv, *_ = ring_attention_backward_op(grad_out, q, k, v, out, lse, *args)
     else:
-        args = (None, scale, group_name, layout, key_len)
+        args = (mask, scale, group_name, layout, key_len)
         dq, dk, dv, _ = memory_attention_backward_op(grad_out, q, k, v, out, lse, *args)
     block = (grad_out, q, k_extra, v_extra, out, lse)
-    dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale)
+    bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
+    dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale, bias=bias)
     grads = (dq + dq_extra, dk, dv, dk_extra, dv_extra)
     return tuple(
         g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v, k_extra, v_extra), strict=True)
@@ -100,15 +113,22 @@ def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, k_extra, v_extra, *ctx.flags = inputs  # scale, group, layout, key_len, sharded
+    q, k, v, k_extra, v_extra, *flags = inputs
+    flags = [*flags, None, None][:7]  # the masks may be left to their defaults
+    ctx.flags = flags[:5]  # scale, group, layout, key_len, sharded
+    ctx.masks = [m is not None for m in flags[5:]]  # padding masks: no gradient
     out, lse = output
-    ctx.save_for_backward(q, k, v, k_extra, v_extra, out, lse)
+    masks = [m for m in flags[5:] if m is not None]
+    ctx.save_for_backward(q, k, v, k_extra, v_extra, out, lse, *masks)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    grads = joint_attention_backward_op(grad_out, *ctx.saved_tensors, *ctx.flags)
-    return *grads, *([None] * len(ctx.flags))
+    saved = list(ctx.saved_tensors)
+    tensors, given = saved[:7], iter(saved[7:])
+    masks = [next(given) if present else None for present in ctx.masks]
+    grads = joint_attention_backward_op(grad_out, *tensors, *ctx.flags, *masks)
+    return *grads, *([None] * (len(ctx.flags) + 2))
 
 
 joint_attention_op.register_autograd(_backward, setup_context=_setup_context)

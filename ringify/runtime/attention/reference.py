@@ -64,9 +64,14 @@ def joint_attention(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     scale: float | None = None,
+    masks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SDPA of ``query`` over keys and values given in parts along the sequence (a joint
-    sequence of text and image tokens): no mask, not causal. The pass keeps the parts apart
-    so that each is placed on its own (``passes/joints.py``)."""
+    sequence of text and image tokens), not causal; ``masks``: each key part's columns of a
+    mask whose rows broadcast (a padding mask of the text keys). The pass keeps the parts
+    apart so that each is placed on its own (``passes/joints.py``)."""
     key, value = torch.cat(keys, 2), torch.cat(values, 2)
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale)
+    mask = None if masks is None else torch.cat(masks, -1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale
+    )
