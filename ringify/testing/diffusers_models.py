@@ -6,7 +6,8 @@ blocks like SD3's, single blocks that run a whole block on the joint sequence; R
 the text and image ids put end to end) and CogVideoX (the text and video tokens joined for
 attention and the feed-forward; RoPE on the video tokens only, written into a slice).
 QwenImage and HunyuanVideo join them too, under a padding mask of the text tokens (the
-second row's last two text tokens hidden), and CogView4. DiT and PixArt (self-attention over the image tokens; PixArt cross-attends to the text)
+second row's last two text tokens hidden), and CogView4; Wan, LTX-Video, AuraFlow,
+Allegro and Chroma for ``benchmarks/dit_families.py``. DiT and PixArt (self-attention over the image tokens; PixArt cross-attends to the text)
 have no joint sequence; with the others they end in an unpatchify, a view of the tokens
 into the image's grid. Each returns ``(model, kwargs)``; the model's output is
 ``model(**kwargs)[0]``.
@@ -186,6 +187,107 @@ def cogview4(side: int = 8) -> tuple[torch.nn.Module, dict]:
         "original_size": size,
         "target_size": size,
         "crop_coords": torch.zeros(2, 2, dtype=torch.float64),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def wan(frames: int = 4, side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """Wan: frames of (side / 2)^2 patches cross-attending to 5 text tokens (its norms and
+    modulation run in float32 inside a float64 model)."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, frames, side, side),
+        "timestep": torch.tensor([3, 500]),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def ltx_video(frames: int = 4, side: int = 4) -> tuple[torch.nn.Module, dict]:
+    """LTX-Video: frames x side x side tokens (patch 1) cross-attending to 5 text tokens."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=2, caption_channels=12,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, frames * side * side, 8),
+        "encoder_hidden_states": _randn(2, 5, 12, seed=4),
+        "timestep": torch.tensor([3, 500]),
+        "encoder_attention_mask": torch.ones(2, 5),
+        "num_frames": frames,
+        "height": side,
+        "width": side,
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def auraflow(side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """AuraFlow: (side / 2)^2 image tokens beside 5 text tokens (an MM-DiT and a DiT block)."""
+    from diffusers import AuraFlowTransformer2DModel
+
+    model = AuraFlowTransformer2DModel(
+        sample_size=side, patch_size=2, in_channels=4, num_mmdit_layers=1,
+        num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, out_channels=4, pos_embed_max_size=64,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, side, side),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "timestep": torch.tensor([3.0, 500.0], dtype=torch.float64),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def allegro(frames: int = 4, side: int = 8) -> tuple[torch.nn.Module, dict]:
+    """Allegro: frames of (side / 2)^2 patches cross-attending to 5 text tokens."""
+    from diffusers import AllegroTransformer3DModel
+
+    model = AllegroTransformer3DModel(
+        patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, num_layers=2, cross_attention_dim=16, sample_height=side,
+        sample_width=side, sample_frames=frames, caption_channels=12,
+    )  # fmt: skip
+    kwargs = {
+        "hidden_states": _randn(2, 4, frames, side, side),
+        "encoder_hidden_states": _randn(2, 5, 12, seed=4),
+        "timestep": torch.tensor([3, 500]),
+        "return_dict": False,
+    }
+    return model.double(), kwargs
+
+
+def chroma(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
+    """Chroma: Flux's blocks under a token mask made a (queries x keys) matrix."""
+    from diffusers import ChromaTransformer2DModel
+
+    model = ChromaTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1,
+    )  # fmt: skip
+    grid = torch.meshgrid(
+        torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"
+    )
+    mask = torch.ones(2, 5 + height * width, dtype=torch.bool)
+    mask[1, 3:5] = False
+    kwargs = {
+        "hidden_states": _randn(2, height * width, 8),
+        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
+        "timestep": torch.tensor([0.3, 0.5], dtype=torch.float64),
+        "img_ids": torch.stack(grid, -1).reshape(-1, 3).double(),
+        "txt_ids": torch.zeros(5, 3, dtype=torch.float64),
+        "attention_mask": mask,
         "return_dict": False,
     }
     return model.double(), kwargs
