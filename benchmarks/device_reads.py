@@ -23,7 +23,7 @@ from ringify.testing import RankPool
 
 LLAMA_CASES = ("causal", "padded", "packed", "swa")
 CASES = (*LLAMA_CASES, "generate", "lengths", "t5", "gpt2_eager", "vit", "whisper", "wav2vec2",
-         "dit", "flex", "sd3", "flux")  # fmt: skip
+         "dit", "flex", "sd3", "flux", "qwenimage")  # fmt: skip
 SEQ, LAYERS = 2048, 4
 
 
@@ -79,7 +79,7 @@ def _model(case: str):
         video, text = randn(2, 4, 2, 8, 8), randn(2, 5, 24)
         mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         return models.DiTBlock(), (video, torch.tensor([3.0, 500.0]), text, mask), {}
-    if case in ("sd3", "flux"):  # joint attention (diffusers)
+    if case in ("sd3", "flux", "qwenimage"):  # joint attention (diffusers; a text mask)
         from ringify.testing import diffusers_models
 
         model, kwargs = getattr(diffusers_models, case)()
