@@ -125,3 +125,15 @@ def test_the_family_matches_the_unmodified_model_compiled(ranks, name):
     for r in ranks(2).run(compare, name, "aot_eager", timeout=600):
         assert r["wrong"] == {}, r["wrong"]
         assert r["gathers"] == [], r["gathers"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "olmoe", "jetmoe"])
+def test_more_of_the_class(ranks, name):
+    """DeepSeek-V2 (MLA) and OLMoE: nothing gathered. JetMoE picks each token's query heads
+    by its routing (a mixture of attention heads, sorted and scattered over the flattened
+    tokens): that and its attention run gathered, exact, reported; the attention's output,
+    laid out as its q was, is viewed as it was traced."""
+    for r in ranks(2).run(compare, name, timeout=600):
+        assert r["wrong"] == {}, r["wrong"]
+        assert r["same grads"], r
+        assert (r["gathers"] == []) == (name != "jetmoe"), r["gathers"]

@@ -488,3 +488,35 @@ def refused_picked_tokens() -> str:
 def test_a_sequence_whose_length_the_data_decides_is_refused_on_every_rank(ranks):
     for message in ranks(2).run(refused_picked_tokens):
         assert "depends on the data" in message and "Pad to a fixed length" in message, message
+
+
+class _ViewAfterGather(torch.nn.Module):
+    """k through an op with no rule, so the attention runs gathered, then the usual
+    ``transpose(1, 2).view(B, S, H * D)``: traced on q's layout, (B, S, H, D) in memory, which
+    the CPU kernel's output keeps; the gathered q must be laid out so too."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(c, -1))
+        k = torch.cummax(k, dim=2)[0]  # no rule: k replicated, so the attention is gathered
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return y.transpose(1, 2).view(b, s, c)
+
+
+def view_after_gather() -> float:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _ViewAfterGather().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8 * dist.get_world_size(), 16, generator=g, dtype=torch.float64)
+    return (ringify(model, ring_size=dist.get_world_size())(x) - model(x)).abs().max().item()
+
+
+def test_a_view_of_a_gathered_tensor_sees_its_traced_layout(ranks):
+    for difference in ranks(2).run(view_after_gather):
+        assert difference < TOL[torch.float64], difference

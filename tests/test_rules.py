@@ -117,6 +117,20 @@ CASES = {
         aten.type_as.default,
         Seq(0),
     ),
+    "repeat along other dims": (
+        lambda x: x.repeat(3, 1, 2),
+        (x3(2, S, 4),),
+        1,
+        aten.repeat.default,
+        Seq(1),
+    ),
+    "repeat along the sequence": (
+        lambda x: x.repeat(1, 2, 1),
+        (x3(2, S, 4),),
+        1,
+        aten.repeat.default,
+        GatherReason.ALONG_SEQUENCE,
+    ),
     "einsum permute": (
         lambda x: torch.einsum("bsc->bcs", x),
         (x3(2, S, 4),),

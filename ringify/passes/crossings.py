@@ -98,10 +98,27 @@ class PassState:
             y = g.call_function(ringify_ops.gather.default, args)
             if not alone:
                 y = g.call_function(torch.ops.aten.reshape.default, (y, shape(x)))
+            y = self._in_memory_order_of(x, y)
         y.meta["val"] = val(x)
         self.place[y] = None
         self._cache[key] = y
         return y
+
+    def _in_memory_order_of(self, x: fx.Node, y: fx.Node) -> fx.Node:
+        """``y`` (contiguous) laid out in memory as ``x`` was traced: a later ``view`` of it
+        was traced on ``x``'s strides (an SDPA kernel's output keeps its q's dim order)."""
+        traced = val(x)
+        if not isinstance(traced, torch.Tensor) or traced.is_contiguous():
+            return y
+        strides = traced.stride()
+        order = sorted(range(traced.dim()), key=lambda d: -strides[d])  # outermost first
+        back = [order.index(d) for d in range(traced.dim())]
+        g = self.graph
+        y = g.call_function(torch.ops.aten.permute.default, (y, order))
+        y = g.call_function(
+            torch.ops.aten.clone.default, (y,), {"memory_format": torch.contiguous_format}
+        )
+        return g.call_function(torch.ops.aten.permute.default, (y, back))
 
     def copy_to_ring(self, x: fx.Node) -> fx.Node:
         key = ("copy", x)

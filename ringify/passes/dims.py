@@ -111,3 +111,14 @@ def infer_complex_view(node, place, p: Seq, ndim: int):
     if node.target is aten.view_as_complex.default and p.dim == ndim - 1:
         return Fallback(GatherReason.FEATURE_DIM)
     return p
+
+
+@sharded_first
+def infer_repeat(node, place, p: Seq, ndim: int):
+    """``repeat(x, reps)``: copies along other dims keep each rank's positions; along the
+    sequence (reps > 1 there) they would interleave the ranks' parts."""
+    reps = node.args[1]
+    lead = len(reps) - ndim  # new leading dims
+    if reps[p.dim + lead] != 1:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(repeated along the sequence)")
+    return p.at(p.dim + lead)

@@ -175,7 +175,7 @@ def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
         if node.op != "placeholder" or not is_tensor(node):
             continue
         for dim, size in enumerate(shape(node)):
-            if size < 2:
+            if not isinstance(size, int) or size < 2:
                 continue
             geometry = Geometry(size, size, config.ring_size, config.layout)
             place = infer_placements(graph, geometry, {node: Seq(dim)}).place
@@ -226,7 +226,7 @@ def _births(
         if not is_tensor(node) or any(place[a] is not None for a in node.all_input_nodes):
             continue  # a birth is computed whole from replicated tensors, not gathered ones
         for dim, size in enumerate(shape(node)):
-            if size < 2 or size not in lengths:
+            if not isinstance(size, int) or size < 2 or size not in lengths:
                 continue
             geometry = Geometry(size, size, config.ring_size, config.layout)
             trial = infer_placements(graph, geometry, seeds | found | {node: Seq(dim)}).place

@@ -34,6 +34,7 @@ from ringify.passes.dims import (
     infer_complex_view,
     infer_expand,
     infer_permute,
+    infer_repeat,
     infer_squeeze,
     infer_stack,
     infer_t,
@@ -262,7 +263,8 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
     **dict.fromkeys(CASTS_LIKE, Rule(lambda node, place: place[node.args[0]], _as_it_is)),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
-    aten.cat.default: Rule(infer_cat, _fit_broadcast),
+    **dict.fromkeys((aten.cat.default, aten.concat.default), Rule(infer_cat, _fit_broadcast)),
+    aten.repeat.default: Rule(infer_repeat, _as_it_is),
     aten.stack.default: Rule(infer_stack, _as_it_is),
     **dict.fromkeys(
         (aten.linear.default, aten.layer_norm.default, aten.rms_norm.default),

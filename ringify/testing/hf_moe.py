@@ -1,6 +1,7 @@
 """HF mixture-of-experts LMs from small configs with random weights, as tests and benchmarks
 build them (nothing downloaded): Qwen3-MoE, Mixtral, DeepSeek-V3 (group-limited routing and
-MLA) and gpt-oss (attention sinks, biased experts, sliding and full layers). Each returns its
+MLA) and gpt-oss (attention sinks, biased experts, sliding and full layers); more of the class:
+DeepSeek-V2 (MLA), OLMoE and JetMoE (mixture of attention heads). Each returns its
 router logits with ``output_router_logits`` and adds the load-balancing loss to its loss."""
 
 from __future__ import annotations
@@ -68,3 +69,43 @@ def gpt_oss(layers=2, experts=4, top_k=2, window=8):
         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
         attn_implementation="eager",
     )  # fmt: skip
+
+
+def deepseek_v2(layers=2, experts=4, top_k=2):
+    """HF DeepSeek-V2: MLA (q/k head dim 12, v head dim 8) and shared plus routed experts."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    return _built(
+        DeepseekV2Config, DeepseekV2ForCausalLM, num_hidden_layers=layers,
+        intermediate_size=64, moe_intermediate_size=16, n_shared_experts=1,
+        n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=256, num_key_value_heads=4,
+    )  # fmt: skip
+
+
+def olmoe(layers=2, experts=4, top_k=2):
+    """HF OLMoE: every layer sparse, QK norms."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return _built(
+        OlmoeConfig, OlmoeForCausalLM, num_hidden_layers=layers, intermediate_size=16,
+        num_experts=experts, num_experts_per_tok=top_k, output_router_logits=True,
+        max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def jetmoe(layers=2, experts=4, top_k=2):
+    """HF JetMoE: experts in the attention too (each token's query heads from its routed
+    experts, indexed by the data), and in the MLP."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    config = JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_key_value_heads=2,
+        kv_channels=8, intermediate_size=64, num_local_experts=experts, output_router_logits=True,
+        num_experts_per_tok=top_k, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "batched_mm"
+    return JetMoeForCausalLM(config)
