@@ -115,9 +115,11 @@ class PassState:
         back = [order.index(d) for d in range(traced.dim())]
         g = self.graph
         y = g.call_function(torch.ops.aten.permute.default, (y, order))
+        y.meta["val"] = traced.permute(order)  # global values, as every inserted node's
         y = g.call_function(
             torch.ops.aten.clone.default, (y,), {"memory_format": torch.contiguous_format}
         )
+        y.meta["val"] = traced.permute(order).contiguous()
         return g.call_function(torch.ops.aten.permute.default, (y, back))
 
     def copy_to_ring(self, x: fx.Node) -> fx.Node:
