@@ -127,6 +127,7 @@ def test_the_family_matches_the_unmodified_model_compiled(ranks, name):
         assert r["gathers"] == [], r["gathers"]
 
 
+@pytest.mark.slow  # breadth of the class (25 s each): the families above are the default's
 @pytest.mark.parametrize("name", ["deepseek_v2", "olmoe", "jetmoe"])
 def test_more_of_the_class(ranks, name):
     """DeepSeek-V2 (MLA) and OLMoE: nothing gathered. JetMoE picks each token's query heads

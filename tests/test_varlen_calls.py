@@ -214,7 +214,11 @@ def varlen_layers(name: str, per_chunk: int = 0):
     return worst, len(fa2.calls), len(kernels)
 
 
-@pytest.mark.parametrize("name", ["packed", "window", "padded", "packed, padded"])
+@pytest.mark.parametrize(
+    "name",
+    # (both at once is each of them again: a long sweep, in the slow pass)
+    ["packed", "window", "padded", pytest.param("packed, padded", marks=pytest.mark.slow)],
+)
 def test_a_ring_on_varlen_calls_is_exact(ranks, name):
     """Exact, in no more calls than the blocks make; a pair the blocks run as one unmasked
     call (HF's causal mask with padding: the shard's one causal call per step) stays one,
