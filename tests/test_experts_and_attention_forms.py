@@ -132,8 +132,16 @@ def test_the_family_matches_the_unmodified_model_compiled(ranks, name):
 def test_more_of_the_class(ranks, name):
     """DeepSeek-V2 (MLA) and OLMoE: nothing gathered. JetMoE picks each token's query heads
     by its routing (a mixture of attention heads, sorted and scattered over the flattened
-    tokens): that and its attention run gathered, exact, reported; the attention's output,
-    laid out as its q was, is viewed as it was traced."""
+    tokens): that and its attention run gathered, exact, reported."""
+    import transformers
+
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if name == "deepseek_v2" and version < (5, 23):
+        pytest.skip(
+            "before 5.23 DeepSeek-V2 rotates q and k in complex64: float32 products whose "
+            "rounding depends on the tensor's length (vectorized or not), which no reordering "
+            "of the unmodified model measures"
+        )
     for r in ranks(2).run(compare, name, timeout=600):
         assert r["wrong"] == {}, r["wrong"]
         assert r["same grads"], r
