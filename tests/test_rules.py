@@ -131,6 +131,13 @@ CASES = {
         aten.repeat.default,
         GatherReason.ALONG_SEQUENCE,
     ),
+    "a replicated part written into a sharded base": (  # the part sliced to this rank's rows
+        lambda x, p: torch.slice_scatter(x, p, dim=2, start=0, end=2),
+        (x3(2, S, 4), x3(2, S, 2)),
+        1,
+        aten.slice_scatter.default,
+        Seq(1),
+    ),
     "einsum permute": (
         lambda x: torch.einsum("bsc->bcs", x),
         (x3(2, S, 4),),

@@ -171,9 +171,17 @@ def infer_scatter(node, place):
         return Fallback(GatherReason.MISALIGNED)
     if not place.sharded(x):
         place.meetings.append((x, seq))
+    elif not place.sharded(src):  # a replicated part written into a sharded base
+        if (
+            node.target is not aten.slice_scatter.default
+            or shape(src)[seq.dim] != shape(x)[seq.dim]
+        ):
+            return Fallback(GatherReason.MISALIGNED)
+        place.meetings.append((src, seq))
     return seq
 
 
 def rewrite_scatter(node, out: Seq, state: PassState) -> None:
-    """A replicated base is sliced to this rank's positions (the written part comes sharded)."""
-    state.fit_replicated_inputs(node, out, aligned=[node.args[0]])
+    """A replicated base, or a replicated part written into a sharded one, is sliced to this
+    rank's positions."""
+    state.fit_replicated_inputs(node, out, aligned=list(node.args[:2]))
