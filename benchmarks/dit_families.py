@@ -13,11 +13,7 @@ inside a float64 model (Wan) shows it there. Counted, not timed.
 
 from __future__ import annotations
 
-import argparse
-
-from tabulate import tabulate
-
-from ringify.testing import RankPool
+from benchmarks.families import compared, main
 
 FAMILIES = (
     "sd3", "flux", "cogvideox", "qwenimage", "hunyuan_video", "cogview4", "auraflow", "chroma",
@@ -58,29 +54,10 @@ def compare(name: str, world: int) -> dict:
     return {
         "family": name,
         "output": (got_out - out).abs().max().item(),
-        "gradients": max((got[n] - want[n]).abs().max().item() for n in want),
-        "own reordering": max((own[n] - want[n]).abs().max().item() for n in want),
-        "every gradient": set(got) == set(want),
         "attentions": ", ".join(sorted({a.run.name.lower() for a in report.attentions})),
-        "gathers": len(report.gathers),
-        "reasons": "; ".join(sorted({f"{g.op}: {g.reason.value}" for g in report.gathers})),
+        **compared(want, got, own, report),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
-    args = parser.parse_args()
-    pool = RankPool(args.ranks)
-    rows = []
-    try:
-        for name in args.families:
-            rows.append(pool.run(compare, name, args.ranks, timeout=900)[0])
-    finally:
-        pool.close()
-    print(tabulate(rows, headers="keys", floatfmt=".1e"))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, FAMILIES, compare)

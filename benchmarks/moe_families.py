@@ -14,12 +14,9 @@ as PhiMoE's, draws alike). Counted, not timed.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 
-from tabulate import tabulate
-
-from ringify.testing import RankPool
+from benchmarks.families import compared, main
 
 FAMILIES = (
     "qwen2_moe", "olmoe", "granitemoe", "phimoe", "glm4_moe", "glm4_moe_lite", "ernie4_5_moe",
@@ -88,28 +85,9 @@ def compare(kind: str, world: int) -> dict:
     return {
         "family": kind,
         "logits": (got_logits - want_logits).abs().max().item(),
-        "gradients": max((got[n] - want[n]).abs().max().item() for n in want),
-        "own reordering": max((own[n] - want[n]).abs().max().item() for n in want),
-        "every gradient": set(got) == set(want),
-        "gathers": len(report.gathers),
-        "reasons": "; ".join(sorted({f"{g.op}: {g.reason.value}" for g in report.gathers})),
+        **compared(want, got, own, report),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
-    args = parser.parse_args()
-    pool = RankPool(args.ranks)
-    rows = []
-    try:
-        for kind in args.families:
-            rows.append(pool.run(compare, kind, args.ranks, timeout=900)[0])
-    finally:
-        pool.close()
-    print(tabulate(rows, headers="keys", floatfmt=".1e"))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, FAMILIES, compare)

@@ -32,6 +32,7 @@ from torch import fx
 
 from ringify.passes.attention import read_attention
 from ringify.passes.nodes import (
+    ASSERTS,
     ancestors,
     call,
     erase_unused,
@@ -46,7 +47,6 @@ from ringify.runtime.zero_grads import with_zero_grads
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 _SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
 
 
@@ -94,7 +94,7 @@ def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
             continue
         if not any(a in joints for a in node.all_input_nodes):
             continue
-        if node.target in _ASSERTS and isinstance(joints.get(node.args[0]), Joint):
+        if node.target in ASSERTS and isinstance(joints.get(node.args[0]), Joint):
             # a dtype/device check holds for every part as for the whole: checked on one
             node.replace_input_with(node.args[0], joints[node.args[0]].parts[0])
             continue

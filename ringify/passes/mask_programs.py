@@ -21,14 +21,12 @@ from torch import fx
 
 from ringify.passes.crossings import PassState
 from ringify.passes.mask_reader import NotAProgram, read_program, writes_only_a_temporary
-from ringify.passes.nodes import call, shape, val
+from ringify.passes.nodes import ASSERTS, call, shape, val
 from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
 
 aten = torch.ops.aten
 MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
-
-_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 
 
 def fold_mask_programs(graph: fx.Graph, attentions) -> None:
@@ -82,9 +80,9 @@ def _erase_dead(graph: fx.Graph) -> None:
     while changed:
         changed = False
         for node in list(graph.nodes):
-            checked = node.args[0] if node.target in _ASSERTS else None
+            checked = node.args[0] if node.target in ASSERTS else None
             dead_assert = isinstance(checked, fx.Node) and all(
-                u.target in _ASSERTS for u in checked.users
+                u.target in ASSERTS for u in checked.users
             )
             if dead_assert or (not node.users and writes_only_a_temporary(node)):
                 graph.erase_node(node)

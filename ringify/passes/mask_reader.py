@@ -161,33 +161,31 @@ class _Reader:
         """``F.pad`` of the queries x keys part (a causal mask extended by a prefix, say): the
         part read in the padded coordinates, its inputs padded alike (O(S)), and ``value``
         outside it, where the global positions say so."""
-        x, spec, *rest = node.args
+        x, spec = node.args[:2]
         if node.target is aten.constant_pad_nd.default:
-            rest = ["constant", *rest]
-        mode, value = [*rest, *["constant", None][len(rest) :]][:2]
-        mode, value = node.kwargs.get("mode", mode), node.kwargs.get("value", value)
-        value = 0 if value is None else value
-        spec = [*spec, 0, 0, 0, 0][:4]
-        if mode != "constant" or len(node.args[1]) > 4 or min(spec) < 0:
+            mode, value = "constant", node.args[2] if len(node.args) > 2 else 0
+        else:
+            mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+            value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+        if mode != "constant" or len(spec) > 4 or min(spec) < 0:
             raise NotAProgram(f"{node.name}: F.pad other than a constant's on queries x keys")
-        left, right, top, bottom = spec
-        rows, cols = self.queries - top - bottom, self.keys - left - right
+        left, right, top, bottom = [*spec, 0, 0, 0, 0][:4]
         outer = self.queries, self.keys, self._pad
-        p = self._pad
-        self.queries, self.keys = rows, cols
-        self._pad = (p[0] + top, p[1] + bottom, p[2] + left, p[3] + right)
+        q0, k0 = self._pad[0] + top, self._pad[2] + left  # the part's first global positions
+        self.queries, self.keys = self.queries - top - bottom, self.keys - left - right
+        self._pad = tuple(a + b for a, b in zip(self._pad, (top, bottom, left, right), strict=True))
         try:
             part = self.visit(x)
+            inside = [
+                self._emit(op, [{"pos": axis}, bound], node, "bool")
+                for axis, first, size in (("q", q0, self.queries), ("k", k0, self.keys))
+                for op, bound in (("ge.Scalar", first), ("lt.Scalar", first + size))
+            ]
         finally:
             self.queries, self.keys, self._pad = outer
-        inside = [
-            self._emit(op, [{"pos": axis}, bound], node, "bool")
-            for axis, first, size in (("q", top, rows), ("k", left, cols))
-            for op, bound in (("ge.Scalar", first + p[0 if axis == "q" else 2]),
-                              ("lt.Scalar", first + size + p[0 if axis == "q" else 2]))
-        ]  # fmt: skip
         while len(inside) > 1:
             inside = [self._emit("logical_and.default", inside[:2], node, "bool"), *inside[2:]]
+        value = 0 if value is None else value
         if val(node).dtype == torch.bool:  # export writes F.pad's True as 1.0
             value = bool(value)
         kept = self._emit("where.ScalarOther", [inside[0], part, value], node)

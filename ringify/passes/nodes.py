@@ -64,7 +64,7 @@ def evaluate(node: fx.Node, like: fx.Node | None = None):
         return node.target(*values[0], **values[1])
 
 
-_ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -80,7 +80,7 @@ def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
 
 def uses(x: fx.Node) -> list[fx.Node]:
     """The nodes that read ``x``, assertions on its metadata left out."""
-    return [u for u in x.users if u.target not in _ASSERTS]
+    return [u for u in x.users if u.target not in ASSERTS]
 
 
 def erase_unused(graph: fx.Graph, node: fx.Node) -> None:

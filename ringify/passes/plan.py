@@ -28,7 +28,8 @@ from ringify.passes.dims import VIEWS
 from ringify.passes.handwritten import UNREAD_NOTE
 from ringify.passes.nodes import ancestors, is_tensor, shape, val
 from ringify.passes.placement import Geometry, Seq, view_placement
-from ringify.passes.rules import CASTS_LIKE, SAME_SHAPE, infer_placements
+from ringify.passes.rules import SAME_SHAPE, infer_placements
+from ringify.passes.spellings import CASTS_LIKE
 from ringify.runtime.collectives.layout import padded_length, split_multiple
 from ringify.runtime.collectives.shift import shifted
 

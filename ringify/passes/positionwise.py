@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from ringify.passes.nodes import call, is_tensor, norm_dim, norm_dims, shape
+from ringify.passes.spellings import CASTS_LIKE
 
 aten = torch.ops.aten
 
@@ -52,8 +53,6 @@ _SAME = frozenset({
     aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten.dropout.default, aten.lift_fresh_copy.default, aten.type_as.default,
 })  # fmt: skip
-# casts to another tensor's dtype and device
-_CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
 _VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 # views whose arguments name dims, not sizes: the same arguments for every part
 _DIM_VIEWS = frozenset({aten.flatten.using_ints, aten.unflatten.int})
@@ -73,7 +72,7 @@ _MULTI = frozenset({aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.de
 def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
     """``node`` on the parts of its joint inputs: a ``Joint`` (``Items`` for a split), or
     ``None``."""
-    like = node.args[1] if node.target in _CASTS_LIKE else None
+    like = node.args[1] if node.target in CASTS_LIKE else None
     if isinstance(joints.get(like), Joint):  # read for its dtype and device alone: any part
         node.args = (node.args[0], joints[like].parts[0], *node.args[2:])
     found = {a: joints[a] for a in node.all_input_nodes if a in joints}

@@ -113,6 +113,7 @@ from ringify.passes.routing import (
     rewrite_table_rows,
 )
 from ringify.passes.shifts import infer_shift, rewrite_shift
+from ringify.passes.spellings import CASTS_LIKE
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.collectives.halo import same_conv1d
 from ringify.runtime.collectives.scan import ring_cumsum
@@ -137,8 +138,6 @@ SAME_SHAPE = frozenset({
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.to.device, aten.lift_fresh_copy.default,
 })  # fmt: skip
-# casts to another tensor's dtype (and device): that tensor is read for them alone
-CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
 # new tensors that take only their input's dtype and device: replicated
 NEW_TENSORS = frozenset({
     aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,

@@ -16,6 +16,8 @@ from ringify.passes.nodes import shape, val
 aten = torch.ops.aten
 PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
 CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
+# casts to another tensor's dtype (and device): that tensor is read for them alone
+CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
 WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 
 

@@ -50,19 +50,24 @@ def flux(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
         num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
         axes_dims_rope=(4, 6, 6),
     )  # fmt: skip
+    kwargs = _flux_inputs(height, width) | {"pooled_projections": _randn(2, 8, seed=5)}
+    return model.double(), kwargs
+
+
+def _flux_inputs(height: int, width: int) -> dict:
+    """Flux's and Chroma's inputs: height x width image tokens (8 channels) with their ids
+    on the grid, 5 text tokens with ids 0."""
     grid = torch.meshgrid(
         torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"
     )
-    kwargs = {
+    return {
         "hidden_states": _randn(2, height * width, 8),
         "encoder_hidden_states": _randn(2, 5, 16, seed=4),
-        "pooled_projections": _randn(2, 8, seed=5),
         "timestep": torch.tensor([0.3, 0.5], dtype=torch.float64),
         "img_ids": torch.stack(grid, -1).reshape(-1, 3).double(),
         "txt_ids": torch.zeros(5, 3, dtype=torch.float64),
         "return_dict": False,
     }
-    return model.double(), kwargs
 
 
 def cogvideox(frames: int = 9, side: int = 8) -> tuple[torch.nn.Module, dict]:
@@ -276,18 +281,5 @@ def chroma(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
         num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6),
         approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1,
     )  # fmt: skip
-    grid = torch.meshgrid(
-        torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"
-    )
-    mask = torch.ones(2, 5 + height * width, dtype=torch.bool)
-    mask[1, 3:5] = False
-    kwargs = {
-        "hidden_states": _randn(2, height * width, 8),
-        "encoder_hidden_states": _randn(2, 5, 16, seed=4),
-        "timestep": torch.tensor([0.3, 0.5], dtype=torch.float64),
-        "img_ids": torch.stack(grid, -1).reshape(-1, 3).double(),
-        "txt_ids": torch.zeros(5, 3, dtype=torch.float64),
-        "attention_mask": mask,
-        "return_dict": False,
-    }
-    return model.double(), kwargs
+    mask = torch.cat([_text_mask(), torch.ones(2, height * width, dtype=torch.bool)], 1)
+    return model.double(), _flux_inputs(height, width) | {"attention_mask": mask}

@@ -114,20 +114,17 @@ def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, k_extra, v_extra, *flags = inputs
-    flags = [*flags, None, None][:7]  # the masks may be left to their defaults
-    ctx.flags = flags[:5]  # scale, group, layout, key_len, sharded
-    ctx.masks = [m is not None for m in flags[5:]]  # padding masks: no gradient
-    out, lse = output
-    masks = [m for m in flags[5:] if m is not None]
-    ctx.save_for_backward(q, k, v, k_extra, v_extra, out, lse, *masks)
-    ctx.mark_non_differentiable(lse)
+    # scale, group, layout, key_len, sharded; then the masks (padding: no gradient), which
+    # the call may leave to their defaults
+    flags = [*flags, None, None][:7]
+    ctx.flags = flags[:5]
+    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[5:])
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    saved = list(ctx.saved_tensors)
-    tensors, given = saved[:7], iter(saved[7:])
-    masks = [next(given) if present else None for present in ctx.masks]
-    grads = joint_attention_backward_op(grad_out, *tensors, *ctx.flags, *masks)
+    *tensors, mask, mask_extra = ctx.saved_tensors
+    grads = joint_attention_backward_op(grad_out, *tensors, *ctx.flags, mask, mask_extra)
     return *grads, *([None] * (len(ctx.flags) + 2))
 
 
