@@ -2,7 +2,7 @@
 keep each under 16384 rows, keeps a step's masks on the device for every later layer, runs a
 mostly visible open pair as one masked call and joins a step's whole pairs; on the CPU none of
 it runs (``tiles.on_accelerator``). Here it is switched on for CPU tensors, and two layers
-sharing one plan handle are compared with SDPA on the full sequence in float64, forward and
+sharing one plan are compared with SDPA on the full sequence in float64, forward and
 backward: the second layer runs on the masks the first one kept."""
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ def two_layers_on_an_accelerator_plan(name: str):
     import torch.distributed as dist
 
     from ringify.runtime.attention import ops
-    from ringify.runtime.masks import step_masks
     from ringify.runtime.tiling import tiles
 
     program, inputs, mask = _case(name)
@@ -84,18 +83,16 @@ def two_layers_on_an_accelerator_plan(name: str):
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
         mock.patch.object(ops, "block_forward", counted),
     ):
-        handle = torch.ops.ringify.attention_plan(
-            program, inputs, rows, False, group, "zigzag", SEQ
-        )
+        plan = torch.ops.ringify.attention_plan(program, inputs, rows, False, group, "zigzag", SEQ)
         for _ in range(2):  # two layers of one step: the second reuses the kept masks
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
-            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, handle)
+            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, plan)
             out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
                 ref = shard(ref, 2, layout="zigzag")
                 worst = max(worst, relative_difference(got.detach(), ref))
-        kept = len(step_masks.kept_masks(handle, torch.device("cpu"), rows))
+        kept = len(plan.kept_masks(torch.device("cpu"), rows))
     return worst, kept, len(calls) / 2
 
 

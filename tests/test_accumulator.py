@@ -123,6 +123,6 @@ def test_a_causal_call_fills_no_accumulator_on_a_device():
         ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args[:-1])
     assert fills.count == 0
     with _Fills() as padded:  # padding keys: a partial diagonal, merged into filled buffers
-        handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
-        layer_bodies(program, host, handle, q, k, v, dout)
+        plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+        layer_bodies(program, host, plan, q, k, v, dout)
     assert padded.count > 0

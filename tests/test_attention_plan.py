@@ -1,6 +1,7 @@
-"""One plan per mask program per model call: the pass emits one ``attention_plan`` node, every
-layer's ring op (forward and backward, eager or compiled, checkpointed or not) finds the plan by
-its handle, and the program's inputs are copied to the host once per call."""
+"""One plan per mask program per step: the pass emits one ``attention_plan`` node, every
+layer's ring op (forward and backward, eager or compiled, checkpointed or not) takes the plan
+it makes as an argument, and the program's inputs are copied to the host once per step. A plan
+is a value: it prints what it decided, and is tested here without a ring of ranks."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ def _packed(seq: int, lengths) -> torch.Tensor:
 
 
 def plan_per_step(backend: str | None, checkpointing: bool, first: int):
-    """(attention_plan nodes, ring ops reading them, the plan lookups of a step whose mask the
+    """(attention_plan nodes, ring ops reading them, the plans made in a step whose mask the
     last step had, those of a step with another packing, its gradients' largest difference
-    from the unmodified model's over their tolerance)."""
+    from the unmodified model's over their tolerance). Plans made: (by the graph, by the ring
+    calls themselves, the ring calls on the graph's plans)."""
     import torch.distributed as dist
+    from plans_made import made_plans
 
     from ringify import ringify
-    from ringify.runtime.masks.plan import plan_lookups, reset_plan_lookups
     from ringify.testing import hf_models
 
     torch.manual_seed(0)
@@ -39,14 +41,14 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    # packings no earlier job of this rank process used (its plans are kept by content)
+    def counted(lengths):
+        with made_plans() as made:
+            result = step(lengths)
+        return result, (len(made.by_graph), len(made.by_calls), made.calls())
+
     step((first, 9))
-    reset_plan_lookups()
-    step((first, 9))
-    same = plan_lookups()
-    reset_plan_lookups()
-    _, grads = step((first, 12))
-    other = plan_lookups()
+    _, same = counted((first, 9))
+    (_, grads), other = counted((first, 12))
 
     def unmodified(run):
         model.zero_grad(set_to_none=True)
@@ -74,7 +76,7 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
 
 
 def _is_region_input(arg) -> bool:
-    """A plan handle handed into a checkpointed or FSDP region arrives as its placeholder."""
+    """A plan handed into a checkpointed or FSDP region arrives as its placeholder."""
     return isinstance(arg, torch.fx.Node) and arg.op == "placeholder"
 
 
@@ -89,24 +91,34 @@ def test_one_plan_per_step_whatever_the_layers(ranks, backend, checkpointing, fi
         plan_per_step, backend, checkpointing, first
     ):
         assert plans == 1 and rings == reading == LAYERS
-        assert same == {"by handle": calls, "host copies": 1, "built": 0}, same
-        assert other == {"by handle": calls, "host copies": 1, "built": 1}, other
+        assert same == other == (1, 0, calls), (same, other)
         assert error <= 1.0  # relative to the tolerance
 
 
-def test_a_handles_entry_lives_as_long_as_the_handle():
-    """Plans and kept masks are found by the handle tensor itself: its entry goes when the
-    graph frees it, and a later tensor that happens to get its id finds nothing."""
-    import gc
+def test_a_plan_is_a_value_that_says_what_it_decided():
+    """Made without a ring of ranks (a ring of 4 as a value): a sliding window of 8 over
+    chunks of 16 (two tiles of 8) sends each rank's last tile one step on (the last rank's,
+    seen by no one further, not at all); an unmasked ring sends every rank's keys round it; the two print so."""
+    from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks.plan import plan_for
+    from ringify.runtime.masks.program import MaskProgram
 
-    from ringify.runtime.masks.handles import HandleMap
-
-    kept, handle = HandleMap(), torch.tensor([1])
-    kept[handle] = "plan"
-    assert kept.get(handle) == "plan" and kept.get(torch.tensor([1])) is None
-    old_id = id(handle)
-    del handle
-    gc.collect()
-    assert len(kept) == 0
-    later = [torch.tensor([1]) for _ in range(64)]  # some may take the old id: none is found
-    assert all(kept.get(t) is None for t in later), old_id
+    window_of_8 = MaskProgram(
+        roles=(),
+        code=(
+            ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+            ("ge.Scalar", ({"op": 0}, 0), "bool"),
+            ("lt.Scalar", ({"op": 0}, 8), "bool"),
+            ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
+        ),
+    ).text()
+    ring = Ring(None, 0, 4)
+    window = plan_for(ring, 16, None, False, "contiguous", 64, window_of_8, [], 2, True)
+    dense = plan_for(ring, 16, None, False, "contiguous", 64, "", [], 2, True)
+    assert window.summary()["K/V rows sent"] == [8, 8, 8, 0]
+    assert dense.summary()["K/V rows sent"] == [48, 48, 48, 48]
+    assert dense.summary()["tile pairs"] == dense.summary()["dense tile pairs"] == [16] * 4
+    # a window of 8 over tiles of 8: a tile sees itself and the one before it (not the first)
+    assert window.summary()["tile pairs"] == [3, 4, 4, 4]
+    assert "sparsity=0.00" in repr(dense) and "sparsity=0.77" in repr(window)
+    assert window.balanced is not None and repr(window).startswith("RingPlan(ring=4")

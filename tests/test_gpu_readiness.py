@@ -14,7 +14,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
-from ringify.runtime.masks.plan import plan_lookups, reset_plan_lookups
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
 from ringify.testing.attention import document_causal_program, document_inputs
@@ -52,13 +51,13 @@ def meta_tensors() -> tuple[torch.Tensor, ...]:
     return meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64), meta(1, 4, N, 64)
 
 
-def layer_bodies(program: str, inputs, handle, q, k, v, dout) -> None:
+def layer_bodies(program: str, inputs, plan, q, k, v, dout) -> None:
     """One layer's ring op bodies (not their fake kernels), forward then backward."""
-    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0, True, handle)
+    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0, True, plan)
     out, lse = ring_attention_op._init_fn(q, k, v, *args)
     ring_attention_backward_op._init_fn(
         dout, q, k, v, out, lse, None, False, 0.125, *GEOMETRY, program, inputs, 0,
-        balance=True, plan=handle,
+        balance=True, plan=plan,
     )  # fmt: skip
 
 
@@ -67,22 +66,21 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
     program, host, learned = _case(name)
     scale = 0.125
     geometry = ("", "contiguous", KEYS)
-    handle = torch.ops.ringify.attention_plan(program, host, N, False, *geometry)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *geometry)
     meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
     q, dout = meta(1, 4, N, 64), meta(1, 4, N, 64)
     k, v = meta(1, 2, N, 64), meta(1, 2, N, 64)  # GQA: 2 kv heads
     inputs = [x.to("meta") for x in host]
-    reset_plan_lookups()
-    args = (None, False, scale, *geometry, program, inputs, 0, True, handle)
+    args = (None, False, scale, *geometry, program, inputs, 0, True, plan)
     # The ops' bodies themselves: a meta tensor given to the op would dispatch to its fake kernel.
     with FlashCalls() as log:
         out, lse = ring_attention_op._init_fn(q, k, v, *args)
         wanted = [x.is_floating_point() for x in inputs]
         dq, dk, dv, _, dinputs, _ = ring_attention_backward_op._init_fn(
             dout, q, k, v, out, lse, None, False, scale, *geometry, program, inputs, 0,
-            mask_grad=False, input_grads=wanted, balance=True, plan=handle,
+            mask_grad=False, input_grads=wanted, balance=True, plan=plan,
         )  # fmt: skip
-    assert plan_lookups() == {"by handle": 2, "host copies": 0, "built": 0}
+    assert plan.calls.total() == 2  # both ran on the plan given: nothing made, nothing read
     assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert [d.shape for d in dinputs] == [x.shape for x in inputs if x.is_floating_point()]
@@ -114,20 +112,20 @@ class _ProgramOps(TorchDispatchMode):
 @pytest.mark.parametrize("name", ["packed", "window"])
 def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
     """The first call of a step evaluates each masked block's mask on the device and keeps it
-    for the step (the plan handle's life), as the kernel's bias: another layer's forward and
-    every backward evaluate nothing and make no bias. A call with no handle (outside a
+    for the step (the plan's life), as the kernel's bias: another layer's forward and
+    every backward evaluate nothing and make no bias. A call with no plan (outside a
     ringified graph) evaluates its own."""
     program, host, _ = _case(name)
     ops = {"packed": {"eq.Tensor"}, "window": {"lt.Scalar"}}[name]  # the program's own ops
     ops |= {"log_.default"}  # a bool mask made a bias (``additive_mask``)
     q, k, v, dout = meta_tensors()
     inputs = [x.to("meta") for x in host]
-    handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
     with _ProgramOps(ops) as first:
-        layer_bodies(program, inputs, handle, q, k, v, dout)
+        layer_bodies(program, inputs, plan, q, k, v, dout)
     with _ProgramOps(ops) as later:
-        layer_bodies(program, inputs, handle, q, k, v, dout)
-    small = [torch.zeros(*x.shape[:3], 2) for x in (q, k, v, dout)]  # no handle: on the host
+        layer_bodies(program, inputs, plan, q, k, v, dout)
+    small = [torch.zeros(*x.shape[:3], 2) for x in (q, k, v, dout)]  # no plan: on the host
     with _ProgramOps(ops) as unplanned:
         layer_bodies(program, host, None, *small[:3], small[3])
     assert first.count > 0 and later.count == 0
@@ -184,8 +182,10 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     read nor mixed with a host tensor. Its plan's one host copy (the only read a GPU run makes)
     is replayed from a CPU run on the same inputs. Every flash call keeps its contracts, GQA's
     K/V reach it unexpanded, packed documents and a window run as FA2 varlen calls, and every
-    ring call finds its plan by the graph's handle."""
+    ring call runs on the graph's plan."""
     from unittest import mock
+
+    from plans_made import made_plans
 
     from ringify import ringify
     from ringify.runtime.masks import plan as attention_plan
@@ -201,8 +201,8 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     on_meta = {k: v.to("meta") for k, v in inputs.items()}
     ringified(**on_meta)  # traced for meta inputs (the ops' fake kernels run)
     replayed = iter(copies)
-    reset_plan_lookups()
     with (
+        made_plans() as made,
         mock.patch.object(attention_plan, "_host_copy", lambda x: next(replayed)),
         FlashCalls() as log,
         VarlenCalls() as varlen,
@@ -213,8 +213,8 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     assert loss.device.type == "meta"
     assert bodies.ran.count("ringify::ring_attention_backward") == 2, bodies.ran
     assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
-    lookups = plan_lookups()
-    assert lookups["by handle"] == 2 * 2 and lookups["host copies"] <= 1, lookups  # 2 layers
+    assert made.calls() == 2 * 2 and not made.by_calls  # 2 layers, each on the graph's plan
+    assert len(made.by_graph) <= 1  # one plan (one host copy), or none without a program
     assert log.calls or log.biases or varlen.calls  # the CUDA kernels were reached
     varlen.check_contracts(heads=(4, 2))
     if case in ("packed", "window"):  # open pairs as FA2 varlen calls, no bias
@@ -273,11 +273,11 @@ def test_capped_blocks_and_sinks_run_on_a_device(name):
     call; nothing is read or mixed with a host tensor (a meta tensor can be neither); every
     output, the sinks' gradient included, has its shape."""
     program, host, _ = _case(name)
-    handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
     q, k, v, dout = meta_tensors()
     sinks = torch.empty(1, 4, 1, 1, dtype=torch.bfloat16, device="meta")
     inputs = [x.to("meta") for x in host]
-    extras = {"balance": True, "plan": handle, "sinks": sinks, "softcap": 30.0}
+    extras = {"balance": True, "plan": plan, "sinks": sinks, "softcap": 30.0}
     args = (None, False, 0.125, *GEOMETRY, program, inputs, 0)
     with FlashCalls() as log, VarlenCalls() as varlen:
         out, lse = ring_attention_op._init_fn(q, k, v, *args, **extras)

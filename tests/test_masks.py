@@ -22,9 +22,9 @@ S = 24  # per rank; no other dim of the models has this size times the ring size
 
 def hf_case(model_name, case, world, compiled=False, window=0):
     import torch.distributed as dist
+    from plans_made import made_plans
 
     from ringify import ringify
-    from ringify.runtime.masks.balance import plan_counts, reset_plan_counts
     from ringify.testing import hf_models
     from ringify.testing.graphs import quadratic_nodes
 
@@ -53,9 +53,9 @@ def hf_case(model_name, case, world, compiled=False, window=0):
     model.zero_grad(set_to_none=True)
     ringified = ringify(model, ring_size=dist.get_world_size())
     run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
-    reset_plan_counts()
-    got = run(**kwargs)
-    got.loss.backward()
+    with made_plans() as made:
+        got = run(**kwargs)
+        got.loss.backward()
     report = ringified.report()
     grad = max((p.grad - want_grads[n]).abs().max().item() for n, p in model.named_parameters())
     return {
@@ -65,7 +65,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
         "masks": [a.mask for a in report.rewritten],
         "gathers": len(report.gathers),
         "quadratic": quadratic_nodes(ringified, seq),
-        "plans": plan_counts(),
+        "plans": made.counts(),
     }
 
 
@@ -170,7 +170,8 @@ def windowed_ring(world, layout):
     import torch.distributed as dist
 
     from ringify.runtime.collectives.p2p import sent_bytes
-    from ringify.runtime.masks.tile_masks import reset_tile_counts, tile_counts
+    from ringify.runtime.collectives.ring import resolve_ring
+    from ringify.runtime.masks.plan import plan_for
 
     seq, tiles = 16 * world, 2  # chunks of 16 (contiguous) or 8 (zigzag): tiles of 8 or 4
     g = torch.Generator().manual_seed(0)
@@ -183,12 +184,15 @@ def windowed_ring(world, layout):
     want.backward(dout)
     q, k, v = (shard(t, 2, layout=layout).requires_grad_() for t in full)
     name = dist.group.WORLD.group_name
-    reset_tile_counts()
+    program = window_program().text()
+    plan = plan_for(
+        resolve_ring(None), seq // world, None, False, layout, seq, program, [], tiles, True
+    )
     before = sent_bytes()
-    args = (None, False, 8**-0.5, name, layout, seq, window_program().text(), [], tiles)
+    args = (None, False, 8**-0.5, name, layout, seq, program, [], tiles, True, plan)
     out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     sent = sent_bytes() - before
-    counts = tile_counts()
+    counts = plan.masks.tile_counts()
     out.backward(shard(dout, 2, layout=layout))
     grads = [x.grad for x in (q, k, v)]
     expected = [shard(t.detach(), 2, layout=layout) for t in (want, *[x.grad for x in leaves])]

@@ -96,7 +96,9 @@ def opcheck_beside_the_ring(name: str) -> None:
     )
     rows = 16 // (dist.get_world_size() if dist.is_initialized() else 1)
     plan_args = (program, inputs, rows, True, name, "zigzag", 16)
-    torch.library.opcheck(torch.ops.ringify.attention_plan.default, plan_args)
+    # its output is a plan, not a tensor: AOT dispatch's check compares tensors alone
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.ringify.attention_plan.default, plan_args, test_utils=checks)
     g = torch.Generator().manual_seed(0)
     q, k, v, k_new, v_new = (
         torch.randn(2, heads, rows, 4, generator=g, dtype=torch.float64)

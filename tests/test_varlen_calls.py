@@ -198,13 +198,13 @@ def varlen_layers(name: str, per_chunk: int = 0):
         mock.patch.object(ops, "varlen_forward", counted(varlen)),
         mock.patch.object(flash, "aten", fa2),
     ):
-        handle = torch.ops.ringify.attention_plan(
+        plan = torch.ops.ringify.attention_plan(
             program, inputs, SEQ // 2, False, group, "zigzag", SEQ, per_chunk
         )
         for _ in range(2):  # two layers of one step
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
             args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, per_chunk, True)
-            args += (handle,)
+            args += (plan,)
             out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
@@ -259,8 +259,8 @@ def test_varlen_calls_keep_fa2s_contracts_on_a_device(name):
     program, host, _ = _case(name)
     inputs = [x.to("meta") for x in host]
     with mock.patch.object(tiles, "on_accelerator", lambda _: True), VarlenCalls() as log:
-        handle = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
-        layer_bodies(program, inputs, handle, *meta_tensors())
+        plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+        layer_bodies(program, inputs, plan, *meta_tensors())
     log.check_contracts(heads=(4, 2))
     assert {"forward", "backward"} <= {direction for direction, _ in log.calls}
 

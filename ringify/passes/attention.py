@@ -26,7 +26,7 @@ from torch import fx
 
 from ringify.passes.crossings import PassState
 from ringify.passes.handwritten import FORM_NOTE
-from ringify.passes.mask_programs import MASK_NOTE, program_inputs
+from ringify.passes.mask_programs import MASK_NOTE, program_inputs, step_plan
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
@@ -174,8 +174,10 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     if att.mask is not None and att.mask.target is program_mask:
         text, inputs, plan = program_inputs(att.mask, state, att.is_causal)
         program, kind = (text, inputs, 0, True, plan), MaskKind.PROGRAM
-    elif att.mask is not None:
+    elif att.mask is not None:  # a mask tensor: its plan is the call's own
         mask, kind = local_mask(att.mask, state), MaskKind.KEPT
+    elif dilation is None:
+        program = ("", [], 0, True, step_plan(state, "", [], att.is_causal, att.q))
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)

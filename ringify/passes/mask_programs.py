@@ -102,7 +102,16 @@ def program_inputs(
     if ("program", program) not in state._cache:
         state._cache["program", program] = _whole_inputs(folded, state)
     text, whole = state._cache["program", program]
-    if ("plan", program, is_causal) not in state._cache:
+    return text, whole, step_plan(state, text, whole, is_causal, folded)
+
+
+def step_plan(
+    state: PassState, text: str, whole: list[fx.Node], is_causal: bool, like: fx.Node
+) -> fx.Node:
+    """The ``attention_plan`` node of the ring ops under program ``text`` with inputs
+    ``whole`` ("" and none: of every unmasked call of the geometry), made once per graph."""
+    key = ("plan", text, tuple(whole), is_causal)
+    if key not in state._cache:
         # right after its inputs: outside any layer's checkpointed or FSDP span that the
         # program's node may sit in, so that no recompute makes the plan again
         geo, order = state.geo, {n: i for i, n in enumerate(state.graph.nodes)}
@@ -110,10 +119,10 @@ def program_inputs(
         latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
         with state.graph.inserting_before(state.after(latest)):
             args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
-            plan = call(state.graph, attention_plan._opoverload, args, like=folded)
+            plan = call(state.graph, attention_plan._opoverload, args, like=like)
         state.place[plan] = None
-        state._cache["plan", program, is_causal] = plan
-    return text, whole, state._cache["plan", program, is_causal]
+        state._cache[key] = plan
+    return state._cache[key]
 
 
 def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:

@@ -18,8 +18,8 @@ key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 ``mask_program`` / ``mask_inputs``: a mask as a program (``masks/program.py``, its text, or
 "" for none) and its O(S) inputs; the op bounds it per tile pair (``masks/tile_masks.py``).
 ``tiles_per_chunk``: 0 lets the op choose (``tiling/schedule.py``); tests and benchmarks
-force a tiling with it. ``plan``: a handle from ``ringify::attention_plan`` (the graph's
-one plan per program and model call, ``masks/plan.py``), or None: made here.
+force a tiling with it. ``plan``: a ``RingPlan`` from ``ringify::attention_plan`` (the
+graph's one plan per program and step, ``masks/plan.py``), or None: made here.
 
 Forward, P ranks: the K/V tiles of each sub-ring (see ``tiling/tiles.py``) travel round
 the ring for P-1 steps; at step i this rank holds the tiles of rank
@@ -56,15 +56,29 @@ from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
-from ringify.runtime.masks.plan import count_call, plan_for
-from ringify.runtime.masks.step_masks import kept_masks
+from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.moves import move_home, narrow_rows, rows_in
 from ringify.runtime.tiling.schedule import GradSlots, ring_visits
 from ringify.runtime.tiling.tiles import Visibility
 
+# Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
+_CALL = (
+    "Tensor? attn_mask, bool is_causal, float scale, str group_name, str layout, SymInt key_len, "
+    "str mask_program, Tensor[] mask_inputs, SymInt tiles_per_chunk=0"
+)
+_EXTRAS = f"{PLAN_TYPE}? plan=None, Tensor? sinks=None, float softcap=0."
+_FORWARD = (
+    f"(Tensor q, Tensor k, Tensor v, {_CALL}, bool balance=True, {_EXTRAS}) -> (Tensor, Tensor)"
+)
+_BACKWARD = (
+    f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_CALL}, "
+    f"bool mask_grad=False, bool[]? input_grads=None, bool balance=True, {_EXTRAS}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)"
+)
 
-@torch.library.custom_op("ringify::ring_attention", mutates_args=())
+
+@torch.library.custom_op("ringify::ring_attention", mutates_args=(), schema=_FORWARD)
 def ring_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,7 +93,7 @@ def ring_attention_op(
     mask_inputs: list[torch.Tensor],
     tiles_per_chunk: int = 0,
     balance: bool = True,
-    plan: torch.Tensor | None = None,
+    plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +152,7 @@ def _(
     return empty_attention_outputs(q)
 
 
-@torch.library.custom_op("ringify::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("ringify::ring_attention_backward", mutates_args=(), schema=_BACKWARD)
 def ring_attention_backward_op(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -158,7 +172,7 @@ def ring_attention_backward_op(
     mask_grad: bool = False,
     input_grads: list[bool] | None = None,
     balance: bool = True,
-    plan: torch.Tensor | None = None,
+    plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[
@@ -242,14 +256,22 @@ def ring_attention_backward_op(
 
 def _planned(
     ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
-    handle,
+    plan: RingPlan | None,
 ):  # fmt: skip
-    """``(home, queries, TileMasks)`` of this call from its plan (``masks/plan.py``):
-    the one ``handle`` names, made once per model call, else made here."""
-    args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
-    plan = plan_for(ring, q.shape[2], *args, handle=handle, device_type=q.device.type)
-    count_call(plan)
-    kept = kept_masks(handle, q.device, q.shape[2]) if program else None
+    """``(home, queries, TileMasks)`` of this call from its plan (``masks/plan.py``): the
+    step's, which the graph made once, else one made here."""
+    rows = q.shape[2]
+    if plan is None:
+        args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
+        plan = plan_for(ring, rows, *args, device_type=q.device.type)
+    elif plan.geometry[:6] != (ring.name, ring.size, rows, is_causal, layout, key_len):
+        raise ValueError(
+            f"the plan given was made for another call ({plan!r}, geometry "
+            f"{plan.geometry[:6]}); make it with attention_plan for this call's ring, rows, "
+            "causality, layout and key length"
+        )
+    plan.count_call()
+    kept = plan.kept_masks(q.device, rows) if program else None
     return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
 
 
@@ -353,16 +375,17 @@ def _setup_context(ctx, inputs, output):
     ctx.softcap = inputs[15] if len(inputs) > 15 else 0.0
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, plan, sinks, *mask_inputs)
+    ctx.plan = plan  # a value, not a tensor: kept on the context
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *mask_inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask, plan, sinks, *mask_inputs = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, sinks, *mask_inputs = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs, dsinks = ring_attention_backward_op(
         grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
-        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance, plan=plan,
+        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance, plan=ctx.plan,
         sinks=sinks, softcap=ctx.softcap,
     )  # fmt: skip
     # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)

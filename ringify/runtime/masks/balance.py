@@ -30,8 +30,6 @@ Every rank computes the same plan from the same replicated program inputs.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 from ringify.runtime.masks.pair_bounds import settled_pairs
@@ -57,24 +55,6 @@ DEVICE_MOVE_AREA = 2048 * 2048
 def min_gain_area(device_type: str) -> float:
     """The kernel area (query rows x keys) a balanced plan must save on ``device_type``."""
     return DEVICE_MOVE_AREA if tiling_sizes.on_accelerator(device_type) else 0.0
-
-
-_plans: Counter = Counter()  # calls of this process that were balanced, and that were not
-
-
-def plan_counts() -> dict[str, int]:
-    """How many ring calls (forward and backward) of this process ran on a balanced plan
-    and how many kept their own tiling, since the last ``reset_plan_counts``."""
-    return {"balanced": _plans["balanced"], "kept": _plans["kept"]}
-
-
-def reset_plan_counts() -> None:
-    _plans.clear()
-
-
-def count_plan(balanced: bool) -> None:
-    """Count one ring call that ran on a balanced plan, or on its own tiling."""
-    _plans["balanced" if balanced else "kept"] += 1
 
 
 def tile_owners(tiling: Tiling, tiles: list[Tile], ring_size: int) -> torch.Tensor:

@@ -1,138 +1,134 @@
-"""A ring call's plan: what the op decides from its mask before touching q, k or v, made once.
+"""A ring call's plan: what the op decides from its mask before touching q, k or v, as a value.
 
 Under a mask program, the op decides from the program and its O(S) inputs: the tiling
 (finer under a window), each tile pair's visibility and each open pair's blocks, how far
 each K/V tile travels, and the balanced assignment of query tiles. Every layer of a model
 asks the same question with the same inputs, in its forward and again in its backward;
-FlexAttention answers it once per step with one ``BlockMask``. So does this:
+FlexAttention answers it once per step with one ``BlockMask``, which travels into every
+``flex_attention`` call as an argument. So does a ``RingPlan``:
 
-- ``plan_for`` copies the program's inputs to the host in one copy (the only device-to-
-  host read of a plan) and builds the plan there, where every decision reads host
-  tensors for free and none is mixed with a device tensor;
-- plans are kept by content (the geometry, the program's text and the inputs' bytes),
-  so a plan is built once for the inputs it serves, and a model whose mask does not
-  change between steps (no padding, a fixed packing) builds it once;
-- the graph pass emits one ``ringify::attention_plan`` node per distinct program and its
-  inputs, before the first layer; its output, a handle to the plan, is an input of every
-  ring op that runs under that program, forward and backward (saved for the backward,
-  and so for a checkpoint's recompute). The ring op finds the plan by the handle tensor
-  itself (a weak key: the plan lives as long as the handle, and nothing is read from it),
-  so it reads no device tensor at all; one given no handle it knows (the public op, called
-  directly) makes or finds its plan by content, at one read.
+- ``ringify::attention_plan`` copies the program's inputs to the host in one copy (the
+  only device-to-host read of a plan) and builds the plan there, where every decision
+  reads host tensors for free and none is mixed with a device tensor;
+- the graph pass emits one such node per distinct program, inputs and geometry, before the
+  first layer; its output, the plan itself (a ``torch.library`` opaque object), is an
+  argument of every ring op under it, forward and backward (kept for the backward on the
+  autograd context, and so for a checkpoint's recompute);
+- a plan holds what the step's calls share: its tile masks' host-side answers, and on each
+  device the masks its first call evaluated (``KeptMasks``), freed with the plan when the
+  graph drops it after the step's backward. Its ``calls`` count the ring calls that ran on
+  it. Nothing is kept anywhere else: a ring op given no plan (the public op called
+  directly) builds its own, at one read.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter
 
 import torch
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
-from ringify.runtime.masks.balance import balanced_tiling, count_plan, min_gain_area
-from ringify.runtime.masks.handles import HandleMap
+from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
+from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
 from ringify.runtime.tiling.tiles import Tiling
 
-# Plans kept, most recently used last: a model has a few programs, each step one plan each.
-MAX_PLANS = 32
 
-_lookups: Counter = Counter()  # how calls found their plans (``plan_lookups``)
-_plans: OrderedDict[int | tuple, Plan] = OrderedDict()  # by content, or by geometry alone
-_handles = HandleMap()  # by the handle an attention_plan made
+class RingPlan(OpaqueBase):
+    """How the calls of one step run: ``home(rank)`` tiles that rank's shard (its K/V tiles
+    travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
+    ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
+    ``geometry``: the ring, rows and options it was made for. ``calls``: the ring calls
+    (forward and backward) that ran on it, balanced or on their own tiling."""
+
+    def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
+                 balanced: bool | None, geometry: tuple) -> None:  # fmt: skip
+        self.home, self.queries, self.masks = home, queries, masks
+        self.balanced, self.geometry = balanced, geometry
+        self.calls: Counter = Counter()
+        self._kept: dict[torch.device, KeptMasks] = {}
+
+    @classmethod
+    def unbuilt(cls, geometry: tuple = ()) -> RingPlan:
+        """The value a fake kernel gives: a plan's place in a traced graph, with no content."""
+        return cls(None, None, None, None, geometry)
+
+    def kept_masks(self, device: torch.device, rows: int) -> KeptMasks | None:
+        """The masks the step's calls keep on ``device`` (a rank of ``rows`` query rows), or
+        None where nothing is kept there (``kept_bytes_per_row``) or there is no program."""
+        budget = kept_bytes_per_row(device.type) * rows
+        if budget == 0 or self.masks is None or self.masks.program is None:
+            return None
+        if device not in self._kept:
+            self._kept[device] = KeptMasks(budget)
+        return self._kept[device]
+
+    def count_call(self) -> None:
+        self.calls["kept" if not self.balanced else "balanced"] += 1
+
+    def summary(self) -> dict:
+        """What the plan decided, per rank: the tile pairs it works on (of those a dense ring
+        would), the K/V rows it sends in a call (of K and of V each), and its balance's work
+        (query rows x keys that may be seen)."""
+        if self.masks is None:
+            return {}
+        ring_size = self.masks.ring_size
+        seen = self.masks.pair_work(self.queries)
+        return {
+            "tile pairs": [int(s[0]) for s in seen],
+            "dense tile pairs": [int(s[1]) for s in seen],
+            "work": [int(s[2]) for s in seen],
+            "K/V rows sent": self.masks.rows_sent(),
+            "balanced": self.balanced,
+            "ring": ring_size,
+        }
+
+    def __repr__(self) -> str:
+        if self.masks is None:
+            return "RingPlan(unbuilt)"
+        s = self.summary()
+        pairs, dense = sum(s["tile pairs"]), max(sum(s["dense tile pairs"]), 1)
+        return (
+            f"RingPlan(ring={s['ring']}, sparsity={1 - pairs / dense:.2f}, "
+            f"tile pairs per rank={s['tile pairs']}, work per rank={s['work']}, "
+            f"K/V rows sent per call={s['K/V rows sent']}, balanced={s['balanced']})"
+        )
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How one call runs: ``home(rank)`` tiles that rank's shard (its K/V tiles travel so),
-    ``queries(rank)`` the query tiles it works on (``home`` unless balanced), ``masks``
-    every pair's visibility. ``balanced``: None where balancing does not apply.
-    ``geometry``: the ring, rows and options it was made for; ``handle``: its key."""
-
-    home: Tiling
-    queries: Tiling
-    masks: TileMasks
-    balanced: bool | None
-    geometry: tuple
-    handle: int
+register_opaque_type(RingPlan, typ="reference")
+PLAN_TYPE = get_opaque_type_name(RingPlan)  # its name in an op's schema
 
 
 def plan_for(
     ring: Ring, rows: int, attn_mask, is_causal: bool, layout: str, key_len: int,
     program: str, inputs: list[torch.Tensor], per_chunk: int, balance: bool,
-    handle: torch.Tensor | None = None, device_type: str = "cpu",
-) -> Plan:  # fmt: skip
-    """The plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``): the one
-    ``handle`` names, if it is still kept and was made for this geometry; else the kept
-    plan of the same content; else a new one."""
+    device_type: str = "cpu",
+) -> RingPlan:  # fmt: skip
+    """A new plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``)."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
     geometry += (device_type,)
-    if attn_mask is not None:  # a mask tensor: its tiles are the call's own
+    if attn_mask is not None or not program:  # a mask tensor (its tiles are the call's own)
         home = _home(ring, geometry, attn_mask, program)
-        masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, program, [])
-        return Plan(home, home, masks, None, geometry, 0)
-    # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
-    sized = (*geometry, tiles.on_accelerator(device_type))
-    if not program:  # nothing to read: kept by geometry alone
-        if sized not in _plans:
-            home = _home(ring, geometry, None, "")
-            masks = TileMasks(home, ring.size, None, is_causal, key_len, "", [])
-            _keep(sized, Plan(home, home, masks, None, geometry, 0))
-        return _used(sized)
-    if handle is not None:
-        kept = _handles.get(handle)  # the handle tensor itself is the key: nothing is read
-        # made for this geometry (a plan made for another device's tile size is still exact)
-        if kept is not None and kept.geometry[:-1] == geometry[:-1]:
-            _lookups["by handle"] += 1
-            return kept
+        masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
+        return RingPlan(home, home, masks, None, geometry)
     host = _host_copy(inputs)
-    _lookups["host copies"] += bool(inputs)
-    key = _content_key(sized, program, host)
-    if key not in _plans:
-        _keep(key, _build(ring, geometry, program, host, key))
-        _lookups["built"] += 1
-    return _used(key)
-
-
-def _keep(key: int | tuple, plan: Plan) -> None:
-    _plans[key] = plan
-    while len(_plans) > MAX_PLANS:
-        _plans.popitem(last=False)
-
-
-def _used(key: int | tuple) -> Plan:
-    _plans.move_to_end(key)
-    return _plans[key]
-
-
-def plan_lookups() -> dict[str, int]:
-    """Since the last ``reset_plan_lookups``: the plans found by a handle (no read), the
-    host copies of program inputs (one device read each), and the plans built."""
-    return {k: _lookups[k] for k in ("by handle", "host copies", "built")}
-
-
-def reset_plan_lookups() -> None:
-    _lookups.clear()
-
-
-def _build(ring: Ring, geometry: tuple, program: str, host: list[torch.Tensor], key: int) -> Plan:
-    _, _, rows, is_causal, layout, key_len, per_chunk, balance, device_type = geometry
     if not per_chunk:
         per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
     home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
     varlen = tiles.on_accelerator(device_type)  # FA2 varlen calls for open pairs (GPU tiles)
     masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host, varlen)
     if not (balance and ring.size > 1):
-        return Plan(home, home, masks, None, geometry, key)
+        return RingPlan(home, home, masks, None, geometry)
     queries = balanced_tiling(masks, min_gain_area(device_type))
     if queries is None:
-        return Plan(home, home, masks, False, geometry, key)
-    return Plan(home, queries, masks.working_on(queries), True, geometry, key)
+        return RingPlan(home, home, masks, False, geometry)
+    return RingPlan(home, queries, masks.working_on(queries), True, geometry)
 
 
 def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
@@ -145,12 +141,6 @@ def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk, device_type)
 
     return home
-
-
-def count_call(plan: Plan) -> None:
-    """Count a call's use of its plan (``balance.plan_counts``)."""
-    if plan.balanced is not None:
-        count_plan(plan.balanced)
 
 
 def _host_copy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -168,14 +158,6 @@ def _host_copy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return host
 
 
-def _content_key(geometry: tuple, program: str, host: list[torch.Tensor]) -> int:
-    digest = hashlib.blake2b(repr((geometry, program)).encode(), digest_size=8)
-    for x in host:
-        digest.update(repr((tuple(x.shape), x.dtype)).encode())
-        digest.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little") >> 1  # an int64
-
-
 @torch.library.custom_op("ringify::attention_plan", mutates_args=())
 def attention_plan(
     mask_program: str,
@@ -187,15 +169,12 @@ def attention_plan(
     key_len: int,
     tiles_per_chunk: int = 0,
     balance: bool = True,
-) -> torch.Tensor:
-    """A handle (a host int64 tensor of one element) to the plan of every ring call under
-    this program with these inputs; the ring ops take it as their ``plan``."""
+) -> RingPlan:
+    """The plan of every ring call under this program with these inputs (for a call with no
+    program, of every call of this geometry); the ring ops take it as their ``plan``."""
     ring = ring_by_name(group_name)
     args = (None, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk, balance)
-    plan = plan_for(ring, rows, *args, device_type=_device_type(ring, mask_inputs))
-    handle = torch.tensor([plan.handle], dtype=torch.int64)  # its content key, never read
-    _handles[handle] = plan
-    return handle
+    return plan_for(ring, rows, *args, device_type=_device_type(ring, mask_inputs))
 
 
 def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
@@ -209,4 +188,4 @@ def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
 
 @attention_plan.register_fake
 def _(mask_program, mask_inputs, rows, is_causal, group_name, layout, key_len, tiles=0, bal=True):
-    return torch.empty(1, dtype=torch.int64, device="cpu")
+    return RingPlan.unbuilt((group_name, rows, is_causal, layout, key_len))

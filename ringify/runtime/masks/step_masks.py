@@ -3,10 +3,10 @@
 A block that a program leaves partly visible runs with its mask as a bias. Evaluated in
 each call, that is a dozen kernel launches per block in every layer's forward, backward
 and recompute, though every layer of the step asks for the same mask (the same program
-and inputs: one plan handle). FlexAttention evaluates its ``mask_mod`` inside the kernel;
+and inputs: one plan). FlexAttention evaluates its ``mask_mod`` inside the kernel;
 the kernels here take a bias, so the first call of a step keeps each mask it evaluates,
-on its device, for the later calls of the step: the kept masks live as long as the plan
-handle (``masks/plan.py``), which the graph frees after the step's backward.
+on its device, for the later calls of the step: the kept masks live on the step's plan
+(``masks/plan.py``), which the graph frees after the step's backward.
 
 A block is kept with its bias, ready for the kernel, at most ``KEPT_BYTES_PER_ROW`` bytes
 per query row of the rank: O(S x block) per rank, as a sliding window's or a document
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from ringify.runtime.masks.handles import HandleMap
 from ringify.runtime.tiling import tiles
 
 # Per query row: a bf16 bias 4096 keys wide (a GPU tile pair's masked call, its widest).
@@ -31,9 +28,6 @@ def kept_bytes_per_row(device_type: str) -> int:
     """On the CPU nothing is kept: a block's kernel there costs far more than evaluating its
     mask, and memory is what a CPU run is short of. On accelerators, ``KEPT_BYTES_PER_ROW``."""
     return KEPT_BYTES_PER_ROW if tiles.on_accelerator(device_type) else 0
-
-
-_by_handle = HandleMap()  # plan handle -> {device: KeptMasks}
 
 
 class KeptMasks:
@@ -56,18 +50,3 @@ class KeptMasks:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-def kept_masks(handle: torch.Tensor | None, device: torch.device, rows: int) -> KeptMasks | None:
-    """The masks kept for the step of plan ``handle`` on ``device`` (a rank of ``rows`` query
-    rows), or None where there is no handle (a call made outside a ringified graph) or
-    nothing is kept on the device (``kept_bytes_per_row``)."""
-    budget = kept_bytes_per_row(device.type) * rows
-    if handle is None or budget == 0:
-        return None
-    per_device = _by_handle.get(handle)
-    if per_device is None:
-        per_device = _by_handle[handle] = {}
-    if device not in per_device:
-        per_device[device] = KeptMasks(budget)
-    return per_device[device]

@@ -43,18 +43,6 @@ from ringify.runtime.tiling.tiles import (
 
 _HOST = torch.device("cpu")
 _HIDDEN = Visibility.HIDDEN.value
-# tile pairs of the forward passes, by the value of what they saw (an Enum hashes in Python)
-_counts: Counter = Counter()
-
-
-def tile_counts() -> dict[Visibility, int]:
-    """How many tile pairs the forward passes of this process skipped, ran causal, ran
-    with no mask and ran with a bias, since the last ``reset_tile_counts``."""
-    return {v: _counts[v.value] for v in Visibility}
-
-
-def reset_tile_counts() -> None:
-    _counts.clear()
 
 
 class TileMasks:
@@ -90,6 +78,42 @@ class TileMasks:
             self._full = self._full.tolist()
         self._maybe_list = self._maybe.tolist()
         self._last: dict[int, list[int]] = {}
+        # tile pairs of the forward calls, by the value of what they saw (shared by the
+        # copies ``working_on`` and ``bound_to`` make: the plan's calls, whichever they ran)
+        self._counts: Counter = Counter()
+
+    def tile_counts(self) -> dict[Visibility, int]:
+        """How many tile pairs the forward calls that used these masks skipped, ran causal,
+        ran with no mask and ran with a bias."""
+        return {v: self._counts[v.value] for v in Visibility}
+
+    def pair_work(self, queries) -> list[tuple[int, int, int]]:
+        """Per rank, working on ``queries(rank)``: the tile pairs that may see something, the
+        pairs a dense ring runs, and their work (query rows x real keys, of those that may)."""
+        tiles = all_tiles(self.home, self.ring_size)
+        work = []
+        for rank in range(self.ring_size):
+            pairs = dense = area = 0
+            for q in queries(rank):
+                row = self._maybe_list[self._index[q.key]]
+                for k in tiles:
+                    dense += 1
+                    if row[self._index[k.key]]:
+                        pairs, area = pairs + 1, area + q.length * self.keys(k)
+            work.append((pairs, dense, area))
+        return work
+
+    def rows_sent(self) -> list[int]:
+        """Per rank, the K/V rows (of K and of V each) it sends round the ring in one call:
+        its tiles of each sub-ring go on as far as some rank sees them (``last_steps``)."""
+        sent = [0] * self.ring_size
+        for j in sorted({t.sub_ring for t in self.home(0)}):
+            last = self.last_steps(j)
+            for src in range(self.ring_size):
+                rows = sum(t.length for t in sub_ring_tiles(self.home(src), j))
+                for step in range(max(last[src], 0)):  # the rank holding them at a step sends
+                    sent[(src + step) % self.ring_size] += rows
+        return sent
 
     def working_on(self, queries) -> TileMasks:
         """These masks with ``queries(rank)`` the query tiles of each rank."""
@@ -151,7 +175,7 @@ class TileMasks:
 
     def skip(self, mine: list[Tile], held: int) -> None:
         """Count the pairs of a step at which the held tiles did not come: all hidden."""
-        _counts[_HIDDEN] += len(mine) * held
+        self._counts[_HIDDEN] += len(mine) * held
 
     def pairs(
         self, mine, held, dtype: torch.dtype, count: bool = False, biased: bool = False,
@@ -176,7 +200,7 @@ class TileMasks:
             counts = Counter()
             yield from self._pairs(mine, held, dtype, counts, biased, joinable, False)
             if count:
-                _counts.update({seen.value: n for seen, n in counts.items()})
+                self._counts.update({seen.value: n for seen, n in counts.items()})
             return
         varlen = varlen and not biased  # a learned program's gradient needs every bias
         key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable, varlen)
@@ -188,7 +212,7 @@ class TileMasks:
         blocks, counts, calls = self._steps[key]
         if count:
             for seen, n in counts:
-                _counts[seen] += n
+                self._counts[seen] += n
         moved = self._varlen_on_device(key, blocks) if calls else {}
         for i, b in enumerate(blocks):
             if b.varlen is not None:
