@@ -18,6 +18,7 @@ from torch import fx
 
 from ringify.passes.attention import local_mask, read_joint_attention, reported
 from ringify.passes.crossings import PassState
+from ringify.passes.mask_programs import step_plan
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason
@@ -76,7 +77,10 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
             state.place[mask_extra] = None
             mask = _sharded_keys_mask(masks[i], queries_sharded, state)
         args = (q, keys[i], values[i], *extra, scale, state.group_name, geo.layout, geo.length)
-        joint = call(g, joint_attention_op._opoverload, (*args, queries_sharded, mask, mask_extra))
+        # the step's plan, shared by the unmasked ring calls (a mask's plan is the call's own)
+        plan = step_plan(state, "", [], False, q) if queries_sharded and mask is None else None
+        args += (queries_sharded, mask, mask_extra, plan)
+        joint = call(g, joint_attention_op._opoverload, args)
         result = call(g, operator.getitem, (joint, 0))
     placed = Seq(2) if queries_sharded else None
     state.place.update({joint: [placed, placed], result: placed})

@@ -31,9 +31,18 @@ from ringify.runtime.attention.outputs import (
     in_dim_order_of,
 )
 from ringify.runtime.masks.additive import additive_mask
+from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
+
+_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, float scale, str group_name, "
+    "str layout, SymInt key_len, bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None"
+)
+_PLAN = f"{PLAN_TYPE}? plan=None"  # written out: an optional opaque is beyond infer_schema
 
 
-@torch.library.custom_op("ringify::joint_attention", mutates_args=())
+@torch.library.custom_op(
+    "ringify::joint_attention", mutates_args=(), schema=f"({_ARGS}, {_PLAN}) -> (Tensor, Tensor)"
+)
 def joint_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,9 +56,10 @@ def joint_attention_op(
     queries_sharded: bool,
     mask: torch.Tensor | None = None,
     mask_extra: torch.Tensor | None = None,
+    plan: RingPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if queries_sharded:
-        args = (mask, False, scale, group_name, layout, key_len, "", [])
+        args = (mask, False, scale, group_name, layout, key_len, "", [], 0, True, plan)
         out, lse = ring_attention_op(q, k, v, *args)
     else:
         out, lse = memory_attention_op(q, k, v, mask, scale, group_name, layout, key_len)
@@ -68,7 +78,16 @@ def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, sharded, *m
     return empty_attention_outputs(q)
 
 
-@torch.library.custom_op("ringify::joint_attention_backward", mutates_args=())
+@torch.library.custom_op(
+    "ringify::joint_attention_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, "
+        "Tensor out, Tensor lse, float scale, str group_name, str layout, SymInt key_len, "
+        f"bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None, {_PLAN}) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
 def joint_attention_backward_op(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -85,13 +104,16 @@ def joint_attention_backward_op(
     queries_sharded: bool,
     mask: torch.Tensor | None = None,
     mask_extra: torch.Tensor | None = None,
+    plan: RingPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
     this rank's rows' part."""
     grad_out = grad_out.contiguous()
     if queries_sharded:
-        args = (mask, False, scale, group_name, layout, key_len, "", [])
-        dq, dk, dv, *_ = ring_attention_backward_op(grad_out, q, k, v, out, lse, *args)
+        args = (mask, False, scale, group_name, layout, key_len, "", [], 0)
+        dq, dk, dv, *_ = ring_attention_backward_op(
+            grad_out, q, k, v, out, lse, *args, balance=True, plan=plan
+        )
     else:
         args = (mask, scale, group_name, layout, key_len)
         dq, dk, dv, _ = memory_attention_backward_op(grad_out, q, k, v, out, lse, *args)
@@ -114,18 +136,20 @@ def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, k_extra, v_extra, *flags = inputs
-    # scale, group, layout, key_len, sharded; then the masks (padding: no gradient), which
-    # the call may leave to their defaults
-    flags = [*flags, None, None][:7]
-    ctx.flags = flags[:5]
-    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[5:])
+    # scale, group, layout, key_len, sharded; then the masks (padding: no gradient) and the
+    # plan, which the call may leave to their defaults
+    flags = [*flags, None, None, None][:8]
+    ctx.flags, ctx.plan = flags[:5], flags[7]
+    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[5:7])
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, _grad_lse):
     *tensors, mask, mask_extra = ctx.saved_tensors
-    grads = joint_attention_backward_op(grad_out, *tensors, *ctx.flags, mask, mask_extra)
-    return *grads, *([None] * (len(ctx.flags) + 2))
+    grads = joint_attention_backward_op(
+        grad_out, *tensors, *ctx.flags, mask, mask_extra, plan=ctx.plan
+    )
+    return *grads, *([None] * (len(ctx.flags) + 3))
 
 
 joint_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -53,13 +53,13 @@ from ringify.runtime.attention.outputs import (
     in_dim_order_of,
 )
 from ringify.runtime.attention.sinks import sink_grad, with_sinks
-from ringify.runtime.collectives.courier import Courier, Parcel
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
+from ringify.runtime.tiling.grad_trip import GradSlots, GradTrip
 from ringify.runtime.tiling.moves import move_home, narrow_rows, rows_in
-from ringify.runtime.tiling.schedule import GradSlots, ring_visits
+from ringify.runtime.tiling.schedule import ring_visits
 from ringify.runtime.tiling.tiles import Visibility
 
 # Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
@@ -211,40 +211,19 @@ def ring_attention_backward_op(
         for x, want in zip(mask_inputs, wanted, strict=True)
     ]
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
-    delivery = None  # the previous step's exchange: dK/dV travelling on, and arriving home
     for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
-        last = masks.last_steps(own.tiles[0].sub_ring)
         if step == 0:  # a sub-ring's trip begins
-            slots = GradSlots(own, k, v)
+            trip = GradTrip(ring, own, masks.last_steps(own.tiles[0].sub_ring), k, v, dk, dv, acc)
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
+                held, kv, trip.slots, mine, masks, saved, dq_sum, dmask, learned,
                 scale=scale, acc=acc, softcap=softcap,
             )  # fmt: skip
-        arrived, delivery = delivery.wait() if delivery is not None else {}, None
-        if "home" in arrived:
-            slots.store_home(arrived["home"], dk, dv)
-        dkv = arrived.get("travel") if step > 0 else None
+        dkv = trip.arrived(step)
         if held is not None:
-            dkv = _added(dkv, here, slots, acc, q.device)
-            if step == last[src] == 0:
-                slots.store_home(dkv, dk, dv)
-        # The gradients go on with the tiles while they travel, then straight home.
-        courier = Courier(ring, Parcel.DKV)
-        if held is not None and step < last[src]:
-            courier.send(courier.peer(1), dkv)
-        elif held is not None and step == last[src] > 0:
-            courier.send(src, dkv)
-        if step + 1 <= last[courier.peer(-step - 1)]:
-            courier.receive_into("travel", courier.peer(-1), slots.buffers(acc))
-        if step == last[ring.rank] > 0:
-            courier.receive_into("home", courier.peer(step), slots.buffers(acc))
-        delivery = courier.start()
-        if step == ring.size - 1 and delivery is not None:  # the sub-ring's trip ends here
-            arrived, delivery = delivery.wait(), None
-            if "home" in arrived:
-                slots.store_home(arrived["home"], dk, dv)
+            dkv = _added(dkv, here, trip.slots, acc, q.device)
+        trip.go_on(step, src, dkv if held is not None else None)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     dinputs = [d.to(x.dtype) for d, x in zip(dinputs, mask_inputs, strict=True) if d is not None]
     dq_acc = dq_sum.result()
@@ -314,26 +293,9 @@ def _tiles_backward(
                     add_program_grads(*learned, *b.at, dbias)
         dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
-            for slot, rows, part in _slot_parts(slots, which, b):
+            for slot, rows, part in slots.parts(which, b):
                 here[slot].append((rows, narrow_rows(grad, part) if part else grad))
     return here
-
-
-def _slot_parts(slots: GradSlots, which: int, b) -> list[tuple[int, slice, slice | None]]:
-    """``(slot, its key rows, the block's key rows or None for all)`` for K (0) or V (1) of
-    block ``b``: one slot where the tiles are joined, else one per tile the block's keys
-    reach (side by side, they may start inside the first and stop inside the last)."""
-    if slots.joined or b.tiles == 1:
-        return [(*slots.at(which, b.held, b.cols), None)]
-    first = slots.starts[b.held] + b.cols.start
-    end = slots.starts[b.held] + b.cols.stop
-    parts = []
-    for t in range(b.held, b.held + b.tiles):
-        lo, hi = max(first, slots.starts[t]), min(end, slots.starts[t + 1])
-        if lo < hi:
-            slot, rows = slots.at(which, t, slice(lo - slots.starts[t], hi - slots.starts[t]))
-            parts.append((slot, rows, slice(lo - first, hi - first)))
-    return parts
 
 
 def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.Tensor]:

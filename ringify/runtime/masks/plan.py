@@ -37,7 +37,7 @@ from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
-from ringify.runtime.tiling.tiles import Tiling
+from ringify.runtime.tiling.tiles import Tiling, all_tiles, sub_ring_tiles
 
 
 class RingPlan(OpaqueBase):
@@ -78,15 +78,29 @@ class RingPlan(OpaqueBase):
         (query rows x keys that may be seen)."""
         if self.masks is None:
             return {}
-        ring_size = self.masks.ring_size
-        seen = self.masks.pair_work(self.queries)
+        masks, size = self.masks, self.masks.ring_size
+        tiles = all_tiles(self.home, size)
+        pairs, dense, work = [0] * size, [0] * size, [0] * size
+        for rank in range(size):
+            for q in self.queries(rank):
+                dense[rank] += len(tiles)
+                for k in (k for k in tiles if masks.may_see(q, k)):
+                    pairs[rank] += 1
+                    work[rank] += q.length * masks.keys(k)
+        sent = [0] * size  # a rank's K/V tiles go on as far as some rank sees them
+        for j in sorted({t.sub_ring for t in self.home(0)}):
+            last = masks.last_steps(j)
+            for src in range(size):
+                rows = sum(t.length for t in sub_ring_tiles(self.home(src), j))
+                for step in range(max(last[src], 0)):  # held by rank src + step, sent on
+                    sent[(src + step) % size] += rows
         return {
-            "tile pairs": [int(s[0]) for s in seen],
-            "dense tile pairs": [int(s[1]) for s in seen],
-            "work": [int(s[2]) for s in seen],
-            "K/V rows sent": self.masks.rows_sent(),
+            "tile pairs": pairs,
+            "dense tile pairs": dense,
+            "work": work,
+            "K/V rows sent": sent,
             "balanced": self.balanced,
-            "ring": ring_size,
+            "ring": size,
         }
 
     def __repr__(self) -> str:

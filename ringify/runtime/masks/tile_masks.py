@@ -87,33 +87,9 @@ class TileMasks:
         ran with no mask and ran with a bias."""
         return {v: self._counts[v.value] for v in Visibility}
 
-    def pair_work(self, queries) -> list[tuple[int, int, int]]:
-        """Per rank, working on ``queries(rank)``: the tile pairs that may see something, the
-        pairs a dense ring runs, and their work (query rows x real keys, of those that may)."""
-        tiles = all_tiles(self.home, self.ring_size)
-        work = []
-        for rank in range(self.ring_size):
-            pairs = dense = area = 0
-            for q in queries(rank):
-                row = self._maybe_list[self._index[q.key]]
-                for k in tiles:
-                    dense += 1
-                    if row[self._index[k.key]]:
-                        pairs, area = pairs + 1, area + q.length * self.keys(k)
-            work.append((pairs, dense, area))
-        return work
-
-    def rows_sent(self) -> list[int]:
-        """Per rank, the K/V rows (of K and of V each) it sends round the ring in one call:
-        its tiles of each sub-ring go on as far as some rank sees them (``last_steps``)."""
-        sent = [0] * self.ring_size
-        for j in sorted({t.sub_ring for t in self.home(0)}):
-            last = self.last_steps(j)
-            for src in range(self.ring_size):
-                rows = sum(t.length for t in sub_ring_tiles(self.home(src), j))
-                for step in range(max(last[src], 0)):  # the rank holding them at a step sends
-                    sent[(src + step) % self.ring_size] += rows
-        return sent
+    def may_see(self, q_tile: Tile, k_tile: Tile) -> bool:
+        """Whether the queries of ``q_tile`` may see a key of ``k_tile`` (else: surely not)."""
+        return self._maybe_list[self._index[q_tile.key]][self._index[k_tile.key]]
 
     def working_on(self, queries) -> TileMasks:
         """These masks with ``queries(rank)`` the query tiles of each rank."""

@@ -1,0 +1,81 @@
+"""For a given plan, the ring op issues the same kernels and transfers, with the same shapes,
+on every call after the first, whatever the values of q, k and v: what CUDA-graph capture
+needs (``torch.compile(mode="reduce-overhead")`` warms up, then records). The first call of a
+plan also works out each step's blocks on the host and keeps them on the plan. Held on CPU:
+every op the forward and backward bodies dispatch (kernels, views, P2P sends and receives) is
+recorded with its arguments' shapes, dtypes and strides, for two calls on the same plan with
+different q, k and v, on 2 gloo ranks, for a causal, a packed-document and a sliding-window
+program. None reads a value to the host (``_local_scalar_dense``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.masks.program import MaskProgram
+from ringify.testing.attention import document_causal_program, document_inputs
+
+ROWS = 48  # per rank, in tiles of 12 (tiles_per_chunk 2 under zigzag)
+CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)
+WINDOW = (
+    *CAUSAL,
+    ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+    ("lt.Scalar", ({"op": 1}, 20), "bool"),
+    ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
+)
+
+
+class Launches(TorchDispatchMode):
+    """Every op dispatched inside, with what its tensor arguments look like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        looks = tuple(
+            (tuple(x.shape), x.dtype, x.stride()) if isinstance(x, torch.Tensor) else None
+            for x in tree_leaves((args, kwargs))
+        )
+        self.calls.append((str(func), looks))
+        return func(*args, **kwargs)
+
+
+def two_calls(name: str):
+    """The launch sequences of two forward-and-backward calls on one plan, after a first."""
+    import torch.distributed as dist
+
+    seq = ROWS * dist.get_world_size()
+    if name == "packed":
+        program, inputs = document_causal_program(), document_inputs([30, seq - 50, 20])
+    else:
+        program, inputs = MaskProgram((), CAUSAL if name == "causal" else WINDOW).text(), []
+    geometry = (dist.group.WORLD.group_name, "zigzag", seq)
+    plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, *geometry, 2)
+    sequences = []
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed + 10 * dist.get_rank())
+        q, k, v, dout = (torch.randn(2, 4, ROWS, 8, generator=g) for _ in range(4))
+        k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
+        args = (None, False, 0.35, *geometry, program, inputs, 2, True, plan)
+        with Launches() as launches:  # the ops' bodies: a mode sees a custom op as one op
+            out, lse = ring_attention_op._init_fn(q, k, v, *args)
+            ring_attention_backward_op._init_fn(
+                dout, q, k, v, out, lse, *args[:9], balance=True, plan=plan
+            )
+        sequences.append(launches.calls)
+    return sequences[1:], plan.calls.total()
+
+
+@pytest.mark.parametrize("name", ["causal", "packed", "window"])
+def test_a_plan_launches_the_same_on_every_call(ranks, name):
+    for (first, second), calls in ranks(2).run(two_calls, name):
+        assert calls == 6  # three forward, three backward calls, all on the plan given
+        assert first == second
+        ops = {op for op, _ in first}
+        assert any("send" in op for op in ops) and any("recv" in op for op in ops), ops
+        assert not any("_local_scalar_dense" in op for op in ops)
