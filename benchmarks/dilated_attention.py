@@ -6,7 +6,7 @@ Pattern: segment lengths (2048, 4096, 8192, 16384) x rates (1, 2, 4, 8), causal,
 float32, batch 1, H=8, D=64; two gloo ranks with one torch thread each, in one run.
 Per rank: forward + backward time (the slowest rank's, minimum over repeats), peak
 memory (resident set, as in ring_attention.py), and the bytes it sent round rings
-(``ringify.runtime.collectives.p2p.sent_bytes``), next to the bytes the pattern predicts:
+(``ringify.runtime.collectives.p2p.SentBytes``), next to the bytes the pattern predicts:
 a segment spanning g ranks rings among them only, with 1/rate of the rows, so a
 pair sends (g - 1) * 2 * B * H * (c / rate) * D * 4 bytes forward (K and V, c rows
 per rank) and (2g - 1) times that backward (K/V again, plus the dK/dV
@@ -49,7 +49,7 @@ def measure(impl: str, seq: int) -> dict:
     import torch.distributed as dist
 
     from ringify.runtime import Dilation, ring_attention
-    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import SentBytes
 
     dilation = Dilation(SEGMENTS, RATES) if impl == "dilated" else None
     rows = seq // dist.get_world_size()
@@ -61,12 +61,15 @@ def measure(impl: str, seq: int) -> dict:
         q, k, v = (torch.randn(B, H, rows, D, requires_grad=True) for _ in range(3))
         dout = torch.randn(B, H, rows, D)
         dist.barrier()
-        sent0, t0 = sent_bytes(), time.perf_counter()
-        out = ring_attention(q, k, v, is_causal=True, dilation=dilation, layout="contiguous")
-        sent1, t1 = sent_bytes(), time.perf_counter()
-        out.backward(dout)
-        sent2, t2 = sent_bytes(), time.perf_counter()
-        return t1 - t0, t2 - t1, resident_bytes("VmHWM:") - base, sent1 - sent0, sent2 - sent1
+        t0 = time.perf_counter()
+        with SentBytes() as forward:
+            out = ring_attention(q, k, v, is_causal=True, dilation=dilation, layout="contiguous")
+        t1 = time.perf_counter()
+        with SentBytes() as backward:
+            out.backward(dout)
+        t2 = time.perf_counter()
+        memory = resident_bytes("VmHWM:") - base
+        return t1 - t0, t2 - t1, memory, forward.bytes, backward.bytes
 
     run(rows)  # warm-up at the same length: kernels, allocator, communicators, sub-rings
     keys = ("fwd", "bwd", "mem", "sent_fwd", "sent_bwd")

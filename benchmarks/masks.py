@@ -60,7 +60,7 @@ def step(case: str, seq: int, window: int, ringified: bool) -> dict:
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import SentBytes
 
     torch.manual_seed(0)
     model = _model(case, window)
@@ -69,9 +69,9 @@ def step(case: str, seq: int, window: int, ringified: bool) -> dict:
 
     def once() -> tuple[float, int, int]:
         model.zero_grad(set_to_none=True)
-        sent = sent_bytes()
-        seconds, peak, _ = measured_step(lambda: run(**kwargs).loss.backward(), ringified)
-        return seconds, peak, sent_bytes() - sent
+        with SentBytes() as sent:
+            seconds, peak, _ = measured_step(lambda: run(**kwargs).loss.backward(), ringified)
+        return seconds, peak, sent.bytes
 
     _, trace_peak, _ = once()
     seconds, peak, sent = once()

@@ -145,7 +145,7 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
     import torch.distributed as dist
 
     from ringify.runtime import shard
-    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import SentBytes
 
     seq = sum(lengths)
     g = torch.Generator().manual_seed(0)
@@ -158,11 +158,12 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
     name = dist.group.WORLD.group_name
     args = (None, False, 0.125, name, "zigzag", seq, _DOCUMENT_CAUSAL, inputs, 0, balance)
     dist.barrier()
-    before, start = sent_bytes(), time.perf_counter()
-    out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
-    out.backward(dout)
+    start = time.perf_counter()
+    with SentBytes() as sent:
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+        out.backward(dout)
     dist.barrier()
-    return time.perf_counter() - start, sent_bytes() - before
+    return time.perf_counter() - start, sent.bytes
 
 
 def time_row(pool: RankPool, lengths: list[int], repeats: int) -> dict:

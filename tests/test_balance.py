@@ -110,7 +110,7 @@ def balanced_ring(world, lengths, learned, models_layout=False):
     sequence: forward, q/k/v gradients and (``learned``) the per-key bias's."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import SentBytes
 
     seq, (q_docs, k_docs) = sum(lengths), document_inputs(lengths)
     g = torch.Generator().manual_seed(0)
@@ -137,16 +137,16 @@ def balanced_ring(world, lengths, learned, models_layout=False):
         if learned:
             inputs.append(bias.clone().requires_grad_())
         program = document_causal_program(learned)
-        before = sent_bytes()
         args = (None, False, 8**-0.5, name, "zigzag", seq, program, inputs, PER_CHUNK, balance)
-        out, _ = torch.ops.ringify.ring_attention(*local, *args)
-        out.backward(shard(dout, 2, layout="zigzag"))
+        with SentBytes() as sent:
+            out, _ = torch.ops.ringify.ring_attention(*local, *args)
+            out.backward(shard(dout, 2, layout="zigzag"))
         got = [out.detach(), *(x.grad for x in local)]
         if learned:  # each rank returns its part; the graph's copy_to_ring sums them
             part = inputs[2].grad.clone()
             dist.all_reduce(part)
             got.append(part)
-        results[balance] = (got, sent_bytes() - before)
+        results[balance] = (got, sent.bytes)
     if learned:
         expected.append(leaves[3].grad)
     return results, expected

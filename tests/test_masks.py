@@ -169,7 +169,7 @@ def windowed_ring(world, layout):
     skipped, ran causal, ran unmasked and ran with a bias; the bytes it sent."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.p2p import sent_bytes
+    from ringify.runtime.collectives.p2p import SentBytes
     from ringify.runtime.collectives.ring import resolve_ring
     from ringify.runtime.masks.plan import plan_for
 
@@ -188,10 +188,10 @@ def windowed_ring(world, layout):
     plan = plan_for(
         resolve_ring(None), seq // world, None, False, layout, seq, program, [], tiles, True
     )
-    before = sent_bytes()
     args = (None, False, 8**-0.5, name, layout, seq, program, [], tiles, True, plan)
-    out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
-    sent = sent_bytes() - before
+    with SentBytes() as sent_forward:
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+    sent = sent_forward.bytes
     counts = plan.masks.tile_counts()
     out.backward(shard(dout, 2, layout=layout))
     grads = [x.grad for x in (q, k, v)]

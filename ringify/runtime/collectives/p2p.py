@@ -7,17 +7,35 @@ with is computed and waited on after, so the next block is already in flight.
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.distributed as dist
 
 from ringify.runtime.collectives.ring import Ring
 
-_sent_bytes = 0  # every byte this process has sent round a ring (benchmarks read it)
+# The ``SentBytes`` records open in this context (none outside a ``with``): nothing is kept.
+_recording: contextvars.ContextVar[tuple] = contextvars.ContextVar("ringify_sent", default=())
 
 
-def sent_bytes() -> int:
-    """Bytes this process has sent round rings so far (K/V and their gradients)."""
-    return _sent_bytes
+class SentBytes:
+    """The bytes this process sends round rings while it is open (K/V, their gradients, a
+    balanced plan's rows): ``with SentBytes() as sent: ...``, then ``sent.bytes``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __enter__(self) -> SentBytes:
+        self._token = _recording.set((*_recording.get(), self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _recording.reset(self._token)
+
+
+def _count_sent(nbytes: int) -> None:
+    for record in _recording.get():
+        record.bytes += nbytes
 
 
 class PendingStep:
@@ -44,11 +62,10 @@ def start_exchange(ring: Ring, sends: list, receives: list, *, tag: int = 0) -> 
     NCCL, P2P between a pair is matched in issue order, so every rank issues a pair's
     operations in the same order (the ring's steps, and within a step, this order).
     """
-    global _sent_bytes
     ops, sent, received = [], [], []
     for peer, tensors in sends:
         batch = [t.contiguous() for t in tensors]
-        _sent_bytes += sum(t.numel() * t.element_size() for t in batch)
+        _count_sent(sum(t.numel() * t.element_size() for t in batch))
         ops += [
             dist.P2POp(dist.isend, t, group=ring.group, group_peer=peer, tag=tag) for t in batch
         ]
