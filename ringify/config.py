@@ -12,6 +12,7 @@ from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import Ring, resolve_ring
 
 MODES = ("full", "sharded")
+STRATEGIES = ("ring", "ulysses")  # K/V round the ring; or heads by all-to-all (DeepSpeed-Ulysses)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Config:
     dilation: Dilation | None = None
     check_inputs: bool = True  # compare a fingerprint of the shared inputs at every call
     mesh: DeviceMesh | None = None  # one dim of a mesh: its group becomes ``group``
+    strategy: str = "ring"
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -39,6 +41,10 @@ class Config:
             self.dilation.check_layout(self.layout)
         if not isinstance(self.check_inputs, bool):
             raise ValueError(f"check_inputs must be True or False, got {self.check_inputs!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy != "ring" and self.dilation is not None:
+            raise ValueError("dilated attention runs on the ring: pass strategy='ring' with it")
         for name in ("inputs", "outputs"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{name} must be one of {MODES}, got {getattr(self, name)!r}")

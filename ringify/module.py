@@ -58,6 +58,7 @@ def ringify(
     dilation: Dilation | None = None,
     check_inputs: bool = True,
     mesh: DeviceMesh | None = None,
+    strategy: str = "ring",
 ) -> RingifiedModule:
     """``model``, sequence-parallel over a ring of ``ring_size`` ranks; same outputs and gradients.
 
@@ -76,11 +77,16 @@ def ringify(
     - ``check_inputs``: at every call, compare a fingerprint of the inputs every
       rank passes whole across the ring (one small collective), so that ranks given
       different batches, or one call apart, raise instead of training wrongly.
+    - ``strategy``: ``"ring"``, K/V travel round the ring; ``"ulysses"``, an all-to-all gives
+      each rank every row of its share of the heads (DeepSpeed-Ulysses), for each attention
+      whose heads the ring divides and whose mask is the same for every head (the others
+      keep the ring; the report says which and why, and the bytes of each).
 
     The model itself is left untouched and its parameters are shared.
     """
     return RingifiedModule(
-        model, Config(ring_size, group, layout, inputs, outputs, dilation, check_inputs, mesh)
+        model,
+        Config(ring_size, group, layout, inputs, outputs, dilation, check_inputs, mesh, strategy),
     )
 
 

@@ -171,6 +171,7 @@ def rewrite(
         inputs_full=config.inputs == "full",
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
+        strategy=config.strategy,
     )
     shared = tuple(i for i in tensors if i not in dims and i not in gathered and i not in unread)
     return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared, sequence)

@@ -17,6 +17,7 @@ mask rows and the whole memory. Replicated queries attending to a sharded memory
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -30,9 +31,11 @@ from ringify.passes.mask_programs import MASK_NOTE, program_inputs, step_plan
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
+from ringify.passes.strategy import all_to_all_bytes, choose_transport
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.reference import joint_attention
+from ringify.runtime.masks.plan import ALL_TO_ALL
 from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
@@ -171,13 +174,15 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     q_shape = shape(att.q)
     causal, mask, program = att.is_causal, None, ("", [])
     kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
+    transport, note = choose_transport(att, state)
     if att.mask is not None and att.mask.target is program_mask:
-        text, inputs, plan = program_inputs(att.mask, state, att.is_causal)
+        text, inputs, plan = program_inputs(att.mask, state, att.is_causal, transport)
         program, kind = (text, inputs, 0, True, plan), MaskKind.PROGRAM
     elif att.mask is not None:  # a mask tensor: its plan is the call's own
         mask, kind = local_mask(att.mask, state), MaskKind.KEPT
     elif dilation is None:
-        program = ("", [], 0, True, step_plan(state, "", [], att.is_causal, att.q))
+        plan = step_plan(state, "", [], att.is_causal, att.q, transport)
+        program = ("", [], 0, True, plan)
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)
@@ -197,9 +202,17 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
     _replace_outputs(att, ring_out, lse, state)
     kv = [geo.local_shape(shape(x), Seq(2)) for x in (k, v)]
-    bytes_per_step = sum(math.prod(s) for s in kv) * val(att.k).element_size()
+    size = val(att.k).element_size()
+    bytes_per_step = sum(math.prod(s) for s in kv) * size
+    run = AttentionRun.ALL_TO_ALL if transport == ALL_TO_ALL else AttentionRun.RING
+    row = reported(att, run, state, kind, dilation=dilation, bytes=bytes_per_step)
     state.attentions.append(
-        reported(att, AttentionRun.RING, state, kind, dilation=dilation, bytes=bytes_per_step)
+        dataclasses.replace(
+            row,
+            ring_bytes=bytes_per_step * (geo.ring_size - 1),
+            all_to_all_bytes=all_to_all_bytes(att, q, k, v, state) * size,
+            strategy_note=note,
+        )
     )
 
 

@@ -35,9 +35,11 @@ class PassState:
         group_name: str,
         place: dict[fx.Node, Placement],
         dilation: Dilation | None = None,
+        strategy: str = "ring",
     ):
         self.graph, self.geo, self.group_name, self.place = graph, geometry, group_name, place
         self.dilation = dilation  # every attention becomes dilated attention
+        self.strategy = strategy  # "ring", or "ulysses" where an attention allows it
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
         # inserted nodes (and a program's whole inputs) by what made them

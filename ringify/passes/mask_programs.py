@@ -22,7 +22,7 @@ from torch import fx
 from ringify.passes.crossings import PassState
 from ringify.passes.mask_reader import NotAProgram, read_program, writes_only_a_temporary
 from ringify.passes.nodes import ASSERTS, call, shape, val
-from ringify.runtime.masks.plan import attention_plan
+from ringify.runtime.masks.plan import RING, attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
 
 aten = torch.ops.aten
@@ -91,7 +91,7 @@ def _erase_dead(graph: fx.Graph) -> None:
 
 
 def program_inputs(
-    folded: fx.Node, state: PassState, is_causal: bool
+    folded: fx.Node, state: PassState, is_causal: bool, transport: str = RING
 ) -> tuple[str, list[fx.Node], fx.Node]:
     """The ring op's ``(mask_program, mask_inputs, plan)`` for a ``program_mask`` node: its
     text, its inputs whole on every rank, padded with the sequence (O(S) each), and the
@@ -102,15 +102,17 @@ def program_inputs(
     if ("program", program) not in state._cache:
         state._cache["program", program] = _whole_inputs(folded, state)
     text, whole = state._cache["program", program]
-    return text, whole, step_plan(state, text, whole, is_causal, folded)
+    return text, whole, step_plan(state, text, whole, is_causal, folded, transport)
 
 
 def step_plan(
-    state: PassState, text: str, whole: list[fx.Node], is_causal: bool, like: fx.Node
-) -> fx.Node:
+    state: PassState, text: str, whole: list[fx.Node], is_causal: bool, like: fx.Node,
+    transport: str = RING,
+) -> fx.Node:  # fmt: skip
     """The ``attention_plan`` node of the ring ops under program ``text`` with inputs
-    ``whole`` ("" and none: of every unmasked call of the geometry), made once per graph."""
-    key = ("plan", text, tuple(whole), is_causal)
+    ``whole`` ("" and none: of every unmasked call of the geometry) and ``transport``, made
+    once per graph."""
+    key = ("plan", text, tuple(whole), is_causal, transport)
     if key not in state._cache:
         # right after its inputs: outside any layer's checkpointed or FSDP span that the
         # program's node may sit in, so that no recompute makes the plan again
@@ -119,6 +121,7 @@ def step_plan(
         latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
         with state.graph.inserting_before(state.after(latest)):
             args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
+            args += (0, True, transport) if transport != RING else ()
             plan = call(state.graph, attention_plan._opoverload, args, like=like)
         state.place[plan] = None
         state._cache[key] = plan

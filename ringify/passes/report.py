@@ -23,6 +23,7 @@ class MaskKind(enum.Enum):
 
 class AttentionRun(enum.Enum):
     RING = "ring attention"
+    ALL_TO_ALL = "all-to-all: every row of this rank's share of the heads (Ulysses)"
     LOCAL = "local: this rank's queries, the whole replicated memory"
     MEMORY = "memory: every query, this rank's keys, merged over the ring"
     GATHERED = "gathered: runs on the full sequence (see gathers)"
@@ -65,6 +66,12 @@ class ReportedAttention:
     layout: str
     dilation: Dilation | None
     bytes_per_step: int
+    # bytes one rank sends in a forward call: K/V round the ring, or the all-to-all's share of
+    # q, K/V (repeated as far as the ring needs) and the output; and why the ring was kept
+    # where the all-to-all was asked for
+    ring_bytes: int = 0
+    all_to_all_bytes: int = 0
+    strategy_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,9 @@ class Report:
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
-        """The attentions rewritten into ring (or dilated ring) attention."""
-        return tuple(a for a in self.attentions if a.run is AttentionRun.RING)
+        """The attentions rewritten into ring (or dilated ring, or all-to-all) attention."""
+        sharded = (AttentionRun.RING, AttentionRun.ALL_TO_ALL)
+        return tuple(a for a in self.attentions if a.run in sharded)
 
     def __str__(self) -> str:
         head = (

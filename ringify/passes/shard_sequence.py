@@ -40,11 +40,13 @@ def shard_sequence(
     inputs_full: bool = True,
     outputs_full: bool = True,
     dilation: Dilation | None = None,
+    strategy: str = "ring",
 ) -> Report:
     """Rewrite ``graph`` in place into what one rank of the ring runs; what was done."""
     attentions = find_attention(graph)
     inference = infer_placements(graph, plan.geometry, plan.seeds)
-    state = PassState(graph, plan.geometry, group_name, dict(inference.place.of), dilation)
+    place = dict(inference.place.of)
+    state = PassState(graph, plan.geometry, group_name, place, dilation, strategy)
     for node in list(graph.nodes):
         if getattr(node, "_erased", False):  # an attention kernel's outputs, already replaced
             continue

@@ -53,13 +53,13 @@ from ringify.runtime.attention.outputs import (
     in_dim_order_of,
 )
 from ringify.runtime.attention.sinks import sink_grad, with_sinks
+from ringify.runtime.attention.transport import transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.grad_trip import GradSlots, GradTrip
-from ringify.runtime.tiling.moves import move_home, narrow_rows, rows_in
-from ringify.runtime.tiling.schedule import ring_visits
+from ringify.runtime.tiling.grad_trip import GradSlots
+from ringify.runtime.tiling.moves import narrow_rows
 from ringify.runtime.tiling.tiles import Visibility
 
 # Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
@@ -107,17 +107,17 @@ def ring_attention_op(
             out, lse = with_sinks(out, lse, sinks)
         return in_dim_order_of(q, out.to(q.dtype)), lse
 
-    home, queries, masks = _planned(
-        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
+    transport, masks = _planned(
+        ring, q, k, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance, plan,
     )  # fmt: skip
-    (q_at,) = rows_in(ring, [q], home, queries)
-    mine = queries(ring.rank)
-    merged = Accumulator(q, acc)
+    (q_at,) = transport.queries_in([q])
+    mine = transport.mine
+    merged = Accumulator(q_at.tensor, acc)
     bias_in, varlen = bias_dtype(q), serves_varlen(q) and not softcap  # FA2 through ATen: no cap
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
-    for own, _, _, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
+    for own, _, _, held, kv in transport.visits(*transport.keys_in(k, v)):
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own.tiles))
             continue
@@ -134,14 +134,13 @@ def ring_attention_op(
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()
     del q_at  # free the moved-in rows before the results move home
-    if sinks is not None:  # the results move home in the accumulation dtype, then sink
-        move_home(ring, [out_acc, lse_acc], queries, home)
-        out_acc, lse_acc = with_sinks(out_acc, lse_acc, sinks)
-        out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)
-        return in_dim_order_of(q, out), lse_acc
-    out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)  # float32: no launch
-    move_home(ring, [out, lse_acc], queries, home)
-    return in_dim_order_of(q, out), lse_acc
+    # float32 (no launch); with sinks the results move home in the accumulation dtype first
+    out = out_acc if sinks is not None or out_acc.dtype == q.dtype else out_acc.to(q.dtype)
+    out, lse = transport.queries_home([out, lse_acc])
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
+        out = out if out.dtype == q.dtype else out.to(q.dtype)
+    return in_dim_order_of(q, out), lse
 
 
 @ring_attention_op.register_fake
@@ -197,23 +196,24 @@ def ring_attention_backward_op(
         return *grads, no_mask_grad, [], dsinks
 
     acc = accumulation_dtype(q.dtype)
-    home, queries, masks = _planned(
-        ring, q, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
+    transport, masks = _planned(
+        ring, q, k, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
         tiles_per_chunk, balance, plan,
     )  # fmt: skip
-    saved = rows_in(ring, [grad_out, q, out, lse], home, queries)
-    mine = queries(ring.rank)
-    dq_sum = RowSum(q.shape, acc, q.device)
-    dk, dv = (RowSum(t.shape, t.dtype, t.device) for t in (k, v))
+    saved = transport.queries_in([grad_out, q, out, lse])
+    k, v = transport.keys_in(k, v)
+    mine = transport.mine
+    dq_sum = RowSum(saved[1].tensor.shape, acc, q.device)
+    dk_sum, dv_sum = (RowSum(t.shape, t.dtype, t.device) for t in (k, v))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     dinputs = [
         torch.zeros(x.shape, dtype=acc, device=x.device) if want else None
         for x, want in zip(mask_inputs, wanted, strict=True)
     ]
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
-    for own, step, src, held, kv in ring_visits(ring, k, v, home, masks.last_steps):
+    for own, step, src, held, kv in transport.visits(k, v):
         if step == 0:  # a sub-ring's trip begins
-            trip = GradTrip(ring, own, masks.last_steps(own.tiles[0].sub_ring), k, v, dk, dv, acc)
+            trip = transport.grad_trip(own, k, v, dk_sum, dv_sum, acc)
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
@@ -229,16 +229,17 @@ def ring_attention_backward_op(
     dq_acc = dq_sum.result()
     dq = dq_acc if dq_acc.dtype == q.dtype else dq_acc.to(q.dtype)
     del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
-    move_home(ring, [dq], queries, home)
-    return dq, dk.result(), dv.result(), dmask, dinputs, dsinks
+    (dq,) = transport.queries_home([dq])
+    dk, dv = transport.keys_home(dk_sum.result(), dv_sum.result())
+    return dq, dk, dv, dmask, dinputs, dsinks
 
 
 def _planned(
-    ring: Ring, q, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
+    ring: Ring, q, k, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
     plan: RingPlan | None,
 ):  # fmt: skip
-    """``(home, queries, TileMasks)`` of this call from its plan (``masks/plan.py``): the
-    step's, which the graph made once, else one made here."""
+    """``(transport, TileMasks)`` of this call from its plan (``masks/plan.py``): the step's,
+    which the graph made once, else one made here (on the ring)."""
     rows = q.shape[2]
     if plan is None:
         args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
@@ -250,8 +251,9 @@ def _planned(
             "causality, layout and key length"
         )
     plan.count_call()
+    transport = transport_for(ring, plan, q, k)
     kept = plan.kept_masks(q.device, rows) if program else None
-    return plan.home, plan.queries, plan.masks.bound_to(inputs, q.device, kept)
+    return transport, plan.masks.bound_to(inputs, q.device, kept)
 
 
 def _tiles_backward(

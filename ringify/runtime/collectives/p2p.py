@@ -19,8 +19,9 @@ _recording: contextvars.ContextVar[tuple] = contextvars.ContextVar("ringify_sent
 
 
 class SentBytes:
-    """The bytes this process sends round rings while it is open (K/V, their gradients, a
-    balanced plan's rows): ``with SentBytes() as sent: ...``, then ``sent.bytes``."""
+    """The bytes this process sends to other ranks of a ring while it is open (K/V, their
+    gradients, a balanced plan's rows, an all-to-all's share): ``with SentBytes() as sent:
+    ...``, then ``sent.bytes``."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -33,7 +34,8 @@ class SentBytes:
         _recording.reset(self._token)
 
 
-def _count_sent(nbytes: int) -> None:
+def count_sent(nbytes: int) -> None:
+    """Add ``nbytes`` sent by this process to every open ``SentBytes``."""
     for record in _recording.get():
         record.bytes += nbytes
 
@@ -65,7 +67,7 @@ def start_exchange(ring: Ring, sends: list, receives: list, *, tag: int = 0) -> 
     ops, sent, received = [], [], []
     for peer, tensors in sends:
         batch = [t.contiguous() for t in tensors]
-        _count_sent(sum(t.numel() * t.element_size() for t in batch))
+        count_sent(sum(t.numel() * t.element_size() for t in batch))
         ops += [
             dist.P2POp(dist.isend, t, group=ring.group, group_peer=peer, tag=tag) for t in batch
         ]

@@ -33,24 +33,30 @@ from torch._opaque_base import OpaqueBase
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
+from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
-from ringify.runtime.tiling.tiles import Tiling, all_tiles, sub_ring_tiles
+from ringify.runtime.tiling.tiles import Tile, Tiling, all_tiles, sub_ring_tiles
+
+RING, ALL_TO_ALL = "ring", "all-to-all"  # how the K/V of a call reach its queries
 
 
 class RingPlan(OpaqueBase):
     """How the calls of one step run: ``home(rank)`` tiles that rank's shard (its K/V tiles
     travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
     ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
-    ``geometry``: the ring, rows and options it was made for. ``calls``: the ring calls
-    (forward and backward) that ran on it, balanced or on their own tiling."""
+    ``geometry``: the ring, rows and options it was made for. ``transport``: ``RING``, K/V
+    tiles travel round the ring; ``ALL_TO_ALL``, an all-to-all gives each rank every row of
+    its share of the heads, and the plan is one rank's over the whole sequence (its tiles every
+    rank's shard side by side). ``calls``: the ring calls (forward and backward) that ran on
+    it, balanced or on their own tiling."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
-                 balanced: bool | None, geometry: tuple) -> None:  # fmt: skip
+                 balanced: bool | None, geometry: tuple, transport: str = RING) -> None:  # fmt: skip
         self.home, self.queries, self.masks = home, queries, masks
-        self.balanced, self.geometry = balanced, geometry
+        self.balanced, self.geometry, self.transport = balanced, geometry, transport
         self.calls: Counter = Counter()
         self._kept: dict[torch.device, KeptMasks] = {}
 
@@ -101,6 +107,7 @@ class RingPlan(OpaqueBase):
             "K/V rows sent": sent,
             "balanced": self.balanced,
             "ring": size,
+            "transport": self.transport,
         }
 
     def __repr__(self) -> str:
@@ -111,7 +118,8 @@ class RingPlan(OpaqueBase):
         return (
             f"RingPlan(ring={s['ring']}, sparsity={1 - pairs / dense:.2f}, "
             f"tile pairs per rank={s['tile pairs']}, work per rank={s['work']}, "
-            f"K/V rows sent per call={s['K/V rows sent']}, balanced={s['balanced']})"
+            f"K/V rows sent per call={s['K/V rows sent']}, balanced={s['balanced']}, "
+            f"transport={self.transport})"
         )
 
 
@@ -122,11 +130,13 @@ PLAN_TYPE = get_opaque_type_name(RingPlan)  # its name in an op's schema
 def plan_for(
     ring: Ring, rows: int, attn_mask, is_causal: bool, layout: str, key_len: int,
     program: str, inputs: list[torch.Tensor], per_chunk: int, balance: bool,
-    device_type: str = "cpu",
+    device_type: str = "cpu", transport: str = RING,
 ) -> RingPlan:  # fmt: skip
     """A new plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``)."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
     geometry += (device_type,)
+    if transport == ALL_TO_ALL and ring.size > 1:
+        return _all_to_all(ring, geometry, attn_mask, program, inputs)
     if attn_mask is not None or not program:  # a mask tensor (its tiles are the call's own)
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
@@ -143,6 +153,38 @@ def plan_for(
     if queries is None:
         return RingPlan(home, home, masks, False, geometry)
     return RingPlan(home, queries, masks.working_on(queries), True, geometry)
+
+
+def _all_to_all(ring: Ring, geometry: tuple, attn_mask, program: str, inputs) -> RingPlan:
+    """The plan of an all-to-all call: one rank's, over every row of the sequence, laid out as
+    the all-to-all gives them (every rank's shard side by side, in rank order)."""
+    if attn_mask is not None:
+        raise ValueError(
+            "the all-to-all transport takes its mask as a program (a mask tensor holds this "
+            "rank's query rows only); pass the mask as a program or use the ring"
+        )
+    _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
+    host = _host_copy(inputs)
+    if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
+        raise ValueError(
+            "the all-to-all transport splits the heads, and this mask program differs per "
+            "head (a learned per-head bias); use the ring for this attention"
+        )
+    if program and not per_chunk:
+        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
+    home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
+    laid = [
+        Tile(slice(t.rows.start + r * rows, t.rows.stop + r * rows), t.key, t.start)
+        for r in range(ring.size)
+        for t in home(r)
+    ]
+    varlen = tiles.on_accelerator(device_type)
+
+    def every_row(rank: int) -> list[Tile]:
+        return laid
+
+    masks = TileMasks(every_row, 1, None, is_causal, key_len, program, host, varlen)
+    return RingPlan(every_row, every_row, masks, None, geometry, ALL_TO_ALL)
 
 
 def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
@@ -183,12 +225,14 @@ def attention_plan(
     key_len: int,
     tiles_per_chunk: int = 0,
     balance: bool = True,
+    transport: str = RING,
 ) -> RingPlan:
     """The plan of every ring call under this program with these inputs (for a call with no
     program, of every call of this geometry); the ring ops take it as their ``plan``."""
     ring = ring_by_name(group_name)
     args = (None, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk, balance)
-    return plan_for(ring, rows, *args, device_type=_device_type(ring, mask_inputs))
+    device_type = _device_type(ring, mask_inputs)
+    return plan_for(ring, rows, *args, device_type=device_type, transport=transport)
 
 
 def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
@@ -201,5 +245,5 @@ def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
 
 
 @attention_plan.register_fake
-def _(mask_program, mask_inputs, rows, is_causal, group_name, layout, key_len, tiles=0, bal=True):
+def _(mask_program, mask_inputs, rows, is_causal, group_name, layout, key_len, *options):
     return RingPlan.unbuilt((group_name, rows, is_causal, layout, key_len))

@@ -1,0 +1,140 @@
+"""The ring op with the all-to-all transport (DeepSpeed-Ulysses): each rank runs every row of
+its share of the heads. Against the definition on the full sequence
+(``runtime/attention/reference.py``), float64, forward and every gradient, on 2 and 4 ranks,
+both layouts: ``is_causal``, padding keys, packed documents and a sliding window as programs,
+GQA and MQA (K/V heads repeated only as far as the ring needs), sinks and a soft cap. Nothing
+travels round the ring; heads the ring does not divide are refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringify.runtime import gather, shard
+from ringify.runtime.attention.reference import attention
+from ringify.runtime.masks.program import MaskProgram, evaluate, parse
+from ringify.testing.attention import document_causal_program, document_inputs
+
+EXACT = 1e-10
+ROWS = 24  # per rank
+WINDOW = (
+    ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
+    ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+    ("lt.Scalar", ({"op": 1}, 10), "bool"),
+    ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
+)
+
+
+def _case(case: str, seq: int):
+    """(is_causal, program, its inputs, key_len)."""
+    if case == "causal":
+        return True, "", [], seq
+    if case == "padded":
+        return True, "", [], seq - 5
+    if case == "window":
+        return False, MaskProgram((), WINDOW).text(), [], seq
+    lengths = [seq // 3, seq // 2, seq - seq // 3 - seq // 2]
+    return False, document_causal_program(), document_inputs(lengths), seq
+
+
+def _inputs(seq: int, heads: int, kv_heads: int):
+    g = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    q, k, v = randn(2, heads, seq, 8), randn(2, kv_heads, seq, 8), randn(2, kv_heads, seq, 8)
+    return q, k, v, randn(2, heads, seq, 8), randn(1, heads, 1, 1)
+
+
+def reference(seq, case, heads, kv_heads, sinks_on, softcap):
+    q, k, v, dout, sinks = _inputs(seq, heads, kv_heads)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sinks = sinks.requires_grad_() if sinks_on else None
+    causal, program, inputs, key_len = _case(case, seq)
+    mask = None
+    if program:
+        mask = evaluate(parse(program), inputs, slice(0, seq), slice(0, seq), "cpu")
+    elif key_len < seq:
+        mask = (torch.arange(seq) < key_len).view(1, 1, 1, seq)
+    out = attention(
+        q, k, v, mask, is_causal=causal, scale=0.3, enable_gqa=True, sinks=sinks, softcap=softcap
+    )
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad] + ([sinks.grad] if sinks_on else [])
+
+
+def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap):
+    """On every rank: the gathered output and gradients, and the bytes sent round the ring."""
+    import torch.distributed as dist
+
+    from ringify.runtime.collectives.p2p import SentBytes
+
+    world = dist.get_world_size()
+    seq = ROWS * world
+    q, k, v, dout, sinks = _inputs(seq, heads, kv_heads)
+    causal, program, inputs, key_len = _case(case, seq)
+    name = dist.group.WORLD.group_name
+    local = [shard(t, 2, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout)]
+    sinks_l = sinks.clone().requires_grad_() if sinks_on else None
+    geometry = (name, layout, key_len, 2, True, "all-to-all")
+    plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, causal, *geometry)
+    args = (None, causal, 0.3, name, layout, key_len, program, inputs, 2, True, plan)
+    with SentBytes() as sent:
+        out, _ = torch.ops.ringify.ring_attention(*local[:3], *args, sinks_l, softcap)
+        out.backward(local[3])
+    got = [gather(t.detach(), 2, layout=layout) for t in (out, *(x.grad for x in local[:3]))]
+    if sinks_on:
+        dist.all_reduce(sinks_l.grad)
+        got.append(sinks_l.grad)
+    return got, sent.bytes, plan.transport
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("case", ["causal", "padded", "packed", "window"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_attention_is_exact(ranks, world, case, layout):
+    heads, kv_heads = 8, 2  # GQA: on 4 ranks each K/V head is repeated twice
+    want = reference(ROWS * world, case, heads, kv_heads, False, 0.0)
+    for got, sent, transport in ranks(world).run(
+        all_to_all, layout, case, heads, kv_heads, False, 0.0
+    ):
+        # nothing went round the ring: the all-to-alls' share of q, k, v, out; dout, out,
+        # lse, dq, dk, dv (of every rank's: the others went in the all-to-alls too)
+        assert transport == "all-to-all" and sent == _all_to_all_bytes(world, heads, kv_heads)
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max().item() <= EXACT
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "sinks_on", "softcap"),
+    [(4, 1, True, 0.0), (8, 8, False, 2.0), (4, 4, True, 2.0)],
+    ids=["mqa-sinks", "mha-softcap", "sinks-softcap"],
+)
+def test_all_to_all_forms(ranks, heads, kv_heads, sinks_on, softcap):
+    want = reference(ROWS * 4, "packed", heads, kv_heads, sinks_on, softcap)
+    for got, _, _ in ranks(4).run(
+        all_to_all, "zigzag", "packed", heads, kv_heads, sinks_on, softcap
+    ):
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max().item() <= EXACT
+
+
+def _all_to_all_bytes(world: int, heads: int, kv_heads: int) -> int:
+    """What one rank sends: (P-1)/P of each tensor the all-to-alls move, float64."""
+    row = 2 * ROWS * 8 * 8  # batch 2, ROWS rows, head dim 8, float64: one head's shard
+    repeats = 2 if world == 4 and kv_heads == 2 else 1
+    q, kv, lse = heads * row, kv_heads * repeats * row, heads * 2 * ROWS * 8
+    forward = q + 2 * kv + q + lse  # q, k, v in; out, lse home
+    backward = 3 * q + lse + 2 * kv + q + 2 * kv  # dout, q, out, lse, k, v in; dq, dk, dv home
+    return (forward + backward) * (world - 1) // world
+
+
+def refused(heads: int) -> str:
+    try:
+        all_to_all("zigzag", "causal", heads, 1, False, 0.0)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_heads_the_ring_does_not_divide_are_refused_on_every_rank(ranks):
+    for message in ranks(4).run(refused, 6):
+        assert "do not divide" in message and "use the ring" in message
