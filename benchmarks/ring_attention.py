@@ -2,6 +2,8 @@
 
     python benchmarks/ring_attention.py --seqs 2048 4096 8192 16384 32768
 
+``ringify ulysses`` is the same op on the all-to-all transport (every row of half the heads).
+
 Every configuration runs in spawned rank processes with one torch thread each
 (ring size 1 and plain SDPA in a one-rank group, ring size 2 on two gloo ranks),
 all in the same run, and prints markdown tables.
@@ -68,6 +70,18 @@ def _attention(impl: str, is_causal: bool, layout: str):
             1,
         )[0]
         return fwd, lambda out, dout: out.backward(dout)
+
+    if impl == "ringify_ulysses":  # the op on the all-to-all transport (heads, not K/V, move)
+        name, world = dist.group.WORLD.group_name, dist.get_world_size()
+
+        def ulysses(q, k, v):
+            rows, seq = q.shape[2], q.shape[2] * world
+            geometry = (name, layout, seq, 0, True, "all-to-all")
+            plan = torch.ops.ringify.attention_plan("", [], rows, is_causal, *geometry)
+            args = (None, is_causal, q.shape[-1] ** -0.5, name, layout, seq, "", [], 0, True)
+            return torch.ops.ringify.ring_attention(q, k, v, *args, plan)[0]
+
+        return ulysses, lambda out, dout: out.backward(dout)
 
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
@@ -170,6 +184,7 @@ def main() -> None:
                 ring_layout = "zigzag" if is_causal else "contiguous"
                 configs = [("sdpa", 1, "contiguous"), ("ringify", 1, "contiguous")]
                 configs += [("ringify", 2, ring_layout), ("ringify_untiled", 2, ring_layout)]
+                configs += [("ringify_ulysses", 2, ring_layout)]
                 configs += [("torch_ring", 2, "contiguous")]
                 configs += [("torch_ring", 2, "zigzag")] if is_causal else []
                 configs += [("sdpa_concurrent", 2, "contiguous")]

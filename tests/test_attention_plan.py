@@ -44,11 +44,15 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
     def counted(lengths):
         with made_plans() as made:
             result = step(lengths)
-        return result, (len(made.by_graph), len(made.by_calls), made.calls())
+        counts = (len(made.by_graph), len(made.by_calls), made.calls())
+        return result, counts, made.by_graph[0].masks
 
-    step((first, 9))
-    _, same = counted((first, 9))
-    (_, grads), other = counted((first, 12))
+    _, _, before = counted((first, 9))
+    _, same, again = counted((first, 9))
+    (_, grads), other, anew = counted((first, 12))
+    # a new plan every step, around the host-side answers of the same mask (memoised by
+    # content: nothing decided again), or of another packing (decided anew)
+    reused = (again is before, anew is before)
 
     def unmodified(run):
         model.zero_grad(set_to_none=True)
@@ -72,7 +76,7 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
     plans = [n for n in nodes if n.target is torch.ops.ringify.attention_plan.default]
     rings = [n for n in nodes if n.target is torch.ops.ringify.ring_attention.default]
     reading = sum(1 for n in rings if n.args[-1] in plans or _is_region_input(n.args[-1]))
-    return len(plans), (len(rings), reading), same, other, error
+    return len(plans), (len(rings), reading), same, other, reused, error
 
 
 def _is_region_input(arg) -> bool:
@@ -87,11 +91,12 @@ def _is_region_input(arg) -> bool:
 )
 def test_one_plan_per_step_whatever_the_layers(ranks, backend, checkpointing, first):
     calls = 2 * LAYERS + LAYERS * checkpointing  # forward, backward, a checkpoint's recompute
-    for plans, (rings, reading), same, other, error in ranks(2).run(
+    for plans, (rings, reading), same, other, reused, error in ranks(2).run(
         plan_per_step, backend, checkpointing, first
     ):
         assert plans == 1 and rings == reading == LAYERS
         assert same == other == (1, 0, calls), (same, other)
+        assert reused == (True, False)
         assert error <= 1.0  # relative to the tolerance
 
 

@@ -192,7 +192,7 @@ def windowed_ring(world, layout):
     with SentBytes() as sent_forward:
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     sent = sent_forward.bytes
-    counts = plan.masks.tile_counts()
+    counts = plan.tile_counts()
     out.backward(shard(dout, 2, layout=layout))
     grads = [x.grad for x in (q, k, v)]
     expected = [shard(t.detach(), 2, layout=layout) for t in (want, *[x.grad for x in leaves])]

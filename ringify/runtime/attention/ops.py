@@ -252,8 +252,7 @@ def _planned(
         )
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    kept = plan.kept_masks(q.device, rows) if program else None
-    return transport, plan.masks.bound_to(inputs, q.device, kept)
+    return transport, plan.bound_masks(inputs, q.device)
 
 
 def _tiles_backward(

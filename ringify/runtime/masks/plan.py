@@ -16,15 +16,21 @@ FlexAttention answers it once per step with one ``BlockMask``, which travels int
   autograd context, and so for a checkpoint's recompute);
 - a plan holds what the step's calls share: its tile masks' host-side answers, and on each
   device the masks its first call evaluated (``KeptMasks``), freed with the plan when the
-  graph drops it after the step's backward. Its ``calls`` count the ring calls that ran on
-  it. Nothing is kept anywhere else: a ring op given no plan (the public op called
-  directly) builds its own, at one read.
+  graph drops it after the step's backward. Its ``calls`` and ``tile_counts`` count the
+  ring calls that ran on it and the tile pairs they saw. A ring op given no plan (the
+  public op called directly) builds its own, at one read.
+
+The host-side answers are a pure function of the geometry, the program and its inputs'
+bytes: they are memoised by that content (``_Memo``, the last ``MAX_LAYOUTS``), so that a
+step whose mask the last step had (no padding, a fixed packing) decides nothing again; a
+new step's plan is a new value around them, with its own kept masks and counts.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
+import hashlib
+from collections import Counter, OrderedDict
 
 import torch
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
@@ -38,9 +44,10 @@ from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
-from ringify.runtime.tiling.tiles import Tile, Tiling, all_tiles, sub_ring_tiles
+from ringify.runtime.tiling.tiles import Tile, Tiling, Visibility, all_tiles, sub_ring_tiles
 
 RING, ALL_TO_ALL = "ring", "all-to-all"  # how the K/V of a call reach its queries
+MAX_LAYOUTS = 32  # host-side answers memoised: a model has a few programs, a step one each
 
 
 class RingPlan(OpaqueBase):
@@ -58,6 +65,7 @@ class RingPlan(OpaqueBase):
         self.home, self.queries, self.masks = home, queries, masks
         self.balanced, self.geometry, self.transport = balanced, geometry, transport
         self.calls: Counter = Counter()
+        self.tile_pairs: Counter = Counter()  # by the value of each pair's ``Visibility``
         self._kept: dict[torch.device, KeptMasks] = {}
 
     @classmethod
@@ -77,6 +85,17 @@ class RingPlan(OpaqueBase):
 
     def count_call(self) -> None:
         self.calls["kept" if not self.balanced else "balanced"] += 1
+
+    def bound_masks(self, inputs: list[torch.Tensor], device: torch.device) -> TileMasks:
+        """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
+        call holds them: the step's kept masks reused and added to, its pairs counted here."""
+        kept = self.kept_masks(device, self.geometry[2]) if self.masks.program else None
+        return self.masks.bound_to(inputs, device, kept, self.tile_pairs)
+
+    def tile_counts(self) -> dict[Visibility, int]:
+        """How many tile pairs the forward calls on this plan skipped, ran causal, ran with no
+        mask and ran with a bias."""
+        return {v: self.tile_pairs[v.value] for v in Visibility}
 
     def summary(self) -> dict:
         """What the plan decided, per rank: the tile pairs it works on (of those a dense ring
@@ -135,36 +154,45 @@ def plan_for(
     """A new plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``)."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
     geometry += (device_type,)
-    if transport == ALL_TO_ALL and ring.size > 1:
-        return _all_to_all(ring, geometry, attn_mask, program, inputs)
-    if attn_mask is not None or not program:  # a mask tensor (its tiles are the call's own)
+    transport = ALL_TO_ALL if transport == ALL_TO_ALL and ring.size > 1 else RING
+    if attn_mask is not None:  # a mask tensor: its tiles are the call's own
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
         return RingPlan(home, home, masks, None, geometry)
     host = _host_copy(inputs)
+    # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
+    key = (geometry, tiles.on_accelerator(device_type), transport, program)
+    key = _content_key(key, host) if host else key
+    if key not in _layouts:
+        _layouts.keep(key, _decided(ring, geometry, program, host, transport))
+    return RingPlan(*_layouts.get(key), geometry, transport)
+
+
+def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) -> tuple:
+    """``(home, queries, masks, balanced)``: what a plan decides on the host."""
+    if transport == ALL_TO_ALL:
+        return _all_to_all(ring, geometry, program, host)
+    _, _, rows, is_causal, layout, key_len, per_chunk, balance, device_type = geometry
+    if not program:
+        home = _home(ring, geometry, None, program)
+        return home, home, TileMasks(home, ring.size, None, is_causal, key_len, "", []), None
     if not per_chunk:
         per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
     home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
     varlen = tiles.on_accelerator(device_type)  # FA2 varlen calls for open pairs (GPU tiles)
     masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host, varlen)
     if not (balance and ring.size > 1):
-        return RingPlan(home, home, masks, None, geometry)
+        return home, home, masks, None
     queries = balanced_tiling(masks, min_gain_area(device_type))
     if queries is None:
-        return RingPlan(home, home, masks, False, geometry)
-    return RingPlan(home, queries, masks.working_on(queries), True, geometry)
+        return home, home, masks, False
+    return home, queries, masks.working_on(queries), True
 
 
-def _all_to_all(ring: Ring, geometry: tuple, attn_mask, program: str, inputs) -> RingPlan:
-    """The plan of an all-to-all call: one rank's, over every row of the sequence, laid out as
-    the all-to-all gives them (every rank's shard side by side, in rank order)."""
-    if attn_mask is not None:
-        raise ValueError(
-            "the all-to-all transport takes its mask as a program (a mask tensor holds this "
-            "rank's query rows only); pass the mask as a program or use the ring"
-        )
+def _all_to_all(ring: Ring, geometry: tuple, program: str, host) -> tuple:
+    """What an all-to-all call decides: one rank's plan, over every row of the sequence, laid
+    out as the all-to-all gives them (every rank's shard side by side, in rank order)."""
     _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
-    host = _host_copy(inputs)
     if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
         raise ValueError(
             "the all-to-all transport splits the heads, and this mask program differs per "
@@ -183,8 +211,12 @@ def _all_to_all(ring: Ring, geometry: tuple, attn_mask, program: str, inputs) ->
     def every_row(rank: int) -> list[Tile]:
         return laid
 
-    masks = TileMasks(every_row, 1, None, is_causal, key_len, program, host, varlen)
-    return RingPlan(every_row, every_row, masks, None, geometry, ALL_TO_ALL)
+    return (
+        every_row,
+        every_row,
+        TileMasks(every_row, 1, None, is_causal, key_len, program, host, varlen),
+        None,
+    )
 
 
 def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
@@ -197,6 +229,37 @@ def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
         return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk, device_type)
 
     return home
+
+
+class _Memo:
+    """The last ``MAX_LAYOUTS`` host-side answers, by content: a memo of a pure function."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict = OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def keep(self, key, value) -> None:
+        self._entries[key] = value
+        while len(self._entries) > MAX_LAYOUTS:
+            self._entries.popitem(last=False)
+
+    def get(self, key):
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+
+_layouts = _Memo()
+
+
+def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
+    """``key`` and the inputs' shapes, dtypes and bytes, hashed (the inputs are host copies)."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=16)
+    for x in host:
+        digest.update(repr((tuple(x.shape), x.dtype)).encode())
+        digest.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 def _host_copy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:

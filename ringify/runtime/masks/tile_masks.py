@@ -78,14 +78,9 @@ class TileMasks:
             self._full = self._full.tolist()
         self._maybe_list = self._maybe.tolist()
         self._last: dict[int, list[int]] = {}
-        # tile pairs of the forward calls, by the value of what they saw (shared by the
-        # copies ``working_on`` and ``bound_to`` make: the plan's calls, whichever they ran)
+        # tile pairs of the forward calls, by the value of what they saw (``bound_to`` gives
+        # a step's plan's own)
         self._counts: Counter = Counter()
-
-    def tile_counts(self) -> dict[Visibility, int]:
-        """How many tile pairs the forward calls that used these masks skipped, ran causal,
-        ran with no mask and ran with a bias."""
-        return {v: self._counts[v.value] for v in Visibility}
 
     def may_see(self, q_tile: Tile, k_tile: Tile) -> bool:
         """Whether the queries of ``q_tile`` may see a key of ``k_tile`` (else: surely not)."""
@@ -98,18 +93,20 @@ class TileMasks:
         return moved
 
     def bound_to(
-        self, inputs: list[torch.Tensor], device: torch.device, kept: KeptMasks | None = None
-    ) -> TileMasks:
+        self, inputs: list[torch.Tensor], device: torch.device, kept: KeptMasks | None = None,
+        counts: Counter | None = None,
+    ) -> TileMasks:  # fmt: skip
         """These masks, evaluating the blocks that need their mask from ``inputs`` (the
         program's inputs as the running call holds them) on ``device``; ``kept``: the
         step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to.
         (An op's body runs below autograd: nothing it computes from ``inputs`` is recorded.)"""
         # every layer of a step binds the same inputs: the last binding is kept (it holds
         # them, so their ids stay theirs)
-        key = (*map(id, inputs), device, id(kept))
+        key = (*map(id, inputs), device, id(kept), id(counts))
         if self._bound is None or self._bound[0] != key:
             bound = copy.copy(self)
             bound._run_inputs, bound._device, bound._kept = inputs, device, kept
+            bound._counts = self._counts if counts is None else counts
             bound._bound = None
             self._bound = (key, bound, kept)
         return self._bound[1]
