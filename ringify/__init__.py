@@ -9,6 +9,7 @@ Ranks that disagree raise together: ``ValueError`` naming what differs, or
 """
 
 from ringify import runtime
+from ringify.config import Hybrid
 from ringify.module import RingifiedModule, ringify
 from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
@@ -17,6 +18,7 @@ from ringify.samplers import RingSampler
 
 __all__ = [
     "Dilation",
+    "Hybrid",
     "RankFailed",
     "Report",
     "RingSampler",

@@ -16,6 +16,18 @@ STRATEGIES = ("ring", "ulysses")  # K/V round the ring; or heads by all-to-all (
 
 
 @dataclass(frozen=True)
+class Hybrid:
+    """USP's hybrid of the two: an all-to-all onto heads inside groups of ``u`` consecutive
+    ranks (a node's, say), K/V round the ring of the ring_size / ``u`` groups."""
+
+    u: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.u, int) or self.u < 1:
+            raise ValueError(f"Hybrid(u=...) takes a positive int, got {self.u!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     ring_size: int
     group: dist.ProcessGroup | None = None
@@ -25,7 +37,7 @@ class Config:
     dilation: Dilation | None = None
     check_inputs: bool = True  # compare a fingerprint of the shared inputs at every call
     mesh: DeviceMesh | None = None  # one dim of a mesh: its group becomes ``group``
-    strategy: str = "ring"
+    strategy: str | Hybrid = "ring"
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -41,8 +53,16 @@ class Config:
             self.dilation.check_layout(self.layout)
         if not isinstance(self.check_inputs, bool):
             raise ValueError(f"check_inputs must be True or False, got {self.check_inputs!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if isinstance(self.strategy, Hybrid) and self.ring_size % self.strategy.u:
+            raise ValueError(
+                f"Hybrid(u={self.strategy.u}) needs groups that divide the ring of "
+                f"{self.ring_size}: pass a u that divides ring_size"
+            )
+        if not isinstance(self.strategy, Hybrid) and self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {STRATEGIES} or ringify.Hybrid(u=...), got "
+                f"{self.strategy!r}"
+            )
         if self.strategy != "ring" and self.dilation is not None:
             raise ValueError("dilated attention runs on the ring: pass strategy='ring' with it")
         for name in ("inputs", "outputs"):

@@ -34,7 +34,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
 from ringify.caches import cache_kwargs
-from ringify.config import Config
+from ringify.config import Config, Hybrid
 from ringify.consistency import check_call, check_trace
 from ringify.generation import Generation, generate
 from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
@@ -58,7 +58,7 @@ def ringify(
     dilation: Dilation | None = None,
     check_inputs: bool = True,
     mesh: DeviceMesh | None = None,
-    strategy: str = "ring",
+    strategy: str | Hybrid = "ring",
 ) -> RingifiedModule:
     """``model``, sequence-parallel over a ring of ``ring_size`` ranks; same outputs and gradients.
 
@@ -80,7 +80,9 @@ def ringify(
     - ``strategy``: ``"ring"``, K/V travel round the ring; ``"ulysses"``, an all-to-all gives
       each rank every row of its share of the heads (DeepSpeed-Ulysses), for each attention
       whose heads the ring divides and whose mask is the same for every head (the others
-      keep the ring; the report says which and why, and the bytes of each).
+      keep the ring; the report says which and why, and the bytes of each);
+      ``ringify.Hybrid(u=...)``, the all-to-all inside groups of u consecutive ranks and K/V
+      round the ring of the groups (USP).
 
     The model itself is left untouched and its parameters are shared.
     """

@@ -61,8 +61,8 @@ def reference(seq, case, heads, kv_heads, sinks_on, softcap):
     return [out.detach(), q.grad, k.grad, v.grad] + ([sinks.grad] if sinks_on else [])
 
 
-def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap):
-    """On every rank: the gathered output and gradients, and the bytes sent round the ring."""
+def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap, transport="all-to-all"):
+    """On every rank: the gathered output and gradients, the bytes it sent, its transport."""
     import torch.distributed as dist
 
     from ringify.runtime.collectives.p2p import SentBytes
@@ -74,7 +74,7 @@ def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap):
     name = dist.group.WORLD.group_name
     local = [shard(t, 2, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout)]
     sinks_l = sinks.clone().requires_grad_() if sinks_on else None
-    geometry = (name, layout, key_len, 2, True, "all-to-all")
+    geometry = (name, layout, key_len, 2, True, transport)
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, causal, *geometry)
     args = (None, causal, 0.3, name, layout, key_len, program, inputs, 2, True, plan)
     with SentBytes() as sent:
@@ -113,6 +113,34 @@ def test_all_to_all_forms(ranks, heads, kv_heads, sinks_on, softcap):
     for got, _, _ in ranks(4).run(
         all_to_all, "zigzag", "packed", heads, kv_heads, sinks_on, softcap
     ):
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max().item() <= EXACT
+
+
+@pytest.mark.parametrize("case", ["causal", "packed", "window"])
+def test_the_hybrid_is_exact(ranks, case):
+    """All-to-all inside groups of 2 ranks, K/V round the ring of the 2 groups (USP)."""
+    _check_hybrid(ranks(4), 4, "all-to-all:2", case)
+
+
+def test_the_hybrid_on_8_ranks():
+    """Groups of 4 round a ring of 2, and groups of 2 round a ring of 4."""
+    from ringify.testing import RankPool
+
+    pool = RankPool(8)  # oversubscribed: a throwaway pool, not kept for the session
+    try:
+        _check_hybrid(pool, 8, "all-to-all:4", "packed")
+        _check_hybrid(pool, 8, "all-to-all:2", "window")
+    finally:
+        pool.close()
+
+
+def _check_hybrid(pool, world: int, transport: str, case: str) -> None:
+    heads, kv_heads = 8, 2
+    want = reference(ROWS * world, case, heads, kv_heads, True, 0.0)
+    args = ("zigzag", case, heads, kv_heads, True, 0.0, transport)
+    for got, sent, used in pool.run(all_to_all, *args):
+        assert used == transport and sent > 0
         for g, w in zip(got, want, strict=True):
             assert (g - w).abs().max().item() <= EXACT
 

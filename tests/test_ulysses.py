@@ -3,7 +3,8 @@ where it can (DeepSpeed-Ulysses) and keeps the ring where it cannot, with the sa
 gradients as the unmodified model. HF Llama (GQA: 4 heads on 2 K/V heads, repeated on 4 ranks)
 with its causal, right-padded and packed masks as programs, float64, against the unmodified
 model on the full batch; eager and compiled; Mistral's sliding window; the report's choice and
-bytes; heads the ring does not divide keep the ring, and the report says why."""
+bytes; heads the ring does not divide keep the ring, and the report says why. USP's hybrid
+(``Hybrid(u=2)`` on 4 ranks: the all-to-all inside pairs, K/V round the ring of the pairs)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ EXACT = 1e-10
 S = 24  # per rank
 
 
-def hf_case(case: str, heads: int, compiled: bool = False):
+def hf_case(case: str, heads: int, compiled: bool = False, hybrid: int = 0):
     import torch.distributed as dist
 
     from ringify import ringify
@@ -42,7 +43,10 @@ def hf_case(case: str, heads: int, compiled: bool = False):
     want.loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    ringified = ringify(model, ring_size=world, strategy="ulysses")
+    from ringify import Hybrid
+
+    strategy = Hybrid(u=hybrid) if hybrid else "ulysses"
+    ringified = ringify(model, ring_size=world, strategy=strategy)
     run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
     got = run(**kwargs)
     got.loss.backward()
@@ -84,8 +88,23 @@ def test_ulysses_compiled(ranks):
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
+@pytest.mark.parametrize("case", ["causal", "packed"])
+def test_the_hybrid_matches_the_model(ranks, case):
+    """Hybrid(u=2) on 4 ranks: the all-to-all inside pairs, K/V round the ring of 2 pairs."""
+    for r in ranks(4).run(hf_case, case, 4, False, 2):
+        assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+
+
+def test_a_hybrid_the_ring_cannot_split_is_refused():
+    from ringify import Hybrid, ringify
+
+    with pytest.raises(ValueError, match="pass a u that divides ring_size"):
+        ringify(torch.nn.Linear(2, 2), ring_size=1, strategy=Hybrid(u=2))
+
+
 def test_heads_the_ring_does_not_divide_keep_the_ring(ranks):
     for r in ranks(4).run(hf_case, "causal", 6):  # 6 heads on 4 ranks
         assert r["runs"] == [AttentionRun.RING] * 2, r
-        assert all("do not divide" in note for note in r["notes"]), r["notes"]
+        assert all("do not divide by the all-to-all's 4 ranks" in n for n in r["notes"]), r
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r

@@ -35,7 +35,7 @@ from ringify.passes.strategy import all_to_all_bytes, choose_transport
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.reference import joint_attention
-from ringify.runtime.masks.plan import ALL_TO_ALL
+from ringify.runtime.masks.plan import RING
 from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
@@ -204,7 +204,7 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     kv = [geo.local_shape(shape(x), Seq(2)) for x in (k, v)]
     size = val(att.k).element_size()
     bytes_per_step = sum(math.prod(s) for s in kv) * size
-    run = AttentionRun.ALL_TO_ALL if transport == ALL_TO_ALL else AttentionRun.RING
+    run = AttentionRun.RING if transport == RING else AttentionRun.ALL_TO_ALL
     row = reported(att, run, state, kind, dilation=dilation, bytes=bytes_per_step)
     state.attentions.append(
         dataclasses.replace(

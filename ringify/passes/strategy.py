@@ -24,14 +24,15 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
     needed) and its mask is the same for every head (a program or none)."""
     if state.strategy == "ring" or state.dilation is not None:
         return RING, ""
+    u = getattr(state.strategy, "u", state.geo.ring_size)  # ``Hybrid``'s groups, or the ring
     heads, kv_heads = shape(att.q)[1], shape(att.k)[1]
-    if kv_repeats(heads, kv_heads, state.geo.ring_size) is None:
-        return RING, f"its {heads} heads do not divide by the ring of {state.geo.ring_size}"
+    if kv_repeats(heads, kv_heads, u) is None:
+        return RING, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
     if att.mask is not None and att.mask.target is not program_mask:
         return RING, "its mask is a tensor of this rank's rows (not a program)"
     if att.mask is not None and len(shape(att.mask)) == 4 and shape(att.mask)[1] > 1:
         return RING, "its mask differs per head"
-    return ALL_TO_ALL, ""
+    return (ALL_TO_ALL if u == state.geo.ring_size else f"{ALL_TO_ALL}:{u}"), ""
 
 
 def all_to_all_bytes(att, q, k, v, state: PassState) -> int:

@@ -11,6 +11,9 @@ transport's, chosen by the plan (``masks/plan.py``):
   the heads (``collectives/heads.py``); the loop then runs on a one-rank ring over the whole
   sequence, and the results, dq, dk and dv go back with a second all-to-all. GQA's K/V heads
   are repeated only as far as the ring needs (``kv_repeats``), their gradients summed back.
+  The hybrid (USP) is the same class with the all-to-all inside groups of u consecutive
+  ranks and the loop on the ring of the P / u groups (the ranks with this one's place in
+  theirs), whose K/V travel as P2PRing's do.
 
 Both expose the same five steps, so the loop is written once.
 """
@@ -22,8 +25,14 @@ from collections.abc import Iterator
 import torch
 
 from ringify.runtime.collectives.heads import kv_repeats, to_heads, to_sequence
-from ringify.runtime.collectives.ring import LOCAL, Ring, ring_by_name
-from ringify.runtime.masks.plan import ALL_TO_ALL, RingPlan
+from ringify.runtime.collectives.ring import (
+    LOCAL,
+    Ring,
+    ring_by_name,
+    strided_ring_name,
+    sub_ring_name,
+)
+from ringify.runtime.masks.plan import RingPlan, heads_group
 from ringify.runtime.tiling.grad_trip import GradTrip
 from ringify.runtime.tiling.moves import ShardRows, move_home, rows_in
 from ringify.runtime.tiling.schedule import ring_visits
@@ -66,11 +75,14 @@ class P2PRing:
 
 
 class AllToAll(P2PRing):
-    """Every row of this rank's heads, by all-to-all on ``group``, under ``plan`` (a one-rank
-    plan over the whole sequence). ``heads``/``kv_heads``: q's and K/V's."""
+    """Every row of this rank's heads in ``group`` by all-to-all, K/V then round ``across``
+    (a one-rank ring where ``group`` is the whole ring), under ``plan``, a plan of ``across``
+    whose ranks hold their groups' rows. ``heads``/``kv_heads``: q's and K/V's."""
 
-    def __init__(self, group: Ring, plan: RingPlan, heads: int, kv_heads: int) -> None:
-        super().__init__(ring_by_name(LOCAL), plan)
+    def __init__(
+        self, group: Ring, across: Ring, plan: RingPlan, heads: int, kv_heads: int
+    ) -> None:
+        super().__init__(across, plan)
         self.group = group
         self.repeats = kv_repeats(heads, kv_heads, group.size)
         if self.repeats is None:
@@ -102,6 +114,9 @@ class AllToAll(P2PRing):
 
 def transport_for(ring: Ring, plan: RingPlan, q: torch.Tensor, k: torch.Tensor) -> P2PRing:
     """The plan's transport for a call of ``q`` and ``k`` on ``ring``."""
-    if plan.transport == ALL_TO_ALL and ring.size > 1:
-        return AllToAll(ring, plan, q.shape[1], k.shape[1])
-    return P2PRing(ring, plan)
+    u = heads_group(plan.transport, ring.size)
+    if u == 1:
+        return P2PRing(ring, plan)
+    group = ring_by_name(sub_ring_name(ring, u))
+    across = ring_by_name(strided_ring_name(ring, u) if u < ring.size else LOCAL)
+    return AllToAll(group, across, plan, q.shape[1], k.shape[1])

@@ -80,6 +80,18 @@ def sub_ring_name(ring: Ring, size: int) -> str:
     return _sub_rings[key]
 
 
+def strided_ring_name(ring: Ring, stride: int) -> str:
+    """The name of the group of ``ring``'s ranks whose place in their block of ``stride``
+    consecutive ranks is this rank's (one of each block, in rank order): the ring across
+    ``sub_ring_name(ring, stride)``'s groups. Created and cached as that is."""
+    key = (ring.name, -stride)
+    if key not in _sub_rings:
+        members = [ring.global_rank(r) for r in range(ring.rank % stride, ring.size, stride)]
+        group = dist.new_group(members, use_local_synchronization=True)
+        _sub_rings[key] = group.group_name
+    return _sub_rings[key]
+
+
 _LOCAL_RING = Ring(None, 0, 1)
 _rings: dict[str, Ring] = {}  # by group name: every ring call asks, and rank and size are fixed
 

@@ -47,6 +47,23 @@ from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
 from ringify.runtime.tiling.tiles import Tile, Tiling, Visibility, all_tiles, sub_ring_tiles
 
 RING, ALL_TO_ALL = "ring", "all-to-all"  # how the K/V of a call reach its queries
+
+
+def heads_group(transport: str, ring_size: int) -> int:
+    """The ranks an all-to-all onto heads spans under ``transport``: ``"ring"``, 1 (none);
+    ``"all-to-all"``, the whole ring; ``"all-to-all:u"`` (the hybrid), groups of u
+    consecutive ranks, the K/V then travelling round a ring of the ring_size / u groups."""
+    if transport == RING:
+        return 1
+    name, _, u = transport.partition(":")
+    if name != ALL_TO_ALL or (u and (not u.isdigit() or ring_size % int(u))):
+        raise ValueError(
+            f"transport must be 'ring', 'all-to-all' or 'all-to-all:u' with u dividing the "
+            f"ring of {ring_size}, got {transport!r}"
+        )
+    return int(u) if u else ring_size
+
+
 MAX_LAYOUTS = 32  # host-side answers memoised: a model has a few programs, a step one each
 
 
@@ -154,7 +171,7 @@ def plan_for(
     """A new plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``)."""
     geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
     geometry += (device_type,)
-    transport = ALL_TO_ALL if transport == ALL_TO_ALL and ring.size > 1 else RING
+    transport = RING if heads_group(transport, ring.size) == 1 else transport
     if attn_mask is not None:  # a mask tensor: its tiles are the call's own
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
@@ -170,8 +187,8 @@ def plan_for(
 
 def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) -> tuple:
     """``(home, queries, masks, balanced)``: what a plan decides on the host."""
-    if transport == ALL_TO_ALL:
-        return _all_to_all(ring, geometry, program, host)
+    if transport != RING:
+        return _over_heads(ring, geometry, program, host, heads_group(transport, ring.size))
     _, _, rows, is_causal, layout, key_len, per_chunk, balance, device_type = geometry
     if not program:
         home = _home(ring, geometry, None, program)
@@ -189,9 +206,10 @@ def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) ->
     return home, queries, masks.working_on(queries), True
 
 
-def _all_to_all(ring: Ring, geometry: tuple, program: str, host) -> tuple:
-    """What an all-to-all call decides: one rank's plan, over every row of the sequence, laid
-    out as the all-to-all gives them (every rank's shard side by side, in rank order)."""
+def _over_heads(ring: Ring, geometry: tuple, program: str, host, u: int) -> tuple:
+    """What a call decides whose all-to-all spans groups of ``u`` ranks: the plan of a ring of
+    the P / u groups (one rank's, over every row, where u = P), group j holding every row of
+    its ranks' shards side by side, in rank order, as the all-to-all lays them."""
     _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
     if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
         raise ValueError(
@@ -201,22 +219,19 @@ def _all_to_all(ring: Ring, geometry: tuple, program: str, host) -> tuple:
     if program and not per_chunk:
         per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
     home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
-    laid = [
-        Tile(slice(t.rows.start + r * rows, t.rows.stop + r * rows), t.key, t.start)
-        for r in range(ring.size)
-        for t in home(r)
-    ]
+
+    @functools.cache
+    def group_rows(j: int) -> list[Tile]:
+        return [
+            Tile(slice(t.rows.start + m * rows, t.rows.stop + m * rows), t.key, t.start)
+            for m in range(u)
+            for t in home(j * u + m)
+        ]
+
     varlen = tiles.on_accelerator(device_type)
-
-    def every_row(rank: int) -> list[Tile]:
-        return laid
-
-    return (
-        every_row,
-        every_row,
-        TileMasks(every_row, 1, None, is_causal, key_len, program, host, varlen),
-        None,
-    )
+    groups = ring.size // u
+    masks = TileMasks(group_rows, groups, None, is_causal, key_len, program, host, varlen)
+    return group_rows, group_rows, masks, None
 
 
 def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
