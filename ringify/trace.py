@@ -21,38 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ringify.config import Config
 from ringify.export_errors import export_failure
-from ringify.parallelized import (
-    fsdp_units,
-    is_fsdp_hook,
-    state_kind,
-    units_averaging_over_ring,
-    unsharded_for_trace,
-)
-from ringify.passes.attention import find_attention
-from ringify.passes.autocast import inline_autocast_regions
-from ringify.passes.checkpoints import CheckpointRecorder, keep_checkpoints
-from ringify.passes.constants import drop_empty_concatenated
-from ringify.passes.convs import fold_sequence_convs
-from ringify.passes.flex import fold_flex_attention
-from ringify.passes.fsdp_units import keep_fsdp_units
-from ringify.passes.functional import functionalize_writes
-from ringify.passes.gqa import fold_repeated_kv
-from ringify.passes.handwritten import fold_handwritten_attention
-from ringify.passes.identity_index import fold_identity_indexing
-from ringify.passes.joints import fold_joint_sequences
-from ringify.passes.loss_shift import fold_sliced_loss
-from ringify.passes.mask_programs import fold_mask_programs
-from ringify.passes.plan import plan_sequence, sharded_input_dims
+from ringify.parallelized import fsdp_units, is_fsdp_hook, state_kind, unsharded_for_trace
+from ringify.passes.checkpoints import CheckpointRecorder
+from ringify.passes.pipeline import folded, named_state, runnable, sharded
+from ringify.passes.plan import sharded_input_dims
 from ringify.passes.report import Report
-from ringify.passes.shard_sequence import shard_sequence
-from ringify.passes.shifts import fold_shifts
-from ringify.passes.values import record_local_values
 
 log = logging.getLogger("ringify")
 
@@ -100,17 +78,9 @@ def still_fits(traced: Traced, model: nn.Module, state: list[torch.Tensor]) -> b
     return all(len({id(t) for t in state_of(model, names)}) == 1 for names in traced.tied)
 
 
-def _named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every name of every parameter and buffer (a tied tensor under each of its names)."""
-    return [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-
-
 def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     names: dict[int, list[str]] = {}
-    for name, t in _named_state(model):
+    for name, t in named_state(model):
         names.setdefault(id(t), []).append(name)
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
@@ -153,25 +123,14 @@ def rewrite(
         exported, checkpoints = _export(model, units, spec, flat, scaled)
     else:
         exported, checkpoints = _export(model, units, spec, flat, shapes or {})
-    gm = exported_module(exported)
-    drop_empty_concatenated(gm)  # (the decode step reads its cache through those cats)
+    gm = folded(exported)
     _warn_about_hooks(model)
-    plan = plan_sequence(gm, config, dims or None, gathered, general=general)
+    plan, before, report = sharded(gm, config, dims or None, gathered, general)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # inputs the model does not read (HF's labels beside shift_labels) need not agree
     unread = {i for i, n in enumerate(placeholders) if not n.users}
     sequence = tuple(
         (placeholders.index(n), s.dim) for n, s in plan.seeds.items() if n in placeholders
-    )
-    before = gm.code
-    report = shard_sequence(
-        gm.graph,
-        plan=plan,
-        group_name=ring.name,
-        inputs_full=config.inputs == "full",
-        outputs_full=config.outputs == "full",
-        dilation=config.dilation,
-        strategy=config.strategy,
     )
     shared = tuple(i for i in tensors if i not in dims and i not in gathered and i not in unread)
     return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared, sequence)
@@ -181,12 +140,8 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
     """The rewritten graph made runnable: values recorded, state lifted, checkpointed and
     FSDP spans kept."""
     gm, report, ring = done.gm, done.report, config.ring()
-    record_local_values(gm, done.flat)
-    state_names = lift_state(gm.graph, model)
-    checkpointed = keep_checkpoints(gm, done.checkpoints)
-    averaged = units_averaging_over_ring(done.units, outer, ring)
-    state_names, kept_units = keep_fsdp_units(
-        gm, model, done.units, state_names, averaged, ring.size
+    state_names, checkpointed, kept_units = runnable(
+        gm, model, done.flat, done.checkpoints, done.units, outer, ring
     )
     report = dataclasses.replace(report, checkpointed=checkpointed, fsdp_units=kept_units)
     module = fx.GraphModule(gm, gm.graph)
@@ -221,14 +176,14 @@ def _sharded_inputs(model: nn.Module, units: dict, spec, flat: list, config: Con
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = exported_module(_export(model, units, spec, flat, {})[0])
+        structure = folded(_export(model, units, spec, flat, {})[0])
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = exported_module(_export(model, units, spec, flat, full)[0])
+            structure = folded(_export(model, units, spec, flat, full)[0])
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)
@@ -263,25 +218,6 @@ def _scaled(shape, dim: int, factor: float) -> list[int]:
     shape = list(shape)
     shape[dim] = round(shape[dim] * factor)
     return shape
-
-
-def lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
-    """Turn each read of a model parameter or buffer into a leading input; their names.
-
-    The graph then returns its flat outputs (the call's pytree structure is applied
-    by the caller), so it holds no reference to the model's tensors.
-    """
-    owned = {n for n, _ in _named_state(model)}
-    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target in owned]
-    with graph.inserting_before(next(iter(graph.nodes))):
-        lifted = [graph.placeholder(f"state_{node.name}") for node in reads]
-    for node, placeholder in zip(reads, lifted, strict=True):
-        placeholder.meta = dict(node.meta)
-        node.replace_all_uses_with(placeholder)
-        graph.erase_node(node)
-    graph._codegen = fx.graph.CodeGen()
-    graph.lint()
-    return tuple(n.target for n in reads)
 
 
 def _warn_about_hooks(model: nn.Module) -> None:
@@ -333,41 +269,6 @@ def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, l
         raise RuntimeError(export_failure(model, e)) from e
     recorder.check()
     return exported, recorder.regions
-
-
-def exported_module(exported: torch.export.ExportedProgram) -> fx.GraphModule:
-    gm = exported.module()
-    # export's input-shape guards check global shapes; the signature key already pins them.
-    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
-        gm.graph.erase_node(node)
-    _check_no_attention_without_grad(gm)
-    inline_autocast_regions(gm)
-    fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
-    functionalize_writes(gm.graph)
-    fold_identity_indexing(gm.graph)
-    fold_shifts(gm.graph)
-    fold_sliced_loss(gm.graph)
-    fold_sequence_convs(gm.graph)
-    fold_handwritten_attention(gm.graph)
-    fold_repeated_kv(gm.graph)
-    fold_joint_sequences(gm)
-    fold_mask_programs(gm.graph, find_attention(gm.graph))
-    return gm
-
-
-def _check_no_attention_without_grad(gm: fx.GraphModule) -> None:
-    """Raise if an attention runs inside a region export made of ``torch.no_grad()`` (a
-    ``wrap_with_set_grad_enabled`` submodule, which the pass does not enter)."""
-    for node in gm.graph.nodes:
-        if node.target is wrap_with_set_grad_enabled and find_attention(
-            getattr(gm, node.args[1].target).graph
-        ):
-            raise ValueError(
-                f"an attention runs inside {node.name}, a region where the model switches "
-                "gradients off (torch.no_grad() or torch.set_grad_enabled): ringify does not "
-                "rewrite attention there. Run that attention with gradients enabled, or "
-                "outside the ringified model."
-            )
 
 
 def dump(traced: Traced, key: tuple) -> None:

@@ -23,8 +23,9 @@ from torch.utils import _pytree as pytree
 from ringify.caches import cache_keyword, cache_of, exportable_dynamic_cache
 from ringify.generation.cache import ShardedCache
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
+from ringify.passes.pipeline import folded, lift_state
 from ringify.runtime.collectives.ring import Ring
-from ringify.trace import exported_module, lift_state, state_of
+from ringify.trace import state_of
 
 log = logging.getLogger("ringify")
 _EXAMPLE_LENGTH = 7  # the cache length the step is traced at (not 0 or 1, which export pins)
@@ -75,7 +76,7 @@ class DecodeStep:
                 f"ringify could not trace {type(self.model).__name__}'s decode step "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {SUPPORTED}."
             ) from e
-        gm = exported_module(exported)
+        gm = folded(exported)
         ids = {id(t): (kind, i) for i, layer in enumerate(cache.layers)
                for kind, t in (("key", layer.keys), ("value", layer.values))}  # fmt: skip
         flat = tree_flatten_spec(((), kwargs), exported.call_spec.in_spec)

@@ -1,0 +1,139 @@
+"""The pass, in order: what happens to an exported graph before one rank of the ring runs it.
+
+1. ``folded``: each form attention, masks, shifts, convolutions and a loss are written in
+   becomes the canonical op the rules read (the folds, docs/design.md section 3.1);
+2. ``sharded``: where the sequence is (the plan), then every node rewritten for one rank
+   (rules, crossings, attention on its transport), with what was done (the report);
+3. ``runnable``: the graph's values recorded, the model's state lifted to inputs, and the
+   checkpointed spans and FSDP2 units kept.
+
+``trace.py`` exports the model and calls these three in turn; ``lengths.py`` runs the first
+two at several lengths before the third; a decode step (``generation/step.py``) folds and
+then rewrites its own way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+
+from ringify.config import Config
+from ringify.parallelized import units_averaging_over_ring
+from ringify.passes.attention import find_attention
+from ringify.passes.autocast import inline_autocast_regions
+from ringify.passes.checkpoints import keep_checkpoints
+from ringify.passes.constants import drop_empty_concatenated
+from ringify.passes.convs import fold_sequence_convs
+from ringify.passes.flex import fold_flex_attention
+from ringify.passes.fsdp_units import keep_fsdp_units
+from ringify.passes.functional import functionalize_writes
+from ringify.passes.gqa import fold_repeated_kv
+from ringify.passes.handwritten import fold_handwritten_attention
+from ringify.passes.identity_index import fold_identity_indexing
+from ringify.passes.joints import fold_joint_sequences
+from ringify.passes.loss_shift import fold_sliced_loss
+from ringify.passes.mask_programs import fold_mask_programs
+from ringify.passes.plan import Plan, plan_sequence
+from ringify.passes.report import Report
+from ringify.passes.shard_sequence import shard_sequence
+from ringify.passes.shifts import fold_shifts
+from ringify.passes.values import record_local_values
+from ringify.runtime.collectives.ring import Ring
+
+
+def folded(exported: torch.export.ExportedProgram) -> fx.GraphModule:
+    """1. The exported graph with every form the rules read folded in (docs/design.md, 3.1)."""
+    gm = exported.module()
+    # export's input-shape guards check global shapes; the signature key already pins them.
+    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(node)
+    _check_no_attention_without_grad(gm)
+    inline_autocast_regions(gm)
+    fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
+    functionalize_writes(gm.graph)
+    fold_identity_indexing(gm.graph)
+    fold_shifts(gm.graph)
+    fold_sliced_loss(gm.graph)
+    fold_sequence_convs(gm.graph)
+    fold_handwritten_attention(gm.graph)
+    fold_repeated_kv(gm.graph)
+    fold_joint_sequences(gm)
+    fold_mask_programs(gm.graph, find_attention(gm.graph))
+    return gm
+
+
+def _check_no_attention_without_grad(gm: fx.GraphModule) -> None:
+    """Raise if an attention runs inside a region export made of ``torch.no_grad()`` (a
+    ``wrap_with_set_grad_enabled`` submodule, which the pass does not enter)."""
+    for node in gm.graph.nodes:
+        if node.target is wrap_with_set_grad_enabled and find_attention(
+            getattr(gm, node.args[1].target).graph
+        ):
+            raise ValueError(
+                f"an attention runs inside {node.name}, a region where the model switches "
+                "gradients off (torch.no_grad() or torch.set_grad_enabled): ringify does not "
+                "rewrite attention there. Run that attention with gradients enabled, or "
+                "outside the ringified model."
+            )
+
+
+def sharded(
+    gm: fx.GraphModule, config: Config, dims: dict | None, gathered: dict, general: bool
+) -> tuple[Plan, str, Report]:
+    """2. ``gm`` rewritten in place for one rank: its plan, its code before, the report.
+    ``dims``/``gathered``: the inputs passed sharded (``inputs="sharded"``); ``general``:
+    the padding steps in whatever the length (the graphs ``lengths.py`` compares)."""
+    drop_empty_concatenated(gm)  # (a decode step reads its cache through those cats)
+    plan = plan_sequence(gm, config, dims, gathered, general=general)
+    before = gm.code
+    report = shard_sequence(
+        gm.graph,
+        plan=plan,
+        group_name=config.ring().name,
+        inputs_full=config.inputs == "full",
+        outputs_full=config.outputs == "full",
+        dilation=config.dilation,
+        strategy=config.strategy,
+    )
+    return plan, before, report
+
+
+def runnable(
+    gm: fx.GraphModule, model: nn.Module, flat: list, checkpoints: list, units: dict,
+    outer: nn.Module | None, ring: Ring,
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:  # fmt: skip
+    """3. ``gm`` made runnable in place: ``(state names, checkpointed spans, FSDP2 units)``."""
+    record_local_values(gm, flat)
+    state_names = lift_state(gm.graph, model)
+    checkpointed = keep_checkpoints(gm, checkpoints)
+    averaged = units_averaging_over_ring(units, outer, ring)
+    state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, averaged, ring.size)
+    return state_names, checkpointed, kept_units
+
+
+def named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every name of every parameter and buffer (a tied tensor under each of its names)."""
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def lift_state(graph: fx.Graph, model: nn.Module) -> tuple[str, ...]:
+    """Turn each read of a model parameter or buffer into a leading input; their names.
+
+    The graph then returns its flat outputs (the call's pytree structure is applied
+    by the caller), so it holds no reference to the model's tensors.
+    """
+    owned = {n for n, _ in named_state(model)}
+    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target in owned]
+    with graph.inserting_before(next(iter(graph.nodes))):
+        lifted = [graph.placeholder(f"state_{node.name}") for node in reads]
+    for node, placeholder in zip(reads, lifted, strict=True):
+        placeholder.meta = dict(node.meta)
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+    graph._codegen = fx.graph.CodeGen()
+    graph.lint()
+    return tuple(n.target for n in reads)
