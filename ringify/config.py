@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -9,10 +10,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.layout import check_layout
-from ringify.runtime.collectives.ring import Ring, resolve_ring
+from ringify.runtime.collectives.ring import Ring, ranks_per_host, resolve_ring
 
 MODES = ("full", "sharded")
-STRATEGIES = ("ring", "ulysses")  # K/V round the ring; or heads by all-to-all (DeepSpeed-Ulysses)
+# K/V round the ring; heads by all-to-all (DeepSpeed-Ulysses); or chosen per attention
+STRATEGIES = ("ring", "ulysses", "auto")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,13 @@ class Hybrid:
     def __post_init__(self) -> None:
         if not isinstance(self.u, int) or self.u < 1:
             raise ValueError(f"Hybrid(u=...) takes a positive int, got {self.u!r}")
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``strategy="auto"`` as the pass takes it: how many consecutive ranks share a host."""
+
+    per_host: int
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class Config:
                 f"strategy must be one of {STRATEGIES} or ringify.Hybrid(u=...), got "
                 f"{self.strategy!r}"
             )
-        if self.strategy != "ring" and self.dilation is not None:
+        if self.strategy not in ("ring", "auto") and self.dilation is not None:
             raise ValueError("dilated attention runs on the ring: pass strategy='ring' with it")
         for name in ("inputs", "outputs"):
             if getattr(self, name) not in MODES:
@@ -87,6 +96,14 @@ class Config:
 
     def ring(self) -> Ring:
         return resolve_ring(self.group)
+
+    @functools.cached_property
+    def transports(self) -> str | Hybrid | Auto:
+        """The strategy as the pass takes it; ``"auto"`` with the hosts of the ring's ranks,
+        found once (a collective: every rank of the ring asks, at its first trace)."""
+        if self.strategy == "auto":
+            return Auto(ranks_per_host(self.ring()))
+        return self.strategy
 
 
 def _mesh_group(mesh, group) -> dist.ProcessGroup:

@@ -17,7 +17,7 @@ EXACT = 1e-10
 S = 24  # per rank
 
 
-def hf_case(case: str, heads: int, compiled: bool = False, hybrid: int = 0):
+def hf_case(case: str, heads: int, compiled=False, hybrid=0, strategy="ulysses", kv_heads=2):
     import torch.distributed as dist
 
     from ringify import ringify
@@ -29,7 +29,8 @@ def hf_case(case: str, heads: int, compiled: bool = False, hybrid: int = 0):
     if case == "window":
         model = hf_models.mistral(8, heads=heads, kv_heads=2).double()
     else:
-        model = hf_models.llama(heads=heads, kv_heads=2, dim=8 * heads, max_len=4 * seq).double()
+        model = hf_models.llama(heads=heads, kv_heads=kv_heads, dim=8 * heads, max_len=4 * seq)
+        model = model.double()
     ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(1))
     kwargs = {"input_ids": ids, "labels": ids}
     if case == "right":
@@ -45,7 +46,7 @@ def hf_case(case: str, heads: int, compiled: bool = False, hybrid: int = 0):
     model.zero_grad(set_to_none=True)
     from ringify import Hybrid
 
-    strategy = Hybrid(u=hybrid) if hybrid else "ulysses"
+    strategy = Hybrid(u=hybrid) if hybrid else strategy
     ringified = ringify(model, ring_size=world, strategy=strategy)
     run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
     got = run(**kwargs)
@@ -93,6 +94,19 @@ def test_the_hybrid_matches_the_model(ranks, case):
     """Hybrid(u=2) on 4 ranks: the all-to-all inside pairs, K/V round the ring of 2 pairs."""
     for r in ranks(4).run(hf_case, case, 4, False, 2):
         assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+
+
+def test_auto_picks_what_moves_fewer_bytes_inside_a_host(ranks):
+    """All ranks on this host: with GQA (4 heads on 2) the ring moves fewer bytes on 2 ranks;
+    with 4 K/V heads on 4 ranks the all-to-all moves half the ring's."""
+    for r in ranks(2).run(hf_case, "packed", 4, False, 0, "auto"):
+        assert r["runs"] == [AttentionRun.RING] * 2, r
+        assert all("the ring moves fewer bytes" in note for note in r["notes"]), r["notes"]
+        assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+    for r in ranks(4).run(hf_case, "packed", 4, False, 0, "auto", 4):
+        assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["notes"] == ["", ""], r
+        assert all(2 * a == ring for ring, a in r["bytes"]), r["bytes"]
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 

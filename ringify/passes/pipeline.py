@@ -94,7 +94,7 @@ def sharded(
         inputs_full=config.inputs == "full",
         outputs_full=config.outputs == "full",
         dilation=config.dilation,
-        strategy=config.strategy,
+        strategy=config.transports,
     )
     return plan, before, report
 

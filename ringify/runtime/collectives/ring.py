@@ -7,6 +7,7 @@ has one rank), as ``torch.distributed._functional_collectives`` does.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,20 @@ def strided_ring_name(ring: Ring, stride: int) -> str:
         group = dist.new_group(members, use_local_synchronization=True)
         _sub_rings[key] = group.group_name
     return _sub_rings[key]
+
+
+def ranks_per_host(ring: Ring) -> int:
+    """How many consecutive ranks of ``ring`` share each host (an all-gather of host names):
+    the ring's size where all do, 1 where the hosts do not hold equal blocks of consecutive
+    ranks. A collective: every rank of the ring calls it."""
+    if ring.group is None:
+        return 1
+    hosts: list = [None] * ring.size
+    dist.all_gather_object(hosts, socket.gethostname(), group=ring.group)
+    u = hosts.count(hosts[0])
+    blocks = [tuple(hosts[i : i + u]) for i in range(0, ring.size, u)]
+    equal = ring.size % u == 0 and all(len(set(b)) == 1 for b in blocks)
+    return u if equal and len({b[0] for b in blocks}) == len(blocks) else 1
 
 
 _LOCAL_RING = Ring(None, 0, 1)
