@@ -155,6 +155,48 @@ def _all_to_all_bytes(world: int, heads: int, kv_heads: int) -> int:
     return (forward + backward) * (world - 1) // world
 
 
+def learned(world: int, transport: str):
+    """A learned program (a per-key float bias, the same for every head) on the all-to-all:
+    the gathered output, q/k/v gradients and the bias's gradient (each rank's heads' part,
+    summed over the ring as the graph's ``copy_to_ring`` sums them)."""
+    import torch.distributed as dist
+
+    seq = ROWS * world
+    q, k, v, dout, _ = _inputs(seq, 8, 2)
+    docs = document_inputs([seq // 3, seq - seq // 3])
+    bias = torch.randn(1, seq, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    program = document_causal_program(learned=True)
+    name, layout = dist.group.WORLD.group_name, "zigzag"
+    local = [shard(t, 2, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout)]
+    inputs = [*docs, bias.clone().requires_grad_()]
+    plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, name, layout, seq, 2,
+                                            True, transport)  # fmt: skip
+    args = (None, False, 0.3, name, layout, seq, program, inputs, 2, True, plan)
+    out, _ = torch.ops.ringify.ring_attention(*local[:3], *args)
+    out.backward(local[3])
+    dist.all_reduce(inputs[2].grad)
+    got = [gather(t.detach(), 2, layout=layout) for t in (out, *(x.grad for x in local[:3]))]
+    return [*got, inputs[2].grad]
+
+
+@pytest.mark.parametrize("transport", ["all-to-all", "all-to-all:2"])
+def test_a_learned_program_on_the_all_to_all(ranks, transport):
+    seq = ROWS * 4
+    q, k, v, dout, _ = _inputs(seq, 8, 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    docs = document_inputs([seq // 3, seq - seq // 3])
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(1, seq, generator=g, dtype=torch.float64).requires_grad_()
+    mask = evaluate(parse(document_causal_program(learned=True)), [*docs, bias],
+                    slice(0, seq), slice(0, seq), "cpu")  # fmt: skip
+    out = attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+    out.backward(dout)
+    want = [out.detach(), q.grad, k.grad, v.grad, bias.grad]
+    for got in ranks(4).run(learned, 4, transport):
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max().item() <= EXACT
+
+
 def refused(heads: int) -> str:
     try:
         all_to_all("zigzag", "causal", heads, 1, False, 0.0)

@@ -68,9 +68,9 @@ class ReportedAttention:
     layout: str
     dilation: Dilation | None
     bytes_per_step: int
-    # bytes one rank sends in a forward call: K/V round the ring, or the all-to-all's share of
-    # q, K/V (repeated as far as the ring needs) and the output; and why the ring was kept
-    # where the all-to-all was asked for
+    # bytes one rank sends a step (forward, and backward in training) on the ring and on the
+    # all-to-all (``passes/strategy.step_bytes``); and why the ring was kept where the
+    # all-to-all was asked for
     ring_bytes: int = 0
     all_to_all_bytes: int = 0
     strategy_note: str = ""
