@@ -93,13 +93,13 @@ def _run(model, fn, args, kwargs, pick):
     return out.detach(), grads, [a.grad for a in args if a.grad is not None]
 
 
-def compare(name: str, length: int, backend: str | None = None):
+def compare(name: str, length: int, backend: str | None = None, strategy: str = "ring"):
     """On every rank: the largest differences, the report's attention runs and gathers."""
 
     model, args, kwargs, pick = _case(name, length)
     model = model.double()
     want = _run(model, model, args, kwargs, pick)
-    ringified, run = ringified_run(model, backend)
+    ringified, run = ringified_run(model, backend, strategy=strategy)
     got = _run(model, run, args, kwargs, pick)
     assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
     report = ringified.report()
@@ -145,6 +145,17 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
         assert r["gathers"] == [], r["gathers"]
         assert r["runs"] == EXPECTED[name]
         assert bool(r["births"]) == (name in ("vit", "whisper", "wav2vec2", "siglip", "dit"))
+        for kind in ("out", "grads", "inputs"):
+            assert r[kind] <= TOL, (kind, r)
+
+
+@pytest.mark.parametrize(("name", "length"), [("vit", 17), ("wav2vec2", 13), ("dit", 32)])
+def test_the_families_on_the_all_to_all(ranks, name, length):
+    """``strategy="ulysses"``: each sharded self-attention on the all-to-all (4 heads on 2
+    ranks), the rest as on the ring; padded sequences (17, 13) and a DiT's video included."""
+    on_heads = [AttentionRun.ALL_TO_ALL if run is RING else run for run in EXPECTED[name]]
+    for r in ranks(2).run(compare, name, length, None, "ulysses"):
+        assert r["gathers"] == [] and r["runs"] == on_heads, r
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)
 

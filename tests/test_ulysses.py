@@ -114,6 +114,48 @@ def test_auto_picks_what_moves_fewer_bytes_inside_a_host(ranks):
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
+def encoder_and_decoder(name: str):
+    """GPT-2 (a causal program, MHA) and ModernBERT (a padding program and a window):
+    ``strategy="ulysses"`` against the unmodified model, logits and every gradient."""
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.testing import hf_models
+
+    seq = S * dist.get_world_size()
+    torch.manual_seed(0)
+    model = (hf_models.gpt2() if name == "gpt2" else hf_models.modernbert()).double()
+    ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, -5:] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    weights = torch.randn(2, seq, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        logits = run(**kwargs).logits
+        (logits * weights).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = step(model)
+    ringified = ringify(model, ring_size=dist.get_world_size(), strategy="ulysses")
+    got, grads = step(ringified)
+    report = ringified.report()
+    return {
+        "logits": (got - want).abs().max().item(),
+        "grads": max((grads[n] - want_grads[n]).abs().max().item() for n in want_grads),
+        "runs": [a.run for a in report.rewritten],
+        "gathers": len(report.gathers),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "modernbert"])
+def test_gpt2_and_modernbert_on_the_all_to_all(ranks, name):
+    for r in ranks(2).run(encoder_and_decoder, name):
+        assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+
+
 def test_a_hybrid_the_ring_cannot_split_is_refused():
     from ringify import Hybrid, ringify
 
