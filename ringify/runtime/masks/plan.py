@@ -72,10 +72,11 @@ class RingPlan(OpaqueBase):
     travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
     ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
     ``geometry``: the ring, rows and options it was made for. ``transport``: ``RING``, K/V
-    tiles travel round the ring; ``ALL_TO_ALL``, an all-to-all gives each rank every row of
-    its share of the heads, and the plan is one rank's over the whole sequence (its tiles every
-    rank's shard side by side). ``calls``: the ring calls (forward and backward) that ran on
-    it, balanced or on their own tiling."""
+    tiles travel round the ring; ``ALL_TO_ALL`` (or ``"all-to-all:u"``, the hybrid), an
+    all-to-all inside groups of u ranks gives each rank every row of its group's shards for
+    its share of the heads, and the plan is that of the ring of the groups (one rank's over
+    the whole sequence where u is the ring). ``calls`` and ``tile_pairs``: the ring calls
+    (forward and backward) that ran on it, balanced or not, and the tile pairs they saw."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
                  balanced: bool | None, geometry: tuple, transport: str = RING) -> None:  # fmt: skip
@@ -106,7 +107,7 @@ class RingPlan(OpaqueBase):
     def bound_masks(self, inputs: list[torch.Tensor], device: torch.device) -> TileMasks:
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
         call holds them: the step's kept masks reused and added to, its pairs counted here."""
-        kept = self.kept_masks(device, self.geometry[2]) if self.masks.program else None
+        kept = self.kept_masks(device, self.geometry[2])
         return self.masks.bound_to(inputs, device, kept, self.tile_pairs)
 
     def tile_counts(self) -> dict[Visibility, int]:
