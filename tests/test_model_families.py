@@ -149,7 +149,10 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
             assert r[kind] <= TOL, (kind, r)
 
 
-@pytest.mark.parametrize(("name", "length"), [("vit", 17), ("wav2vec2", 13), ("dit", 32)])
+@pytest.mark.parametrize(
+    ("name", "length"),
+    [("vit", 17), pytest.param("wav2vec2", 13, marks=pytest.mark.slow), ("dit", 32)],
+)
 def test_the_families_on_the_all_to_all(ranks, name, length):
     """``strategy="ulysses"``: each sharded self-attention on the all-to-all (4 heads on 2
     ranks), the rest as on the ring; padded sequences (17, 13) and a DiT's video included."""
