@@ -12,17 +12,11 @@ import torch
 
 from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
-from ringify.runtime.masks.program import MaskProgram, evaluate, parse
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.runtime.masks.program import evaluate, parse
+from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
 EXACT = 1e-10
 ROWS = 24  # per rank
-WINDOW = (
-    ("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),
-    ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
-    ("lt.Scalar", ({"op": 1}, 10), "bool"),
-    ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
-)
 
 
 def _case(case: str, seq: int):
@@ -32,7 +26,7 @@ def _case(case: str, seq: int):
     if case == "padded":
         return True, "", [], seq - 5
     if case == "window":
-        return False, MaskProgram((), WINDOW).text(), [], seq
+        return False, window_program(10), [], seq
     lengths = [seq // 3, seq // 2, seq - seq // 3 - seq // 2]
     return False, document_causal_program(), document_inputs(lengths), seq
 

@@ -106,17 +106,9 @@ def test_a_plan_is_a_value_that_says_what_it_decided():
     seen by no one further, not at all); an unmasked ring sends every rank's keys round it; the two print so."""
     from ringify.runtime.collectives.ring import Ring
     from ringify.runtime.masks.plan import plan_for
-    from ringify.runtime.masks.program import MaskProgram
+    from ringify.testing.attention import window_program
 
-    window_of_8 = MaskProgram(
-        roles=(),
-        code=(
-            ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
-            ("ge.Scalar", ({"op": 0}, 0), "bool"),
-            ("lt.Scalar", ({"op": 0}, 8), "bool"),
-            ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
-        ),
-    ).text()
+    window_of_8 = window_program(8)
     ring = Ring(None, 0, 4)
     window = plan_for(ring, 16, None, False, "contiguous", 64, window_of_8, [], 2, True)
     dense = plan_for(ring, 16, None, False, "contiguous", 64, "", [], 2, True)

@@ -16,16 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
 N = 3 * MIN_TILE_ROWS  # one tile of three 1024-row blocks: open pairs cut into blocks
 CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)
-WINDOW = (
-    *CAUSAL,
-    ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
-    ("lt.Scalar", ({"op": 1}, MIN_TILE_ROWS + 100), "bool"),
-    ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
-)
 KEYS = N - 7  # the last keys are padding
 
 
@@ -35,7 +29,7 @@ def _case(name: str):
     if name == "causal":
         return MaskProgram((), CAUSAL).text(), [], False
     if name == "window":
-        return MaskProgram((), WINDOW).text(), [], False
+        return window_program(MIN_TILE_ROWS + 100), [], False
     if name == "packed":
         return document_causal_program(), document_inputs(lengths), False
     bias = torch.randn(1, N, dtype=torch.float32)  # "learned": a per-key float input

@@ -16,16 +16,10 @@ from torch.utils._pytree import tree_leaves
 
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.masks.program import MaskProgram
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
 ROWS = 48  # per rank, in tiles of 12 (tiles_per_chunk 2 under zigzag)
 CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)
-WINDOW = (
-    *CAUSAL,
-    ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
-    ("lt.Scalar", ({"op": 1}, 20), "bool"),
-    ("__and__.Tensor", ({"op": 0}, {"op": 2}), "bool"),
-)
 
 
 class Launches(TorchDispatchMode):
@@ -53,7 +47,8 @@ def two_calls(name: str):
     if name == "packed":
         program, inputs = document_causal_program(), document_inputs([30, seq - 50, 20])
     else:
-        program, inputs = MaskProgram((), CAUSAL if name == "causal" else WINDOW).text(), []
+        program = MaskProgram((), CAUSAL).text() if name == "causal" else window_program(20)
+        inputs = []
     geometry = (dist.group.WORLD.group_name, "zigzag", seq)
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, *geometry, 2)
     sequences = []

@@ -15,6 +15,7 @@ from ringify.passes.report import MaskKind
 from ringify.runtime import shard
 from ringify.runtime.masks.program import MaskProgram, parse
 from ringify.runtime.tiling.tiles import Visibility
+from ringify.testing.attention import window_program
 from ringify.testing.tolerance import relative_difference, rounding
 
 S = 24  # per rank; no other dim of the models has this size times the ring size
@@ -151,19 +152,6 @@ def test_a_given_mask_tensor_is_kept_and_said_why(ranks, world):
         assert "given" in detail
 
 
-def window_program() -> MaskProgram:
-    """A causal sliding window of w keys over positions: q - w < k <= q."""
-    return MaskProgram(
-        roles=(),
-        code=(
-            ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
-            ("ge.Scalar", ({"op": 0}, 0), "bool"),
-            ("lt.Scalar", ({"op": 0}, 8), "bool"),
-            ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
-        ),
-    )
-
-
 def windowed_ring(world, layout):
     """The ring op with a window program vs SDPA on the whole sequence; the tile pairs it
     skipped, ran causal, ran unmasked and ran with a bias; the bytes it sent."""
@@ -184,7 +172,7 @@ def windowed_ring(world, layout):
     want.backward(dout)
     q, k, v = (shard(t, 2, layout=layout).requires_grad_() for t in full)
     name = dist.group.WORLD.group_name
-    program = window_program().text()
+    program = window_program(8)
     plan = plan_for(
         resolve_ring(None), seq // world, None, False, layout, seq, program, [], tiles, True
     )
@@ -230,7 +218,7 @@ def test_program_text_round_trips_and_refuses_other_ops():
     """The op's argument is the program's content: parsed back it is the same program
     (so equal programs are equal arguments on every rank), and an op with no tile form
     is refused when the text is read."""
-    program = window_program()
+    program = parse(window_program(8))
     assert parse(program.text()) == program
     assert parse(program.text()).text() == program.text()
     bad = MaskProgram((), (("mm.default", ({"pos": "q"}, {"pos": "k"}), "int64"),))

@@ -206,11 +206,10 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     bytes_per_step = sum(math.prod(s) for s in kv) * size
     run = AttentionRun.RING if transport == RING else AttentionRun.ALL_TO_ALL
     row = reported(att, run, state, kind, dilation=dilation, bytes=bytes_per_step)
+    ring_bytes, all_to_all_bytes = step_bytes(att, state)
     state.attentions.append(
         dataclasses.replace(
-            row,
-            **dict(zip(("ring_bytes", "all_to_all_bytes"), step_bytes(att, state), strict=True)),
-            strategy_note=note,
+            row, ring_bytes=ring_bytes, all_to_all_bytes=all_to_all_bytes, strategy_note=note
         )
     )
 

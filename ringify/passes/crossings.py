@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ringify.config import Auto, Hybrid
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Fallback, Geometry, Placement, Seq
 from ringify.passes.report import InsertedGather, ReportedAttention
@@ -35,11 +36,11 @@ class PassState:
         group_name: str,
         place: dict[fx.Node, Placement],
         dilation: Dilation | None = None,
-        strategy: str = "ring",
+        strategy: str | Hybrid | Auto = "ring",
     ):
         self.graph, self.geo, self.group_name, self.place = graph, geometry, group_name, place
         self.dilation = dilation  # every attention becomes dilated attention
-        self.strategy = strategy  # "ring", or "ulysses" where an attention allows it
+        self.strategy = strategy  # ``Config.transports``: "ring", "ulysses", Hybrid or Auto
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
         # inserted nodes (and a program's whole inputs) by what made them

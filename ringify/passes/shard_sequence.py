@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from ringify.config import Auto, Hybrid
 from ringify.passes.attention import Attention, find_attention, reported
 from ringify.passes.crossings import PassState
 from ringify.passes.placement import Fallback
@@ -40,7 +41,7 @@ def shard_sequence(
     inputs_full: bool = True,
     outputs_full: bool = True,
     dilation: Dilation | None = None,
-    strategy: str = "ring",
+    strategy: str | Hybrid | Auto = "ring",
 ) -> Report:
     """Rewrite ``graph`` in place into what one rank of the ring runs; what was done."""
     attentions = find_attention(graph)

@@ -16,6 +16,7 @@ from ringify.config import Auto
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import shape, val
 from ringify.passes.placement import Seq
+from ringify.runtime.attention.outputs import accumulation_dtype
 from ringify.runtime.collectives.heads import kv_repeats
 from ringify.runtime.masks.plan import ALL_TO_ALL, RING
 from ringify.runtime.masks.program import program_mask
@@ -44,9 +45,9 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
         return RING, ""
     u = size if strategy == "ulysses" else getattr(strategy, "u", 0)
     if isinstance(strategy, Auto):
-        u = strategy.per_host if 1 < strategy.per_host < size else size
-        if strategy.per_host == 1 and size > 1:
+        if strategy.per_host == 1:
             return RING, "its ranks are not in equal blocks per host: the ring"
+        u = strategy.per_host  # the whole ring where it shares one host
     heads, kv_heads = shape(att.q)[1], shape(att.k)[1]
     if kv_repeats(heads, kv_heads, u) is None:
         return RING, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
@@ -63,13 +64,14 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
 
 def step_bytes(att, state: PassState) -> tuple[int, int]:
     """Bytes one rank sends in a step, ``(ring, all-to-all)``: the forward, and the backward
-    where the graph has parameters that require a gradient (a model in training). The ring: K/V shards P-1 times each way, dK/dV (in the
-    accumulation dtype) P times, on and home (a dense mask: every tile to the last step). The
-    all-to-all: (P-1)/P of q, K/V (repeated as far as it needs), out and lse forward; of dout,
-    q, out, lse, K/V in and dq, dK, dV home backward."""
+    where the graph has parameters that require a gradient (a model in training). The ring:
+    K/V shards P-1 times each way, dK/dV (in the accumulation dtype) P times, on and home (a
+    dense mask: every tile to the last step). The all-to-all: (P-1)/P of q, K/V (repeated as
+    far as it needs), out and lse forward; of dout, q, out, lse, K/V in and dq, dK, dV home
+    backward."""
     p, geo = state.geo.ring_size, state.geo
     e = val(att.q).element_size()
-    acc = 8 if e == 8 else 4  # the accumulators: float64 for float64, else float32
+    acc = accumulation_dtype(val(att.q).dtype).itemsize
     q_e, k_e, v_e = (math.prod(geo.local_shape(shape(x), Seq(2))) for x in (att.q, att.k, att.v))
     kv_e, rows = k_e + v_e, q_e // shape(att.q)[-1]  # lse: one per query row and head
     repeats = kv_repeats(shape(att.q)[1], shape(att.k)[1], p) or 1

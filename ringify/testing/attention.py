@@ -74,6 +74,17 @@ def document_causal_program(learned: bool = False) -> str:
     return MaskProgram(roles, tuple(code)).text()
 
 
+def window_program(width: int) -> str:
+    """A causal sliding window of ``width`` keys as a program: q - width < k <= q."""
+    code = (
+        ("sub.Tensor", ({"pos": "q"}, {"pos": "k"}), "int64"),
+        ("ge.Scalar", ({"op": 0}, 0), "bool"),
+        ("lt.Scalar", ({"op": 0}, width), "bool"),
+        ("__and__.Tensor", ({"op": 1}, {"op": 2}), "bool"),
+    )
+    return MaskProgram((), code).text()
+
+
 def document_inputs(lengths: list[int]) -> list[torch.Tensor]:
     """``document_causal_program``'s inputs for documents of ``lengths`` packed in order:
     the document of each position along queries (S, 1) and along keys (1, S)."""

@@ -72,24 +72,24 @@ def sub_ring_name(ring: Ring, size: int) -> str:
         return LOCAL
     if size == ring.size:
         return ring.name
-    key = (ring.name, size)
-    if key not in _sub_rings:
-        first = ring.rank // size * size
-        members = [ring.global_rank(first + i) for i in range(size)]
-        group = dist.new_group(members, use_local_synchronization=True)
-        _sub_rings[key] = group.group_name
-    return _sub_rings[key]
+    first = ring.rank // size * size
+    return _group_name(ring, (ring.name, size), range(first, first + size))
 
 
 def strided_ring_name(ring: Ring, stride: int) -> str:
     """The name of the group of ``ring``'s ranks whose place in their block of ``stride``
     consecutive ranks is this rank's (one of each block, in rank order): the ring across
     ``sub_ring_name(ring, stride)``'s groups. Created and cached as that is."""
-    key = (ring.name, -stride)
+    members = range(ring.rank % stride, ring.size, stride)
+    return _group_name(ring, (ring.name, -stride), members)
+
+
+def _group_name(ring: Ring, key: tuple, members: range) -> str:
+    """The name of the group of ``ring``'s ranks ``members``, made by them alone on first use
+    (local synchronisation) and kept by ``key``."""
     if key not in _sub_rings:
-        members = [ring.global_rank(r) for r in range(ring.rank % stride, ring.size, stride)]
-        group = dist.new_group(members, use_local_synchronization=True)
-        _sub_rings[key] = group.group_name
+        ranks = [ring.global_rank(r) for r in members]
+        _sub_rings[key] = dist.new_group(ranks, use_local_synchronization=True).group_name
     return _sub_rings[key]
 
 

@@ -190,16 +190,11 @@ def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) ->
     """``(home, queries, masks, balanced)``: what a plan decides on the host."""
     if transport != RING:
         return _over_heads(ring, geometry, program, host, heads_group(transport, ring.size))
-    _, _, rows, is_causal, layout, key_len, per_chunk, balance, device_type = geometry
-    if not program:
-        home = _home(ring, geometry, None, program)
-        return home, home, TileMasks(home, ring.size, None, is_causal, key_len, "", []), None
-    if not per_chunk:
-        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
-    home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
+    _, _, _, is_causal, _, key_len, _, balance, device_type = geometry
+    home = _program_home(ring, geometry, program, host)
     varlen = tiles.on_accelerator(device_type)  # FA2 varlen calls for open pairs (GPU tiles)
     masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host, varlen)
-    if not (balance and ring.size > 1):
+    if not (program and balance and ring.size > 1):
         return home, home, masks, None
     queries = balanced_tiling(masks, min_gain_area(device_type))
     if queries is None:
@@ -211,15 +206,13 @@ def _over_heads(ring: Ring, geometry: tuple, program: str, host, u: int) -> tupl
     """What a call decides whose all-to-all spans groups of ``u`` ranks: the plan of a ring of
     the P / u groups (one rank's, over every row, where u = P), group j holding every row of
     its ranks' shards side by side, in rank order, as the all-to-all lays them."""
-    _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
+    _, _, rows, is_causal, _, key_len, _, _, device_type = geometry
     if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
         raise ValueError(
             "the all-to-all transport splits the heads, and this mask program differs per "
             "head (a learned per-head bias); use the ring for this attention"
         )
-    if program and not per_chunk:
-        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
-    home = _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
+    home = _program_home(ring, geometry, program, host)
 
     @functools.cache
     def group_rows(j: int) -> list[Tile]:
@@ -233,6 +226,15 @@ def _over_heads(ring: Ring, geometry: tuple, program: str, host, u: int) -> tupl
     groups = ring.size // u
     masks = TileMasks(group_rows, groups, None, is_causal, key_len, program, host, varlen)
     return group_rows, group_rows, masks, None
+
+
+def _program_home(ring: Ring, geometry: tuple, program: str, host) -> Tiling:
+    """Every rank's tiles under ``program`` (finer where it leaves each query a short span of
+    keys, unless the call forced a tiling), or with no program."""
+    _, _, rows, _, layout, _, per_chunk, _, device_type = geometry
+    if program and not per_chunk:
+        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
+    return _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
 
 
 def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
