@@ -20,14 +20,21 @@ Each rank compiles into an Inductor cache of its own (kept for the next pool's r
 same index), unless ``inductor_cache`` names one for every rank: the ranks of a pool compile
 the same kernels at the same moment, and Inductor's C++ code cache is not safe for that (a
 rank may load another's half-written ``.so``: "file too short", pytorch/torchdynamo#1347).
+The kept caches are per version of ringify's source: Inductor's FX graph cache keys a graph
+by its code, not by the schemas of the custom ops it calls, so a cache written before an op
+changed its schema would run the old compiled code on the new op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import hashlib
 import os
+import pathlib
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -37,6 +44,7 @@ import traceback
 import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = 30
+STALE_CACHE_S = 6 * 3600
 STARTUP_S = 600  # start-up or unpickling slower than this is a broken machine, not a slow one
 
 
@@ -183,8 +191,27 @@ class RankPool:
 
 
 def _own_inductor_cache(rank: int) -> str:
-    """Rank ``rank``'s own Inductor cache, kept for the next pool's rank ``rank``."""
-    return os.path.join(tempfile.gettempdir(), f"ringify-inductor-{os.getuid()}", f"rank{rank}")
+    """Rank ``rank``'s own Inductor cache, kept for the next pool's rank ``rank`` while
+    ringify's source is unchanged."""
+    return os.path.join(_source_cache(), f"rank{rank}")
+
+
+@functools.cache
+def _source_cache() -> str:
+    """The kept caches' folder for this version of ringify's source. Those of other versions
+    made more than a few hours ago are removed (a run of another checkout may be using a
+    newer one)."""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    root = pathlib.Path(tempfile.gettempdir(), f"ringify-inductor-{os.getuid()}")
+    here = root / digest.hexdigest()[:16]
+    for other in root.glob("*") if root.is_dir() else ():
+        with contextlib.suppress(FileNotFoundError):  # another pool removed it first
+            if other != here and time.time() - other.stat().st_mtime > STALE_CACHE_S:
+                shutil.rmtree(other, ignore_errors=True)
+    return str(here)
 
 
 @contextlib.contextmanager
