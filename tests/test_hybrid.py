@@ -66,6 +66,7 @@ def compare(world: int, length: int, backend: str | None):
         "wrong": exceeding(differences(got, want), tolerances),
         "runs": [a.run for a in report.attentions],
         "gathered": {x.op for x in report.gathers},
+        "resharded": [(r.entered, r.gathered) for r in report.resharded],
     }
 
 
@@ -76,4 +77,7 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     for r in ranks(world).run(compare, world, length, backend):
         assert r["wrong"] == {}, r
         assert r["runs"] == [AttentionRun.RING]
-        assert r["gathered"] and "aten.conv1d.default" not in r["gathered"], r["gathered"]
+        assert r["gathered"] == set(), r
+        # the scan's five inputs (x, x * dt, A * dt, B, C) each move onto the heads (dim 2)
+        ((entered, whole),) = r["resharded"]
+        assert [d for _, d in entered] == [2] * 5 and whole == (), r["resharded"]

@@ -5,6 +5,8 @@
 - ``gather``: the full tensor from every rank's part, for an op with no local rule.
 - ``copy_to_ring``: a replicated tensor a sharded computation uses whole (a weight,
   a broadcast operand); identity forward, its partial gradients summed backward.
+- ``to_dim`` / ``from_dim``: between the sequence and a share of another dim, for a region
+  that needs the whole sequence (``resharded.py``); ``share`` and ``gather_dim`` within it.
 
 Each crossing is inserted once per (tensor, kind) and reused. Inserted nodes carry
 the *global* value of the tensor they stand for, like every node of the graph.
@@ -18,9 +20,10 @@ from torch import fx
 from ringify.config import Auto, Hybrid
 from ringify.passes.nodes import is_tensor, shape, val
 from ringify.passes.placement import Fallback, Geometry, Placement, Seq
-from ringify.passes.report import InsertedGather, ReportedAttention
+from ringify.passes.report import InsertedGather, ReportedAttention, ReshardedRegion
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.reduce import copy_to_ring
+from ringify.runtime.collectives.reshard import from_dim_op, to_dim_op
 
 ringify_ops = torch.ops.ringify
 
@@ -43,6 +46,10 @@ class PassState:
         self.strategy = strategy  # ``Config.transports``: "ring", "ulysses", Hybrid or Auto
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
+        self.resharded: list[ReshardedRegion] = []
+        # a region's value gathered on its dim -> (the value, the dim): read back into the
+        # sequence by one all-to-all instead of the gather
+        self.on_dim: dict[fx.Node, tuple[fx.Node, int]] = {}
         # inserted nodes (and a program's whole inputs) by what made them
         self._cache: dict[tuple, object] = {}
 
@@ -63,6 +70,9 @@ class PassState:
         key = ("slice", x, seq, pad_value)
         if key in self._cache:
             return self._cache[key]
+        if x in self.on_dim and self.geo.alone(shape(x)[seq.dim], seq):
+            self._cache[key] = y = self._from_dim(*self.on_dim[x], seq, pad_value)
+            return y
         g, geo, units = self.graph, self.geo, self.geo.in_units(seq)
         with g.inserting_before(self.after(x)):
             factored = geo.factored_shape(shape(x), seq, units.length)
@@ -105,6 +115,48 @@ class PassState:
         y.meta["val"] = val(x)
         self.place[y] = None
         self._cache[key] = y
+        return y
+
+    def to_dim(self, x: fx.Node, dim: int) -> fx.Node:
+        """Every position of this rank's share of ``dim``, from sharded ``x`` (all-to-all)."""
+        key = ("to_dim", x, dim)
+        if key not in self._cache:
+            args = (x, self.place[x].dim, dim, self.group_name, self.geo.layout, self.geo.length)
+            self._cache[key] = self._inserted(x, to_dim_op._opoverload, args, x)
+        return self._cache[key]
+
+    def _from_dim(self, x: fx.Node, dim: int, seq: Seq, pad_value) -> fx.Node:
+        """This rank's positions of all of ``dim``, from its share ``x`` (all-to-all)."""
+        geo = self.geo
+        args = (x, seq.dim, dim, self.group_name, geo.layout, geo.padded, float(pad_value))
+        y = self._inserted(x, from_dim_op._opoverload, args, x)
+        self.place[y] = seq
+        return y
+
+    def share(self, x: fx.Node, dim: int) -> fx.Node:
+        """This rank's share of ``dim`` of whole ``x`` (a per-head weight, say)."""
+        key = ("share", x, dim)
+        if key not in self._cache:
+            args = (x, dim, self.group_name, "contiguous")
+            self._cache[key] = self._inserted(x, ringify_ops.take_shard.default, args, x)
+        return self._cache[key]
+
+    def gather_dim(self, x: fx.Node, dim: int) -> fx.Node:
+        """Whole ``x`` from every rank's share of ``dim``; read back into the sequence by
+        ``slice``, as the all-to-all."""
+        key = ("gather_dim", x, dim)
+        if key not in self._cache:
+            args = (x, dim, self.group_name, "contiguous", -1)
+            self._cache[key] = y = self._inserted(x, ringify_ops.gather.default, args, x)
+            self.place[y] = None
+            self.on_dim[y] = (x, dim)
+        return self._cache[key]
+
+    def _inserted(self, after: fx.Node, target, args: tuple, like: fx.Node) -> fx.Node:
+        """``target(*args)`` right after ``after``, standing for ``like``'s global value."""
+        with self.graph.inserting_before(self.after(after)):
+            y = self.graph.call_function(target, args)
+        y.meta["val"] = val(like)
         return y
 
     def _in_memory_order_of(self, x: fx.Node, y: fx.Node) -> fx.Node:
@@ -168,6 +220,9 @@ class PassState:
                 node.replace_input_with(a, self.gather(a))
         out = val(node)
         self.place[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
+        self.report_gather(node, fallback)
+
+    def report_gather(self, node: fx.Node, fallback: Fallback) -> None:
         self.gathers.append(
             InsertedGather(node.name, str(node.target), fallback.reason, fallback.detail)
         )

@@ -85,6 +85,19 @@ class InsertedGather:
 
 
 @dataclass(frozen=True)
+class ReshardedRegion:
+    """A region that needs the whole sequence, run on every position of a share of another
+    dim: its inputs moved there by one all-to-all each (``entered``: name and dim), those
+    with no such dim gathered (``gathered``)."""
+
+    node: str  # its first node
+    nodes: int
+    entered: tuple[tuple[str, int], ...]
+    gathered: tuple[str, ...]
+    moved_bytes: int  # of the inputs that entered on a dim (global sizes)
+
+
+@dataclass(frozen=True)
 class Report:
     ring_size: int
     layout: str
@@ -98,6 +111,8 @@ class Report:
     # the lengths this graph serves: "this length", or the range one graph holds for; where
     # a second length was traced anew, why (``ringify/lengths.py``)
     lengths: str = "this length"
+    # regions run on a share of another dim instead of gathered (``passes/resharded.py``)
+    resharded: tuple[ReshardedRegion, ...] = ()
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
@@ -116,9 +131,15 @@ class Report:
         )
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"
+        resharded = _table(self.resharded)
         return (
             f"{head}\n\nattention:\n{attn}\n\n"
             f"gathers inserted (ops run on the full sequence):\n{gathers}\n"
+            + (
+                f"\nregions on a share of another dim (all-to-all):\n{resharded}\n"
+                if resharded
+                else ""
+            )
         )
 
 

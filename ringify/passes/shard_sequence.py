@@ -11,7 +11,8 @@ rewrite then walks the graph once and makes each rank compute exactly its part:
   (``rules.py``): local sizes, replicated operands sliced or copied to the ring,
   reductions over the ring, attention into the ring op;
 - a node no rule can shard has its sharded inputs gathered and runs replicated:
-  always exact, and reported.
+  always exact, and reported; unless it and what is computed from it keep another dim
+  independent, where they run on a share of that dim instead (``resharded.py``).
 
 A sequence the ring cannot split evenly is padded at the end (``plan.py``
 decides): causal attention never looks at the padding, otherwise the op cuts the
@@ -29,6 +30,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.placement import Fallback
 from ringify.passes.plan import Plan
 from ringify.passes.report import AttentionRun, Report
+from ringify.passes.resharded import reshard_plans, rewrite_member
 from ringify.passes.rules import infer_placements, rule_for
 from ringify.runtime.attention.dilation import Dilation
 
@@ -48,10 +50,16 @@ def shard_sequence(
     inference = infer_placements(graph, plan.geometry, plan.seeds)
     place = dict(inference.place.of)
     state = PassState(graph, plan.geometry, group_name, place, dilation, strategy)
+    resharding = reshard_plans(graph, inference, plan.geometry, group_name)
     for node in list(graph.nodes):
         if getattr(node, "_erased", False):  # an attention kernel's outputs, already replaced
             continue
-        if node in plan.gathered and not inputs_full:
+        if node in resharding:
+            decided = inference.decisions.get(node)
+            if isinstance(decided, Fallback) and resharding[node].gathers_for(node):
+                state.report_gather(node, decided)
+            rewrite_member(node, resharding[node], state)
+        elif node in plan.gathered and not inputs_full:
             state.place[node] = plan.gathered[node]
             users = list(node.users)
             full = state.gather(node)
@@ -84,6 +92,7 @@ def shard_sequence(
         tuple(n.name for n in plan.births),
         _every_attention(attentions, state),
         tuple(state.gathers),
+        resharded=tuple(state.resharded),
     )
 
 

@@ -28,7 +28,7 @@ def to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     p = ring.size
     # (P, B, H/P, s, ...): the part for rank g first, so that it is one contiguous block
     parts = x.reshape(b, p, h // p, s, *rest).transpose(0, 1).contiguous()
-    received = _exchanged(parts, ring)
+    received = exchanged(parts, ring)
     # received[g]: rank g's rows of this rank's heads -> rows in rank order
     return received.permute(1, 2, 0, 3, *range(4, parts.dim())).reshape(b, h // p, p * s, *rest)
 
@@ -41,12 +41,12 @@ def to_sequence(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     p, s = ring.size, rows // ring.size
     # (P, B, H/P, s, ...): rank g's rows of this rank's heads
     parts = x.reshape(b, hp, p, s, *rest).permute(2, 0, 1, 3, *range(4, x.dim() + 1))
-    received = _exchanged(parts.contiguous(), ring)
+    received = exchanged(parts.contiguous(), ring)
     # received[g]: this rank's rows of rank g's heads -> heads in rank order
     return received.transpose(0, 1).reshape(b, p * hp, s, *rest)
 
 
-def _exchanged(parts: torch.Tensor, ring: Ring) -> torch.Tensor:
+def exchanged(parts: torch.Tensor, ring: Ring) -> torch.Tensor:
     """``parts[g]`` sent to rank g; what each rank sent this one, in rank order."""
     received = torch.empty_like(parts)
     dist.all_to_all_single(received, parts, group=ring.group)

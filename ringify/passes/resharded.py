@@ -1,0 +1,305 @@
+"""Regions that need the whole sequence but keep another dim independent: run on a share of it.
+
+A node no rule can shard (an SSM's chunked scan, a recurrence) has its inputs gathered, and
+it and everything computed from it alone run whole on every rank: memory O(S) per rank.
+Where that region never mixes along another dim (heads, channels, the batch), one
+all-to-all per input moves it from the sequence onto that dim instead
+(``ringify::to_dim``), the region runs on every position of this rank's 1/P of it, and one
+all-to-all per output moves it back where a sharded op reads it (``ringify::from_dim``):
+DeepSpeed-Ulysses' exchange, found by the pass, with memory O(S/P).
+
+Which dims an op keeps independent is DTensor's knowledge: its sharding propagation is asked
+op by op, with the region's inputs ``Shard(dim)`` and everything else ``Replicate``. A region
+is resharded only if no op asks for a collective; a replicated operand it asks to be sharded
+(a per-head parameter) is sliced locally, and an input it never asks to shard stays
+gathered. Shapes the ops take (views, expands) become local as DTensor computes them. Each
+input's dim is tried where it divides by the ring; the choice that gathers fewest bytes wins.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils import _pytree as pytree
+
+from ringify.passes.crossings import PassState
+from ringify.passes.nodes import ASSERTS, is_tensor, shape, val
+from ringify.passes.placement import Fallback, Geometry, Seq
+from ringify.passes.report import ReshardedRegion
+from ringify.runtime.collectives.ring import ring_by_name
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Resharded:
+    """One region's plan: where each of its values lives (a dim of its share, ``None``: whole,
+    a list for several outputs), the dim each sequence-sharded input enters on (``None``:
+    gathered), and per node the whole operands it reads as this rank's share of a dim."""
+
+    nodes: list[fx.Node]
+    inputs: dict[fx.Node, int | None]
+    dims: dict[fx.Node, object] = field(default_factory=dict)
+    shares: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)
+    read: set[fx.Node] = field(default_factory=set)  # inputs some node has read
+
+    def gathered_bytes(self) -> int:
+        return sum(_nbytes(x) for x, d in self.inputs.items() if d is None)
+
+    def gathers_for(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads an input that still enters whole (gathered)."""
+        return any(self.inputs.get(a, 0) is None for a in node.all_input_nodes)
+
+
+def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
+    """The gathered regions of an inferred graph: each a fallback node with everything
+    computed whole from it, joined where they meet, in graph order."""
+    owner: dict[fx.Node, int] = {}
+    parent: list[int] = []
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        whole_from = {find(owner[a]) for a in node.all_input_nodes if a in owner}
+        if isinstance(decisions.get(node), Fallback):
+            parent.append(len(parent))
+            whole_from.add(parent[-1])
+        elif node in decisions or not whole_from:
+            continue  # a sharded op (it reads a region's value as a slice), or not reached
+        root = min(whole_from)
+        for r in whole_from:
+            parent[r] = root
+        owner[node] = root
+    found: dict[int, list[fx.Node]] = {}
+    for node, i in owner.items():
+        found.setdefault(find(i), []).append(node)
+    return list(found.values())
+
+
+def plan_region(
+    nodes: list[fx.Node], place: dict, geo: Geometry, group_name: str
+) -> Resharded | None:
+    """The region's plan that gathers fewest bytes, chosen one input at a time (its dims
+    from the last to the first: heads before the batch), or None where nothing moves."""
+    members = set(nodes)
+    inputs = [a for a in _inputs(nodes, members) if isinstance(place.get(a), Seq)]
+    if not inputs or not all(geo.alone(shape(a)[place[a].dim], place[a]) for a in inputs):
+        return None
+    mesh = _mesh(group_name, val(inputs[0]).device.type)
+    seeds: dict[fx.Node, int] = {}
+    best = _propagated(nodes, members, inputs, seeds, mesh, geo)
+    if best is None:
+        return None
+    for a in inputs:
+        if best.inputs[a] is not None:
+            continue
+        for d in reversed(range(len(shape(a)))):
+            if d == place[a].dim or shape(a)[d] % geo.ring_size:
+                continue
+            trial = _propagated(nodes, members, inputs, seeds | {a: d}, mesh, geo)
+            if trial is not None and trial.gathered_bytes() < best.gathered_bytes():
+                best, seeds[a] = trial, d
+                break
+    return best if best.gathered_bytes() < sum(map(_nbytes, inputs)) else None
+
+
+def _propagated(nodes, members, inputs, seeds, mesh, geo) -> Resharded | None:
+    """The region's plan with ``seeds`` entering on their dims, or None where an op would
+    need a collective (or has no sharding strategy)."""
+    plan = Resharded(nodes, {a: seeds.get(a) for a in inputs})
+    for node in nodes:
+        placed = _node_placed(node, members, plan, mesh, geo)
+        if placed is False:
+            return None
+        plan.dims[node] = placed
+        plan.read.update(a for a in node.all_input_nodes if a in plan.inputs)
+    return plan
+
+
+def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh, geo: Geometry):
+    if node.target is operator.getitem:
+        outs = plan.dims[node.args[0]]
+        return outs[node.args[1]] if isinstance(outs, list) else outs
+    if node.target in ASSERTS:  # erased by the rewrite: it computes nothing
+        return None
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target in STRIDED:
+        return False
+
+    def spec(a: fx.Node) -> DTensorSpec:
+        d = plan.dims[a] if a in members else plan.inputs.get(a)
+        return _spec(mesh, val(a), d)
+
+    if node.target is torch.ops.aten.einsum.default:
+        return _einsum(node, [spec(a) for a in node.args[1]], plan)
+    args, kwargs = fx.node.map_aggregate(
+        (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
+    )  # fmt: skip
+    try:
+        out = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(
+            OpSchema(node.target, tuple(args), dict(kwargs))
+        )
+    except Exception:  # no strategy for the op: the region stays gathered
+        return False
+    if out.needs_redistribute:
+        wanted = out.redistribute_schema
+        have = pytree.tree_leaves((args, kwargs), is_leaf=_is_spec)
+        want = pytree.tree_leaves((wanted.args_schema, wanted.kwargs_schema), is_leaf=_is_spec)
+        for a, h, w in zip(pytree.tree_leaves((node.args, node.kwargs)), have, want, strict=True):
+            if not _is_spec(h) or h.placements == w.placements:
+                continue
+            d = _shard_dim(w)
+            if d is None or _shard_dim(h) is not None:
+                return False  # a collective inside the region
+            _read_as_share(plan, node, a, d)
+    return _placed(out.output_spec, geo)
+
+
+def _einsum(node: fx.Node, specs: list[DTensorSpec], plan: Resharded):
+    """An einsum's output dim (DTensor decomposes it at run time and has no rule for it):
+    one label may be sharded, in every operand that has it and in the output (a contracted
+    one would be a partial sum); a whole operand with that label is read as a share."""
+    equation, operands = node.args
+    ins, _, out = equation.replace(" ", "").partition("->")
+    ins = ins.split(",")
+    if "." in equation or not out:
+        return False
+    labels = {ins[i][d] for i, s in enumerate(specs) if (d := _shard_dim(s)) is not None}
+    if len(labels) != 1:
+        return None if not labels else False
+    (label,) = labels
+    if label not in out:
+        return False
+    for a, spec, labels_in in zip(operands, specs, ins, strict=True):
+        if label in labels_in and _shard_dim(spec) is None:
+            _read_as_share(plan, node, a, labels_in.index(label))
+    return out.index(label)
+
+
+def _read_as_share(plan: Resharded, node: fx.Node, a: fx.Node, d: int) -> None:
+    """``node`` reads whole ``a`` as this rank's share of dim ``d``: an input no node has
+    read yet enters on ``d``; anything else is sliced there (a local copy)."""
+    if plan.inputs.get(a, 0) is None and a not in plan.read:
+        plan.inputs[a] = d
+    else:
+        plan.shares.setdefault(node, {})[a] = d
+
+
+def _placed(spec, geo: Geometry):
+    """An output's dim (None: whole), a list for several, or False where it is a partial
+    sum or an uneven share."""
+    if isinstance(spec, (list, tuple)):
+        dims = [_placed(s, geo) for s in spec]
+        return False if False in dims else dims
+    if spec is None:
+        return None
+    (p,) = spec.placements
+    if p.is_partial():
+        return False
+    d = _shard_dim(spec)
+    if d is not None and spec.tensor_meta.shape[d] % geo.ring_size:
+        return False
+    return d
+
+
+def _inputs(nodes: list[fx.Node], members: set) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in members and is_tensor(a):
+                seen[a] = None
+    return list(seen)
+
+
+def _mesh(group_name: str, device_type: str) -> DeviceMesh:
+    return DeviceMesh.from_group(ring_by_name(group_name).group, device_type)
+
+
+def _spec(mesh: DeviceMesh, value: torch.Tensor, dim: int | None) -> DTensorSpec:
+    placement = Replicate() if dim is None else Shard(dim)
+    meta = TensorMeta(value.shape, value.stride(), value.dtype)
+    return DTensorSpec(mesh, (placement,), tensor_meta=meta)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, DTensorSpec)
+
+
+def _shard_dim(spec: DTensorSpec) -> int | None:
+    (p,) = spec.placements
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _nbytes(x: fx.Node) -> int:
+    v = val(x)
+    return v.numel() * v.element_size()
+
+
+# ops whose shape and stride arguments DTensor would make local: refused
+STRIDED = frozenset({aten.new_empty_strided.default, aten.as_strided.default})
+# the ops whose argument 1 is a shape: its sharded dim becomes the local size
+SHAPED = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+})  # fmt: skip
+
+
+def reshard_plans(graph: fx.Graph, inference, geo: Geometry, group_name: str) -> dict:
+    """Every gathered region's plan where one moves bytes off the gather, by member node."""
+    plans: dict[fx.Node, Resharded] = {}
+    for nodes in regions(graph, inference.decisions):
+        plan = plan_region(nodes, inference.place.of, geo, group_name)
+        plans.update(dict.fromkeys(nodes, plan) if plan is not None else {})
+    return plans
+
+
+def rewrite_member(node: fx.Node, plan: Resharded, state: PassState) -> None:
+    """``node`` on this rank's share: its inputs moved onto their dims (or gathered), whole
+    operands it reads as a share sliced, its shape arguments local; a value that a sharded
+    op reads back is gathered on its dim, which the crossing into the sequence replaces by
+    the all-to-all (``PassState.slice``)."""
+    if node.target in ASSERTS:
+        state.graph.erase_node(node)
+        return
+    if node is plan.nodes[0]:
+        state.resharded.append(_reported(plan, state))
+    shares = plan.shares.get(node, {})
+
+    def operand(a):
+        if not isinstance(a, fx.Node) or a in plan.dims:
+            return state.share(a, shares[a]) if a in shares else a
+        if a in plan.inputs:
+            d = plan.inputs[a]
+            a_in = state.to_dim(a, d) if d is not None else state.gather(a)
+            return state.share(a_in, shares[a]) if a in shares else a_in
+        return state.share(a, shares[a]) if a in shares else a
+
+    node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), operand)
+    d = plan.dims[node]
+    if node.target in SHAPED and isinstance(d, int) and node.args[1][d] != -1:
+        sizes = list(node.args[1])
+        sizes[d] //= state.geo.ring_size
+        node.args = (node.args[0], sizes, *node.args[2:])
+    outside = [u for u in node.users if u not in plan.dims]
+    if outside and isinstance(d, int):
+        whole = state.gather_dim(node, d)
+        for u in outside:
+            u.replace_input_with(node, whole)
+
+
+def _reported(plan: Resharded, state: PassState) -> ReshardedRegion:
+    entered = tuple((x.name, d) for x, d in plan.inputs.items() if d is not None)
+    whole = tuple(x.name for x, d in plan.inputs.items() if d is None)
+    moved = sum(_nbytes(x) for x, d in plan.inputs.items() if d is not None)
+    return ReshardedRegion(plan.nodes[0].name, len(plan.nodes), entered, whole, moved)
