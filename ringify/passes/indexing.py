@@ -4,7 +4,8 @@ Off the sequence dim each is local to the rank (replicated indices are used
 whole, or sliced where they line up with the sequence). Along it, a select (a cls
 token), or a slice or index_select of no more positions than a rank holds (the
 last token), is taken from the ranks that hold those positions (``ring_take``):
-the result is replicated. Longer picks fall back (a gather).
+the result is replicated. Longer picks fall back (a gather), and so do picks that take more
+positions of one tensor in all than a rank holds (a recurrence unrolled over positions).
 """
 
 from __future__ import annotations
@@ -107,7 +108,25 @@ def _taken(node, place, p: Seq, dim: int) -> Fallback | None:
         return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
     if count > place.geometry.local:
         return Fallback(GatherReason.ALONG_SEQUENCE, f"({count} positions: more than a shard)")
+    # picked one by one (a recurrence unrolled over the positions): the gather, once
+    total = sum(_picked_count(u, p.dim) for u in x.users)
+    if total > place.geometry.local:
+        return Fallback(
+            GatherReason.ALONG_SEQUENCE, f"({total} positions picked: more than a shard)"
+        )
     return None
+
+
+def _picked_count(user, dim: int) -> int:
+    """The positions ``user`` picks along ``dim`` of its input (0 if it picks none there)."""
+    if user.target not in (aten.select.int, aten.slice.Tensor, aten.index_select.default):
+        return 0
+    x = user.args[0]
+    at = user.args[1] if len(user.args) > 1 else 0
+    if norm_dim(at, len(shape(x))) != dim:
+        return 0
+    out = val(user).shape
+    return out[dim] if len(out) == len(shape(x)) else 1
 
 
 def rewrite_indexing(node, out: Placement, state: PassState) -> None:

@@ -2,7 +2,7 @@
 ``einsum``.
 
 The rows of ``x @ w`` are computed from the rows of ``x``: a sharded x gives a sharded
-output, its weights used whole. A ``w`` sharded along its columns (k transposed, when an
+output, its weights used whole; so do the columns of a sharded w under a whole x. A ``w`` sharded along its columns (k transposed, when an
 attention map is itself an output) is gathered whole on every rank, reported, so that
 each rank computes its rows of the map from the whole keys: O(S) gathered, never S x S.
 """
@@ -39,11 +39,14 @@ def infer_baddbmm(node, place: Placements):
 
 def _product_rows(node, x, w, place: Placements):
     """Rows of x times w: x's sequence rows give the output's. A w sharded along its
-    columns (k transposed, for the rows of an attention map) is gathered whole."""
+    columns (k transposed, for the rows of an attention map) is gathered whole, unless x is
+    whole: then w's columns give the output's (Mamba's ``dt_proj.weight @ dt^T``)."""
     whole_w = place.sharded(w) and len(shape(w)) >= 2 and place[w].dim == len(shape(w)) - 1
     rows = place.sharded(x) and place[x].dim < len(shape(x)) - 1
     if rows and (whole_w or not place.sharded(w)):
         return place[x].at(place[x].dim + val(node).dim() - len(shape(x)))
+    if whole_w and not place.sharded(x):  # W @ x^T: a whole W, columns of the sequence
+        return place[w].at(val(node).dim() - 1)
     batch = len(shape(x)) == len(shape(w)) and place[x] == place[w]
     if batch and place.sharded(x) and place[x].dim < len(shape(x)) - 2:
         return place[x]  # both sharded on a batch dim (one token's expert copies): local
@@ -57,7 +60,7 @@ def rewrite_product(node, out, state: PassState) -> None:
     x = node.args[1] if node.target is aten.baddbmm.default else node.args[0]
     if state.sharded(w) and state.place.get(w) == state.place.get(x) == out:
         return  # a batched product of two sharded operands: local
-    if state.sharded(w):
+    if state.sharded(w) and state.sharded(x):
         node.replace_input_with(w, state.gather(w))
         state.gathers.append(
             InsertedGather(node.name, str(node.target), GatherReason.WHOLE_FACTOR, f"({w.name})")

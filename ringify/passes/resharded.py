@@ -48,14 +48,15 @@ class Resharded:
     inputs: dict[fx.Node, int | None]
     dims: dict[fx.Node, object] = field(default_factory=dict)
     shares: dict[fx.Node, dict[fx.Node, int]] = field(default_factory=dict)
-    read: set[fx.Node] = field(default_factory=set)  # inputs some node has read
+    read: dict[fx.Node, fx.Node] = field(default_factory=dict)  # input -> its first reader
 
     def gathered_bytes(self) -> int:
         return sum(_nbytes(x) for x, d in self.inputs.items() if d is None)
 
     def gathers_for(self, node: fx.Node) -> bool:
-        """Whether ``node`` reads an input that still enters whole (gathered)."""
-        return any(self.inputs.get(a, 0) is None for a in node.all_input_nodes)
+        """Whether ``node`` is the first to read an input that still enters whole (gathered):
+        the gather reported once."""
+        return any(self.read.get(a) is node for a, d in self.inputs.items() if d is None)
 
 
 def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
@@ -124,7 +125,9 @@ def _propagated(nodes, members, inputs, seeds, mesh, geo) -> Resharded | None:
         if placed is False:
             return None
         plan.dims[node] = placed
-        plan.read.update(a for a in node.all_input_nodes if a in plan.inputs)
+        for a in node.all_input_nodes:
+            if a in plan.inputs and a not in plan.read:
+                plan.read[a] = node
     return plan
 
 
@@ -141,8 +144,16 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh, geo: Geomet
         d = plan.dims[a] if a in members else plan.inputs.get(a)
         return _spec(mesh, val(a), d)
 
-    if node.target is torch.ops.aten.einsum.default:
-        return _einsum(node, [spec(a) for a in node.args[1]], plan)
+    if node.target is aten.einsum.default:
+        equation, operands = node.args
+        return _einsum(node, equation, operands, [spec(a) for a in operands], plan)
+    if node.target in (aten.tril.default, aten.triu.default):  # no DTensor rule: batch dims
+        d = spec(node.args[0]) and _shard_dim(spec(node.args[0]))
+        return d if d is None or d < len(shape(node)) - 2 else False
+    if node.target is aten.matmul.default:
+        equation = _matmul_equation(*(len(shape(a)) for a in node.args[:2]))
+        operands = node.args[:2]
+        return equation and _einsum(node, equation, operands, [spec(a) for a in operands], plan)
     args, kwargs = fx.node.map_aggregate(
         (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
     )  # fmt: skip
@@ -166,11 +177,20 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh, geo: Geomet
     return _placed(out.output_spec, geo)
 
 
-def _einsum(node: fx.Node, specs: list[DTensorSpec], plan: Resharded):
-    """An einsum's output dim (DTensor decomposes it at run time and has no rule for it):
-    one label may be sharded, in every operand that has it and in the output (a contracted
-    one would be a partial sum); a whole operand with that label is read as a share."""
-    equation, operands = node.args
+def _matmul_equation(a: int, b: int) -> str | False:
+    """``matmul`` of operands of ``a`` and ``b`` dims as an einsum (batch dims aligned from
+    the right), or False for a vector operand."""
+    if a < 2 or b < 2:
+        return False
+    batch = "abcdefgh"[: max(a, b) - 2]
+    return f"{batch[len(batch) - a + 2 :]}ij,{batch[len(batch) - b + 2 :]}jk->{batch}ik"
+
+
+def _einsum(node: fx.Node, equation: str, operands, specs: list[DTensorSpec], plan: Resharded):
+    """An einsum's output dim (DTensor decomposes it, and matmul, at run time and has no rule
+    for either): one label may be sharded, in every operand that has it and in the output (a
+    contracted one would be a partial sum); a whole operand with that label is read as a
+    share, unless it holds the label at size 1 (a broadcast)."""
     ins, _, out = equation.replace(" ", "").partition("->")
     ins = ins.split(",")
     if "." in equation or not out:
@@ -182,8 +202,11 @@ def _einsum(node: fx.Node, specs: list[DTensorSpec], plan: Resharded):
     if label not in out:
         return False
     for a, spec, labels_in in zip(operands, specs, ins, strict=True):
-        if label in labels_in and _shard_dim(spec) is None:
-            _read_as_share(plan, node, a, labels_in.index(label))
+        at = labels_in.find(label)
+        if at >= 0 and _shard_dim(spec) is None and shape(a)[at] != 1:
+            _read_as_share(plan, node, a, at)
+        elif at >= 0 and _shard_dim(spec) is not None and shape(a)[at] == 1:
+            return False
     return out.index(label)
 
 
