@@ -1,9 +1,10 @@
-"""A hybrid of attention and Mamba2 (HF Bamba) on the ring: exact, its SSM scan gathered.
+"""Hybrids of attention and a scan on the ring: exact, their scans on a share of the heads.
 
-The attention layers are rings; the Mamba mixer's causal depthwise convolution is a halo
-exchange (``ring_conv1d``); its chunked SSM scan has no sequence rule, so its inputs are
-gathered and it runs whole on every rank, reported (``benchmarks/hybrid.py`` measures what
-that costs). Against the unmodified model on 2 and 4 ranks, float64: logits and every
+HF Bamba (Mamba2) and Jamba (Mamba1, its recurrence unrolled over the positions, with MoE). The attention layers are rings; a mixer's causal
+depthwise convolution is a halo exchange (``ring_conv1d``); its scan has no sequence rule,
+but keeps heads (or channels, or the batch) independent, so its inputs move onto a share of
+that dim by one all-to-all each and it runs on every position there (``passes/resharded.py``),
+with no gather. Against the unmodified model on 2 and 4 ranks, float64: logits and every
 parameter gradient. Older transformers compute the SSM's decay (``A_log``, ``dt_bias``) in
 float32 inside a float64 model; the ring sums their gradients in another order, so each
 result is held to the unmodified model's own difference when its batch rows, or each rank's
@@ -23,18 +24,40 @@ from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import differences, exceeding, reordering_tolerances
 
 
-def compare(world: int, length: int, backend: str | None):
-    from transformers import BambaConfig, BambaForCausalLM
+def hybrid(family: str):
+    import transformers as tf
 
-    torch.manual_seed(0)
-    config = BambaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
-        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
-        mamba_expand=2, mamba_d_conv=4, use_cache=False,
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    if family == "bamba":
+        config = tf.BambaConfig(
+            **common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+            mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16, mamba_expand=2,
+            mamba_d_conv=4,
+        )  # fmt: skip
+        return tf.BambaForCausalLM, config
+    if family == "jamba":
+        config = tf.JambaConfig(
+            **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+        )  # fmt: skip
+        return tf.JambaForCausalLM, config
+    config = tf.Qwen3NextConfig(
+        **common, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
+    return tf.Qwen3NextForCausalLM, config
+
+
+def compare(world: int, length: int, backend: str | None, family: str = "bamba"):
+    torch.manual_seed(0)
+    cls, config = hybrid(family)
     config._attn_implementation = "sdpa"
-    model = BambaForCausalLM(config).double()
+    config._experts_implementation = "batched_mm"  # grouped_mm takes no float64
+    model = cls(config).double()
     ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(2))
 
@@ -65,19 +88,35 @@ def compare(world: int, length: int, backend: str | None):
     return {
         "wrong": exceeding(differences(got, want), tolerances),
         "runs": [a.run for a in report.attentions],
-        "gathered": {x.op for x in report.gathers},
+        "gathered": [x.node for x in report.gathers],
         "resharded": [(r.entered, r.gathered) for r in report.resharded],
     }
+
+
+# each scan's inputs and the dim each enters on: Bamba's five (x, x * dt, A * dt, B, C) on
+# the heads; Jamba's discretized A and B * u on the channels, its C (one per position,
+# shared by every channel) gathered
+ENTERED = {"bamba": ([2] * 5, 0), "jamba": ([1, 1], 1)}
 
 
 @pytest.mark.parametrize(
     ("world", "length", "backend"), [(2, 64, None), (4, 61, None), (2, 64, "aot_eager")]
 )
 def test_bamba_matches_unmodified_model(ranks, world, length, backend):
-    for r in ranks(world).run(compare, world, length, backend):
+    check(ranks(world).run(compare, world, length, backend), "bamba")
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+@pytest.mark.parametrize(("world", "length"), [(2, 24), (4, 30)])
+def test_scans_on_a_share_of_their_heads(ranks, family, world, length):
+    check(ranks(world).run(compare, world, length, None, family), family)
+
+
+def check(results: list, family: str) -> None:
+    dims, gathered = ENTERED[family]
+    for r in results:
         assert r["wrong"] == {}, r
         assert r["runs"] == [AttentionRun.RING]
-        assert r["gathered"] == set(), r
-        # the scan's five inputs (x, x * dt, A * dt, B, C) each move onto the heads (dim 2)
+        assert len(r["gathered"]) == gathered, r  # reported once per input left whole
         ((entered, whole),) = r["resharded"]
-        assert [d for _, d in entered] == [2] * 5 and whole == (), r["resharded"]
+        assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
