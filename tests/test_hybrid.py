@@ -36,20 +36,12 @@ def hybrid(family: str):
             mamba_d_conv=4,
         )  # fmt: skip
         return tf.BambaForCausalLM, config
-    if family == "jamba":
-        config = tf.JambaConfig(
-            **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-            expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
-            mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
-        )  # fmt: skip
-        return tf.JambaForCausalLM, config
-    config = tf.Qwen3NextConfig(
-        **common, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        layer_types=["linear_attention", "full_attention"],
+    config = tf.JambaConfig(
+        **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
     )  # fmt: skip
-    return tf.Qwen3NextForCausalLM, config
+    return tf.JambaForCausalLM, config
 
 
 def compare(world: int, length: int, backend: str | None, family: str = "bamba"):
