@@ -27,8 +27,8 @@ from ringify.testing.tolerance import differences, exceeding, reordering_toleran
 def hybrid(family: str):
     import transformers as tf
 
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    mamba = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, use_cache=False)
+    common = mamba | dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
     if family == "bamba":
         config = tf.BambaConfig(
             **common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
@@ -36,22 +36,32 @@ def hybrid(family: str):
             mamba_d_conv=4,
         )  # fmt: skip
         return tf.BambaForCausalLM, config
-    config = tf.JambaConfig(
-        **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-        expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
-        mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+    if family == "jamba":
+        config = tf.JambaConfig(
+            **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+        )  # fmt: skip
+        return tf.JambaForCausalLM, config
+    if family == "mamba":
+        config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
+        return tf.MambaForCausalLM, config
+    config = tf.Mamba2Config(
+        **mamba, state_size=8, expand=2, conv_kernel=4, num_heads=4, head_dim=16, n_groups=1,
+        chunk_size=16,
     )  # fmt: skip
-    return tf.JambaForCausalLM, config
+    return tf.Mamba2ForCausalLM, config
 
 
-def compare(world: int, length: int, backend: str | None, family: str = "bamba"):
+def compare(world: int, length: int, backend: str | None, family: str = "bamba", batch: int = 2):
     torch.manual_seed(0)
     cls, config = hybrid(family)
-    config._attn_implementation = "sdpa"
+    if not family.startswith("mamba"):
+        config._attn_implementation = "sdpa"
     config._experts_implementation = "batched_mm"  # grouped_mm takes no float64
     model = cls(config).double()
-    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
-    weights = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(batch, length, 64, generator=torch.Generator().manual_seed(2))
 
     def step(fn, rows=slice(None), positions=slice(None)):
         model.zero_grad(set_to_none=True)
@@ -65,8 +75,8 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba")
         return {n: parts[0][n] if n == "logits" else sum(p[n] for p in parts) for n in want}
 
     want = step(model)
-    one, other = step(model, slice(0, 1)), step(model, slice(1, 2))
-    one_at_a_time = {n: torch.cat([one[n], other[n]]) if n == "logits" else one[n] + other[n]
+    rows = [step(model, slice(i, i + 1)) for i in range(batch)]
+    one_at_a_time = {n: torch.cat([r[n] for r in rows]) if n == "logits" else sum(r[n] for r in rows)
                      for n in want}  # fmt: skip
     # the ring's own reordering: each rank's positions back-propagated, their sums added
     bounds = [length * r // world for r in range(world + 1)]
@@ -85,30 +95,40 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba")
     }
 
 
-# each scan's inputs and the dim each enters on: Bamba's five (x, x * dt, A * dt, B, C) on
-# the heads; Jamba's discretized A and B * u on the channels, its C (one per position,
-# shared by every channel) gathered
-ENTERED = {"bamba": ([2] * 5, 0), "jamba": ([1, 1], 1)}
+# each scan's inputs, the dim each enters on, and how many stay gathered: Bamba's five
+# (x, x * dt, A * dt, B, C) on the heads; Mamba1's discretized A and B * u and its C on the
+# batch, or, for one sequence, A and B * u on the channels and C (one per position, shared
+# by every channel) gathered
+ENTERED = {
+    ("bamba", 2): ([2] * 5, 0), ("mamba2", 2): ([2] * 5, 0),
+    ("jamba", 2): ([0] * 3, 0), ("jamba", 1): ([1] * 2, 1), ("mamba", 1): ([1] * 2, 1),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("world", "length", "backend"), [(2, 64, None), (4, 61, None), (2, 64, "aot_eager")]
 )
 def test_bamba_matches_unmodified_model(ranks, world, length, backend):
-    check(ranks(world).run(compare, world, length, backend), "bamba")
+    check(ranks(world).run(compare, world, length, backend), "bamba", 2)
 
 
-@pytest.mark.parametrize("family", ["jamba"])
-@pytest.mark.parametrize(("world", "length"), [(2, 24), (4, 30)])
-def test_scans_on_a_share_of_their_heads(ranks, family, world, length):
-    check(ranks(world).run(compare, world, length, None, family), family)
+@pytest.mark.parametrize(
+    ("family", "batch", "world", "length"),
+    [("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45)],
+)
+def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
+    """Jamba (Mamba1 unrolled over the positions, with MoE), and models with no attention at
+    all: HF Mamba and Mamba2, their sequence followed from the token ids."""
+    check(ranks(world).run(compare, world, length, None, family, batch), family, batch)
 
 
-def check(results: list, family: str) -> None:
-    dims, gathered = ENTERED[family]
+def check(results: list, family: str, batch: int) -> None:
+    dims, gathered = ENTERED[family, batch]
     for r in results:
         assert r["wrong"] == {}, r
-        assert r["runs"] == [AttentionRun.RING]
-        assert len(r["gathered"]) == gathered, r  # reported once per input left whole
-        ((entered, whole),) = r["resharded"]
-        assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
+        assert r["runs"] == ([] if family.startswith("mamba") else [AttentionRun.RING]), r
+        layers = 1 if family in ("bamba", "jamba") else 2
+        assert len(r["resharded"]) == layers, r
+        for entered, whole in r["resharded"]:  # every layer's scan alike
+            assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
+        assert len(r["gathered"]) == gathered * layers, r  # reported once per input left whole

@@ -279,7 +279,7 @@ class Attention(nn.Module):
 @pytest.mark.parametrize(
     ("model", "x", "error", "match"),
     [
-        (NoAttention(), (2, 8, 4), ValueError, "found no attention"),
+        (NoAttention(), (8, 4), ValueError, "found no attention.*no token input"),
         (DataDependent(), (1, 2, 8, 4), RuntimeError, "could not trace DataDependent"),
         (
             DataDependent(),

@@ -99,6 +99,8 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
     """The tensors whose dim 2 the sequence must reach: every attention's q, and the k and
     v of self-attentions."""
     attentions = find_attention(graph)
+    if not attentions and _reads_as_attention_free(graph):
+        return []  # a scan's model (Mamba): the sequence is its token input's (``_tokens``)
     if not attentions:
         raise ValueError(_no_attention(graph))
     _check_attention_shapes(attentions, config)
@@ -106,6 +108,29 @@ def _targets(graph: fx.Graph, config: Config) -> list[fx.Node]:
     attentions = [a for a in attentions if len(shape(a.q)) == 4 and _sized(a.q) == length]
     self_attention = [a for a in attentions if _sized(a.k) == length]
     return [a.q for a in attentions] + [x for a in self_attention for x in (a.k, a.v)]
+
+
+def _reads_as_attention_free(graph: fx.Graph) -> bool:
+    """No attention, and no softmax or FlexAttention call that was not read as one (those
+    get ``_no_attention``'s error) but a token input to follow: a model that mixes its
+    sequence another way (a state-space model such as Mamba)."""
+    unread = any(
+        UNREAD_NOTE in n.meta or n.target is torch.ops.higher_order.flex_attention
+        for n in graph.nodes
+    )
+    return not unread and _tokens(graph) is not None
+
+
+def _tokens(graph: fx.Graph) -> tuple[fx.Node, Seq] | None:
+    """The sequence of a model without attention: dim 1 of its first (batch, sequence)
+    token-id input, else of its first (batch, sequence, features) float input."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and is_tensor(n)]
+    ids = [n for n in inputs if len(shape(n)) == 2 and not val(n).is_floating_point()]
+    embeds = [n for n in inputs if len(shape(n)) == 3 and val(n).is_floating_point()]
+    found = next(
+        (n for n in ids + embeds if isinstance(shape(n)[1], int) and shape(n)[1] > 1), None
+    )
+    return None if found is None else (found, Seq(1))
 
 
 def _no_attention(graph: fx.Graph) -> str:
@@ -128,10 +153,11 @@ def _no_attention(graph: fx.Graph) -> str:
     unread = [f"{n.name}: {n.meta[UNREAD_NOTE]}" for n in graph.nodes if UNREAD_NOTE in n.meta]
     if not unread:
         return (
-            "ringify found no attention in the model's graph, and no softmax: ringify shards "
-            "the sequence of attention models through their attention, and this model has "
-            "none (a state-space model such as Mamba scans its sequence instead). Run it "
-            "without ringify."
+            "ringify found no attention in the model's graph, no softmax, and no token input "
+            "to follow: it finds the sequence from a model's attention, or, in a model without "
+            "one (a state-space model such as Mamba), from dim 1 of its (batch, sequence) "
+            "token ids or (batch, sequence, features) embeddings. Pass the sequence that way, "
+            "or run the model without ringify."
         )
     return (
         "ringify found no attention in the model's graph. It reads "
@@ -171,6 +197,8 @@ def _sized(x: fx.Node) -> int:
 def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
     """The inputs whose sequence reaches attention, and the births of the others."""
     reached = _targets(graph, config)
+    if not reached:
+        return dict([_tokens(graph)])
     seeds: dict[fx.Node, Seq] = {}
     for node in graph.nodes:
         if node.op != "placeholder" or not is_tensor(node):
@@ -211,6 +239,8 @@ def _births(
     graph order among the targets' ancestors with a dim as long as an attention's sequence;
     one is kept if it reaches more targets and loses none."""
     lengths = {shape(t)[2] for t in targets}
+    if not lengths:
+        return {}
     geometry = Geometry(max(lengths), max(lengths), config.ring_size, config.layout)
     place = infer_placements(graph, geometry, seeds).place
 
@@ -301,7 +331,12 @@ def _mask_inputs(
 def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> Geometry:
     """The sequence's length, and the padded length the ring splits (the padding decision);
     ``general``: the padding steps kept where this length needs none."""
-    length = _sequence_length(find_attention(graph))
+    attentions = find_attention(graph)
+    if attentions or _tokens(graph) is None:
+        length = _sequence_length(attentions)
+    else:
+        node, seq = _tokens(graph)
+        length = shape(node)[seq.dim]
     padded = padded_length(length, config.ring_size, config.layout)
     multiple = split_multiple(config.ring_size, config.layout)
     if padded != length and config.dilation is not None:

@@ -92,36 +92,47 @@ def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
 def plan_region(
     nodes: list[fx.Node], place: dict, geo: Geometry, group_name: str
 ) -> Resharded | None:
-    """The region's plan that gathers fewest bytes, chosen one input at a time (its dims
-    from the last to the first: heads before the batch), or None where nothing moves."""
+    """The region's plan that gathers fewest bytes, or None where nothing moves off the
+    gather. From each dim of its first input, the others' dims are chosen one input at a
+    time (each input's dims tried from the last to the first: heads before the batch; an
+    input none of whose dims serves enters whole)."""
     members = set(nodes)
     inputs = [a for a in _inputs(nodes, members) if isinstance(place.get(a), Seq)]
     if not inputs or not all(geo.alone(shape(a)[place[a].dim], place[a]) for a in inputs):
         return None
     mesh = _mesh(group_name, val(inputs[0]).device.type)
-    seeds: dict[fx.Node, int] = {}
-    best = _propagated(nodes, members, inputs, seeds, mesh, geo)
-    if best is None:
-        return None
-    for a in inputs:
-        if best.inputs[a] is not None:
-            continue
-        for d in reversed(range(len(shape(a)))):
-            if d == place[a].dim or shape(a)[d] % geo.ring_size:
+
+    def dims(a: fx.Node) -> list[int]:
+        sizes = shape(a)
+        return [
+            d
+            for d in reversed(range(len(sizes)))
+            if d != place[a].dim and sizes[d] % geo.ring_size == 0
+        ]
+
+    best = None
+    for first in [*dims(inputs[0]), None]:  # None: the first enters whole
+        seeds = {inputs[0]: first} if first is not None else {}
+        plan = _propagated(nodes, members, inputs, seeds, mesh)
+        for a in inputs[1:]:
+            if plan is None or plan.inputs[a] is not None:
                 continue
-            trial = _propagated(nodes, members, inputs, seeds | {a: d}, mesh, geo)
-            if trial is not None and trial.gathered_bytes() < best.gathered_bytes():
-                best, seeds[a] = trial, d
-                break
-    return best if best.gathered_bytes() < sum(map(_nbytes, inputs)) else None
+            for d in dims(a):
+                trial = _propagated(nodes, members, inputs, seeds | {a: d}, mesh)
+                if trial is not None and trial.gathered_bytes() < plan.gathered_bytes():
+                    plan, seeds[a] = trial, d
+                    break
+        if plan is not None and (best is None or plan.gathered_bytes() < best.gathered_bytes()):
+            best = plan
+    return best
 
 
-def _propagated(nodes, members, inputs, seeds, mesh, geo) -> Resharded | None:
+def _propagated(nodes, members, inputs, seeds, mesh) -> Resharded | None:
     """The region's plan with ``seeds`` entering on their dims, or None where an op would
     need a collective (or has no sharding strategy)."""
     plan = Resharded(nodes, {a: seeds.get(a) for a in inputs})
     for node in nodes:
-        placed = _node_placed(node, members, plan, mesh, geo)
+        placed = _node_placed(node, members, plan, mesh)
         if placed is False:
             return None
         plan.dims[node] = placed
@@ -131,13 +142,13 @@ def _propagated(nodes, members, inputs, seeds, mesh, geo) -> Resharded | None:
     return plan
 
 
-def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh, geo: Geometry):
+def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh):
     if node.target is operator.getitem:
         outs = plan.dims[node.args[0]]
         return outs[node.args[1]] if isinstance(outs, list) else outs
     if node.target in ASSERTS:  # erased by the rewrite: it computes nothing
         return None
-    if not isinstance(node.target, torch._ops.OpOverload) or node.target in STRIDED:
+    if not isinstance(node.target, torch._ops.OpOverload) or _refused(node.target):
         return False
 
     def spec(a: fx.Node) -> DTensorSpec:
@@ -174,7 +185,7 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh, geo: Geomet
             if d is None or _shard_dim(h) is not None:
                 return False  # a collective inside the region
             _read_as_share(plan, node, a, d)
-    return _placed(out.output_spec, geo)
+    return _placed(out.output_spec, mesh.size())
 
 
 def _matmul_equation(a: int, b: int) -> str | False:
@@ -199,8 +210,8 @@ def _einsum(node: fx.Node, equation: str, operands, specs: list[DTensorSpec], pl
     if len(labels) != 1:
         return None if not labels else False
     (label,) = labels
-    if label not in out:
-        return False
+    if out.count(label) != 1 or any(term.count(label) > 1 for term in ins):
+        return False  # contracted (a partial sum), or a diagonal
     for a, spec, labels_in in zip(operands, specs, ins, strict=True):
         at = labels_in.find(label)
         if at >= 0 and _shard_dim(spec) is None and shape(a)[at] != 1:
@@ -219,11 +230,11 @@ def _read_as_share(plan: Resharded, node: fx.Node, a: fx.Node, d: int) -> None:
         plan.shares.setdefault(node, {})[a] = d
 
 
-def _placed(spec, geo: Geometry):
+def _placed(spec, ring_size: int):
     """An output's dim (None: whole), a list for several, or False where it is a partial
     sum or an uneven share."""
     if isinstance(spec, (list, tuple)):
-        dims = [_placed(s, geo) for s in spec]
+        dims = [_placed(s, ring_size) for s in spec]
         return False if False in dims else dims
     if spec is None:
         return None
@@ -231,7 +242,7 @@ def _placed(spec, geo: Geometry):
     if p.is_partial():
         return False
     d = _shard_dim(spec)
-    if d is not None and spec.tensor_meta.shape[d] % geo.ring_size:
+    if d is not None and spec.tensor_meta.shape[d] % ring_size:
         return False
     return d
 
@@ -269,8 +280,17 @@ def _nbytes(x: fx.Node) -> int:
     return v.numel() * v.element_size()
 
 
-# ops whose shape and stride arguments DTensor would make local: refused
-STRIDED = frozenset({aten.new_empty_strided.default, aten.as_strided.default})
+def _refused(op: torch._ops.OpOverload) -> bool:
+    """Ops a region on a share does not take: random ones (each rank would draw its share's
+    numbers, not the model's), and those whose size arguments DTensor makes local beyond
+    ``SHAPED`` (strides, backward shapes)."""
+    sized = DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    return random or (op in sized and op not in SHAPED) or op in UNSIZED
+
+
+# ops with sizes that neither DTensor nor ``SHAPED`` makes local
+UNSIZED = frozenset({aten.unflatten.int, aten.as_strided.default})
 # the ops whose argument 1 is a shape: its sharded dim becomes the local size
 SHAPED = frozenset({
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
@@ -281,6 +301,8 @@ SHAPED = frozenset({
 def reshard_plans(graph: fx.Graph, inference, geo: Geometry, group_name: str) -> dict:
     """Every gathered region's plan where one moves bytes off the gather, by member node."""
     plans: dict[fx.Node, Resharded] = {}
+    if ring_by_name(group_name).group is None:  # no ring to ask DTensor about (a pass alone)
+        return plans
     import os
 
     if os.environ.get("NORESHARD"):
