@@ -1,14 +1,15 @@
 """Per-rank peak memory and step time of a hybrid (attention + Mamba2) model, ringified.
 
-    python benchmarks/hybrid.py --seqs 4096 16384
+    python benchmarks/hybrid.py --seqs 4096 16384 --rings 2 4
 
 HF Bamba (``BambaForCausalLM``, its torch path: no CUDA kernels here), 4 layers, hidden
 256: ``hybrid`` has attention in layers 1 and 3 and Mamba2 mixers in layers 0 and 2;
 ``attention only`` is the same model with attention in every layer (the SDPA spelling of
 every mixer), as a reference for what sharding does when nothing is gathered. ringify
 shards the attention, the MLPs, the norms and the Mamba's causal convolution (a halo
-exchange); the SSM's chunked scan has no sequence rule, so its inputs are gathered and
-it runs on the full sequence on every rank (``report().gathers``). float32, batch 1; one
+exchange); the SSM's chunked scan has no sequence rule: it runs on every position of a
+share of its heads, its inputs moved there by one all-to-all each
+(``report().resharded``; before that, they were gathered, ``report().gathers``). float32, batch 1; one
 step is forward + backward of the mean logit, from the full ids on every rank. Rows in
 one run, round-robin, minimum over repeats: the unmodified model (one process) and
 ringify on 2 gloo ranks (time is the slowest rank's).
@@ -62,13 +63,16 @@ def step(impl: str, kind: str, seq: int) -> dict:
 
     once()  # warm-up: trace, allocator, communicators
     seconds, peak, loss = once()
-    gathers = 0 if impl == "unmodified" else len(run.report().gathers)
-    return {"s": seconds, "peak": peak, "loss": loss, "gathers": gathers}
+    report = None if impl == "unmodified" else run.report()
+    gathers = 0 if report is None else len(report.gathers)
+    resharded = 0 if report is None else len(report.resharded)
+    return {"s": seconds, "peak": peak, "loss": loss, "gathers": gathers, "resharded": resharded}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--rings", type=int, nargs="+", default=[2])
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
@@ -77,19 +81,21 @@ def main() -> None:
         (kind, impl, p, seq)
         for seq in args.seqs
         for kind in ("hybrid", "attention only")
-        for impl, p in (("unmodified", 1), ("ringify", 2))
+        for impl, p in (("unmodified", 1), *(("ringify", p) for p in args.rings))
     ]
     best = best_of_rounds(
         step, [(p, (impl, kind, seq)) for kind, impl, p, seq in configs], args.repeats
     )
     rows = []
     for i, (kind, impl, p, seq) in enumerate(configs):
-        r, base = best[i], best[i - (impl != "unmodified")]
+        r = best[i]
+        base = best[next(j for j in range(i, -1, -1) if configs[j][1] == "unmodified")]
         rows.append({
             "S": seq,
             "model": kind,
             "run": impl if impl == "unmodified" else f"ringify P={p}",
             "gathers": r["gathers"],
+            "on a share": r["resharded"],
             "step s": round(r["s"], 2),
             "time / unmodified": round(r["s"] / base["s"], 3),
             "peak MiB / rank": round(r["peak"] / 2**20, 1),

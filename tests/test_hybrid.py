@@ -43,6 +43,31 @@ def hybrid(family: str):
             mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
         )  # fmt: skip
         return tf.JambaForCausalLM, config
+    if family == "falconh1":
+        config = tf.FalconH1Config(
+            **common, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+            mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
+            mamba_expand=2,
+        )  # fmt: skip
+        return tf.FalconH1ForCausalLM, config
+    if family == "nemotronh":
+        config = tf.NemotronHConfig(
+            **common | dict(num_hidden_layers=3), hybrid_override_pattern="M*-", head_dim=8,
+            mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4,
+            chunk_size=16, expand=2,
+        )  # fmt: skip
+        return tf.NemotronHForCausalLM, config
+    if family == "granitemoehybrid":
+        config = tf.GraniteMoeHybridConfig(
+            **common, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+            mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
+            mamba_expand=2, num_local_experts=2, num_experts_per_tok=1,
+            shared_intermediate_size=32,
+        )  # fmt: skip
+        return tf.GraniteMoeHybridForCausalLM, config
+    if family == "lfm2":
+        config = tf.Lfm2Config(**common, layer_types=["conv", "full_attention"])
+        return tf.Lfm2ForCausalLM, config
     if family == "mamba":
         config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
         return tf.MambaForCausalLM, config
@@ -58,6 +83,7 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba",
     cls, config = hybrid(family)
     if not family.startswith("mamba"):
         config._attn_implementation = "sdpa"
+    config.use_cache = False
     config._experts_implementation = "batched_mm"  # grouped_mm takes no float64
     model = cls(config).double()
     ids = torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(1))
@@ -95,13 +121,15 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba",
     }
 
 
-# each scan's inputs, the dim each enters on, and how many stay gathered: Bamba's five
-# (x, x * dt, A * dt, B, C) on the heads; Mamba1's discretized A and B * u and its C on the
-# batch, or, for one sequence, A and B * u on the channels and C (one per position, shared
-# by every channel) gathered
+# each scan's inputs, the dim each enters on, how many stay gathered, and how many scans:
+# Mamba2's five (x, x * dt, A * dt, B, C) on the heads; Mamba1's discretized A and B * u
+# and its C on the batch, or, for one sequence, A and B * u on the channels and C (one per
+# position, shared by every channel) gathered; LFM2's short convolutions are halo exchanges
+MAMBA2 = ([2] * 5, 0, 1)
 ENTERED = {
-    ("bamba", 2): ([2] * 5, 0), ("mamba2", 2): ([2] * 5, 0),
-    ("jamba", 2): ([0] * 3, 0), ("jamba", 1): ([1] * 2, 1), ("mamba", 1): ([1] * 2, 1),
+    ("bamba", 2): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
+    ("granitemoehybrid", 1): MAMBA2, ("mamba2", 2): ([2] * 5, 0, 2), ("lfm2", 1): ([], 0, 0),
+    ("jamba", 2): ([0] * 3, 0, 1), ("jamba", 1): ([1] * 2, 1, 1), ("mamba", 1): ([1] * 2, 1, 2),
 }  # fmt: skip
 
 
@@ -114,21 +142,26 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
 
 @pytest.mark.parametrize(
     ("family", "batch", "world", "length"),
-    [("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45)],
-)
+    [
+        ("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45),
+        ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
+        ("lfm2", 1, 2, 32),
+    ],
+)  # fmt: skip
 def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
-    """Jamba (Mamba1 unrolled over the positions, with MoE), and models with no attention at
-    all: HF Mamba and Mamba2, their sequence followed from the token ids."""
+    """Jamba (Mamba1 unrolled over the positions, with MoE); FalconH1, Nemotron-H and
+    GraniteMoeHybrid (Mamba2 beside attention, one sequence); LFM2 (short convolutions); and
+    models with no attention at all: HF Mamba and Mamba2, their sequence followed from the
+    token ids."""
     check(ranks(world).run(compare, world, length, None, family, batch), family, batch)
 
 
 def check(results: list, family: str, batch: int) -> None:
-    dims, gathered = ENTERED[family, batch]
+    dims, gathered, scans = ENTERED[family, batch]
     for r in results:
         assert r["wrong"] == {}, r
-        assert r["runs"] == ([] if family.startswith("mamba") else [AttentionRun.RING]), r
-        layers = 1 if family in ("bamba", "jamba") else 2
-        assert len(r["resharded"]) == layers, r
+        assert set(r["runs"]) == (set() if family.startswith("mamba") else {AttentionRun.RING}), r
+        assert len(r["resharded"]) == scans, r
         for entered, whole in r["resharded"]:  # every layer's scan alike
             assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
-        assert len(r["gathered"]) == gathered * layers, r  # reported once per input left whole
+        assert len(r["gathered"]) == gathered * scans, r  # reported once per input left whole

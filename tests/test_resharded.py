@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from ringify.runtime.collectives.layout import padded_length, shard_for_rank
 
@@ -62,3 +63,60 @@ def exchange(length: int, seq_dim: int, dim: int, layout: str):
 def test_to_dim_and_back(ranks, world, layout, length, seq_dim, dim):
     for r in ranks(world).run(exchange, length, seq_dim, dim, layout):
         assert max(r.values()) == 0.0, r
+
+
+class Flipped(nn.Module):
+    """A mixer that reads its sequence backwards (``flip``: no sequence rule), a per-head scale,
+    and a norm over each head's channels with the heads merged into the rows (as a gated
+    norm is written): the flip's region runs on a share of the heads and is cut before the
+    merge, which needs the heads whole; the norm runs on the sequence's shards."""
+
+    def __init__(self, channels: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.inp, self.out = nn.Linear(channels, channels), nn.Linear(channels, channels)
+        self.scale = nn.Parameter(torch.randn(heads, 1))
+
+    def forward(self, x):
+        b, s, c = x.shape
+        v = self.inp(x).view(b, s, self.heads, -1).flip(1) * self.scale
+        rows = v.reshape(-1, v.shape[-1])
+        rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(rows.view(b, s, c))
+
+
+def flipped(length: int):
+    from ringify.testing.runs import ringified_run
+
+    torch.manual_seed(0)
+    model = Flipped().double()
+    x = torch.randn(1, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(1, length, 16, dtype=torch.float64)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(x)
+        (out * weights).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = step(model)
+    ringified, run = ringified_run(model)
+    got = step(run)
+    report = ringified.report()
+    return {
+        "out": (got[0] - want[0]).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "gathers": [g.node for g in report.gathers],
+        "resharded": [(r.entered, r.nodes) for r in report.resharded],
+    }
+
+
+@pytest.mark.parametrize(("world", "length"), [(2, 16), (4, 13)])
+def test_a_region_cut_before_an_op_that_needs_its_dim_whole(ranks, world, length):
+    for r in ranks(world).run(flipped, length):
+        assert r["out"] <= 1e-12 and r["grads"] <= 1e-12, r
+        assert r["gathers"] == [], r
+        [(entered, nodes)] = r["resharded"]
+        # the flip and the scale, on a share of each head's channels (the last dim is tried
+        # first); the norm that needs them whole runs on the sequence's shards
+        assert [d for _, d in entered] == [3] and nodes == 2, r

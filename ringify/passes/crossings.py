@@ -71,7 +71,7 @@ class PassState:
         if key in self._cache:
             return self._cache[key]
         if x in self.on_dim and self.geo.alone(shape(x)[seq.dim], seq):
-            self._cache[key] = y = self._from_dim(*self.on_dim[x], seq, pad_value)
+            self._cache[key] = y = self.from_dim(*self.on_dim[x], seq, pad_value)
             return y
         g, geo, units = self.graph, self.geo, self.geo.in_units(seq)
         with g.inserting_before(self.after(x)):
@@ -125,7 +125,7 @@ class PassState:
             self._cache[key] = self._inserted(x, to_dim_op._opoverload, args, x)
         return self._cache[key]
 
-    def _from_dim(self, x: fx.Node, dim: int, seq: Seq, pad_value) -> fx.Node:
+    def from_dim(self, x: fx.Node, dim: int, seq: Seq, pad_value=0) -> fx.Node:
         """This rank's positions of all of ``dim``, from its share ``x`` (all-to-all)."""
         geo = self.geo
         args = (x, seq.dim, dim, self.group_name, geo.layout, geo.padded, float(pad_value))

@@ -33,6 +33,7 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import ASSERTS, is_tensor, shape, val
 from ringify.passes.placement import Fallback, Geometry, Seq
 from ringify.passes.report import ReshardedRegion
+from ringify.passes.rules import infer_placements
 from ringify.runtime.collectives.ring import ring_by_name
 
 aten = torch.ops.aten
@@ -90,16 +91,19 @@ def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
 
 
 def plan_region(
-    nodes: list[fx.Node], place: dict, geo: Geometry, group_name: str
-) -> Resharded | None:
-    """The region's plan that gathers fewest bytes, or None where nothing moves off the
-    gather. From each dim of its first input, the others' dims are chosen one input at a
-    time (each input's dims tried from the last to the first: heads before the batch; an
-    input none of whose dims serves enters whole)."""
+    nodes: list[fx.Node], place: dict, geo: Geometry, group_name: str, cut: bool = True
+) -> Resharded | Cut | str:
+    """The region's plan that gathers fewest bytes, or why it stays gathered. From each dim
+    of its first input, the others' dims are chosen one input at a time (each input's dims
+    tried from the last to the first: heads before the batch; an input none of whose dims
+    serves enters whole). ``cut``: where none serves, the region cut before the op the best
+    attempt reached (``Cut``)."""
     members = set(nodes)
     inputs = [a for a in _inputs(nodes, members) if isinstance(place.get(a), Seq)]
-    if not inputs or not all(geo.alone(shape(a)[place[a].dim], place[a]) for a in inputs):
-        return None
+    if not inputs:
+        return "none of its inputs is sharded along the sequence alone"
+    if not all(geo.alone(shape(a)[place[a].dim], place[a]) for a in inputs):
+        return "an input's sequence dim holds other dims too"
     mesh = _mesh(group_name, val(inputs[0]).device.type)
 
     def dims(a: fx.Node) -> list[int]:
@@ -110,30 +114,41 @@ def plan_region(
             if d != place[a].dim and sizes[d] % geo.ring_size == 0
         ]
 
-    best = None
+    best, failed = None, []
     for first in [*dims(inputs[0]), None]:  # None: the first enters whole
         seeds = {inputs[0]: first} if first is not None else {}
-        plan = _propagated(nodes, members, inputs, seeds, mesh)
+        plan = _propagated(nodes, members, inputs, seeds, mesh, failed)
         for a in inputs[1:]:
             if plan is None or plan.inputs[a] is not None:
                 continue
             for d in dims(a):
-                trial = _propagated(nodes, members, inputs, seeds | {a: d}, mesh)
+                trial = _propagated(nodes, members, inputs, seeds | {a: d}, mesh, failed)
                 if trial is not None and trial.gathered_bytes() < plan.gathered_bytes():
                     plan, seeds[a] = trial, d
                     break
         if plan is not None and (best is None or plan.gathered_bytes() < best.gathered_bytes()):
             best = plan
-    return best
+    if best is not None and best.gathered_bytes() < sum(map(_nbytes, inputs)):
+        return best
+    if not failed:
+        return "no dim of its inputs divides by the ring"
+    stops = sorted(set(failed), key=nodes.index, reverse=True)  # the furthest reached first
+    why = f"no dim it keeps independent divides by the ring: {stops[0].name} ({stops[0].target}) needs it whole"
+    for stop in stops if cut else ():
+        found = _cut(nodes, stop, place, geo, group_name, why)
+        if isinstance(found, Cut):
+            return found
+    return why
 
 
-def _propagated(nodes, members, inputs, seeds, mesh) -> Resharded | None:
+def _propagated(nodes, members, inputs, seeds, mesh, failed: list) -> Resharded | None:
     """The region's plan with ``seeds`` entering on their dims, or None where an op would
-    need a collective (or has no sharding strategy)."""
+    need a collective (or has no sharding strategy; it is added to ``failed``)."""
     plan = Resharded(nodes, {a: seeds.get(a) for a in inputs})
     for node in nodes:
         placed = _node_placed(node, members, plan, mesh)
         if placed is False:
+            failed.append(node)
             return None
         plan.dims[node] = placed
         for a in node.all_input_nodes:
@@ -298,19 +313,63 @@ SHAPED = frozenset({
 })  # fmt: skip
 
 
-def reshard_plans(graph: fx.Graph, inference, geo: Geometry, group_name: str) -> dict:
-    """Every gathered region's plan where one moves bytes off the gather, by member node."""
-    plans: dict[fx.Node, Resharded] = {}
-    if ring_by_name(group_name).group is None:  # no ring to ask DTensor about (a pass alone)
-        return plans
-    import os
+MAX_CUTS = 3  # inferences again after cutting regions (each cut ends one region early)
 
-    if os.environ.get("NORESHARD"):
-        return plans
-    for nodes in regions(graph, inference.decisions):
-        plan = plan_region(nodes, inference.place.of, geo, group_name)
-        plans.update(dict.fromkeys(nodes, plan) if plan is not None else {})
-    return plans
+
+def reshard_plans(graph: fx.Graph, geo: Geometry, seeds: dict, group_name: str):
+    """``(inference, plans, why)``: the placements, every gathered region's plan where one
+    moves bytes off the gather (by member node), and for the members of the others why they
+    stay gathered. A region whose op needs its dim whole (a norm over heads merged with the
+    positions) is cut there where it can be: the values that op reads go back to the
+    sequence, and the graph is inferred again from them."""
+    cuts: dict[fx.Node, Seq] = {}
+    first = None
+    for _ in range(MAX_CUTS + 1):
+        inference = infer_placements(graph, geo, seeds | cuts)
+        plans: dict[fx.Node, Resharded] = {}
+        why: dict[fx.Node, str] = {}
+        if ring_by_name(group_name).group is None:  # no ring to ask DTensor (a pass alone)
+            return inference, plans, why
+        more: dict[fx.Node, Seq] = {}
+        for nodes in regions(graph, inference.decisions):
+            plan = plan_region(nodes, inference.place.of, geo, group_name)
+            if isinstance(plan, Cut):
+                more |= plan.exits
+                plan = plan.why
+            (plans if isinstance(plan, Resharded) else why).update(dict.fromkeys(nodes, plan))
+        first = first or (inference, plans, why)
+        if not more:
+            break
+        cuts |= more
+    if any(c not in plans for c in cuts):  # a cut whose region no longer plans: none at all
+        return first
+    return inference, plans, why
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A region to end before the op that needs its dim whole: its values that later ops read,
+    each with its sequence dim, go back to the sequence."""
+
+    exits: dict
+    why: str
+
+
+def _cut(nodes: list[fx.Node], failed: fx.Node, place, geo: Geometry, group_name: str, why: str):
+    """The cut of a region before ``failed``, or ``why`` where its first part plans nothing
+    or a value it hands on has no sequence dim of its own."""
+    head = nodes[: nodes.index(failed)]
+    if not head or not isinstance(plan_region(head, place, geo, group_name, cut=False), Resharded):
+        return why
+    inside = set(head)
+    exits = {}
+    for m in head:
+        if any(u not in inside for u in m.users) and is_tensor(m):
+            dims = [d for d, size in enumerate(shape(m)) if size == geo.length]
+            if len(dims) != 1:
+                return why
+            exits[m] = Seq(dims[0])
+    return Cut(exits, why)
 
 
 def rewrite_member(node: fx.Node, plan: Resharded, state: PassState) -> None:
@@ -345,7 +404,13 @@ def rewrite_member(node: fx.Node, plan: Resharded, state: PassState) -> None:
         sizes[d] //= state.geo.ring_size
         node.args = (node.args[0], sizes, *node.args[2:])
     outside = [u for u in node.users if u not in plan.dims]
-    if outside and isinstance(d, int):
+    seq = state.place.get(node)
+    if outside and isinstance(seq, Seq):  # a cut: back to the sequence for the ops after it
+        state.place[node] = None
+        local = state.from_dim(node, d, seq) if isinstance(d, int) else state.slice(node, seq, 0)
+        for u in outside:
+            u.replace_input_with(node, local)
+    elif outside and isinstance(d, int):
         whole = state.gather_dim(node, d)
         for u in outside:
             u.replace_input_with(node, whole)

@@ -22,6 +22,8 @@ padded with ``ignore_index``, and gathers drop it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import fx
 
 from ringify.config import Auto, Hybrid
@@ -31,7 +33,7 @@ from ringify.passes.placement import Fallback
 from ringify.passes.plan import Plan
 from ringify.passes.report import AttentionRun, Report
 from ringify.passes.resharded import reshard_plans, rewrite_member
-from ringify.passes.rules import infer_placements, rule_for
+from ringify.passes.rules import rule_for
 from ringify.runtime.attention.dilation import Dilation
 
 
@@ -47,10 +49,11 @@ def shard_sequence(
 ) -> Report:
     """Rewrite ``graph`` in place into what one rank of the ring runs; what was done."""
     attentions = find_attention(graph)
-    inference = infer_placements(graph, plan.geometry, plan.seeds)
+    inference, resharding, whole_because = reshard_plans(
+        graph, plan.geometry, plan.seeds, group_name
+    )
     place = dict(inference.place.of)
     state = PassState(graph, plan.geometry, group_name, place, dilation, strategy)
-    resharding = reshard_plans(graph, inference, plan.geometry, group_name)
     for node in list(graph.nodes):
         if getattr(node, "_erased", False):  # an attention kernel's outputs, already replaced
             continue
@@ -78,7 +81,9 @@ def shard_sequence(
         elif node in inference.decisions:
             decided = inference.decisions[node]
             if isinstance(decided, Fallback):
-                state.fall_back(node, decided)
+                because = whole_because.get(node)
+                detail = f"{decided.detail} ({because})".strip() if because else decided.detail
+                state.fall_back(node, dataclasses.replace(decided, detail=detail))
             else:
                 rule_for(node.target).rewrite(node, decided, state)
     graph.eliminate_dead_code()
