@@ -161,8 +161,12 @@ ENTERED = {
 
 
 @pytest.mark.parametrize(
-    ("world", "length", "backend"), [(2, 64, None), (4, 61, None), (2, 64, "aot_eager")]
-)
+    ("world", "length", "backend"),
+    [
+        (2, 64, None), (4, 61, None), (2, 64, "aot_eager"),
+        pytest.param(2, 64, "inductor", marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
 def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     check(ranks(world).run(compare, world, length, backend), "bamba", 2)
 

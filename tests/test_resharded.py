@@ -2,8 +2,9 @@
 
 ``ringify::to_dim`` and ``from_dim`` (``runtime/collectives/reshard.py``) against the whole
 tensor on 2 and 4 ranks, float64, both layouts, with and without padding, the dim before or
-after the sequence: values, and gradients through each (each is the other's backward). The
-models are in ``test_hybrid.py``.
+after the sequence: values, gradients through each (each is the other's backward), and
+their fake kernels' shapes. A small model whose region is cut before an op that needs its
+dim whole. The models are in ``test_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ringify.runtime.collectives.layout import padded_length, shard_for_rank
 
@@ -48,7 +50,11 @@ def exchange(length: int, seq_dim: int, dim: int, layout: str):
     )
     z = y.detach().requires_grad_(True)
     (from_dim_op(z, seq_dim, dim, ring.name, layout, padded) * mine).sum().backward()
+    with FakeTensorMode() as mode:  # the fake kernels state what the ops return
+        fake_y = to_dim_op(mode.from_tensor(mine), seq_dim, dim, ring.name, layout, length)
+        fake_back = from_dim_op(fake_y, seq_dim, dim, ring.name, layout, padded, -7.0)
     return {
+        "fake shapes": float(fake_y.shape != y.shape or fake_back.shape != back.shape),
         "to_dim": (y - whole[tuple(index)]).abs().max().item(),
         "to_dim grad": (x.grad - want_grad).abs().max().item(),
         "from_dim": (back - pad_rows).abs().max().item(),
