@@ -305,16 +305,9 @@ class ScoreModFlex(nn.Module):
         return flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))
 
 
-def _mamba():
-    from transformers import MambaConfig, MambaForCausalLM
-
-    config = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1)
-    return MambaForCausalLM(config)
-
-
 def test_errors_name_the_way_out():
-    """No attention read: the error says why each softmax was not, and the one-line fixes;
-    a model with no attention at all is told that ringify is for attention models."""
+    """No attention read: the error says why each softmax was not, and the one-line fixes.
+    (A model with no attention at all, Mamba, is sharded from its token ids: test_hybrid.py.)"""
     with pytest.raises(ValueError, match=r"filled with -10000.*attn_implementation=\"sdpa\""):
         ringify(FiniteFill(), ring_size=1)(torch.randn(1, 2, 8, 4))
     with pytest.raises(ValueError, match=r"FlexAttention.*score_mod.*attn_implementation"):
@@ -325,8 +318,6 @@ def test_errors_name_the_way_out():
     attend.drop.p = 0.1  # attention dropout in training: refused, as for SDPA
     with pytest.raises(ValueError, match=r"dropout_p=0.1.*eval mode"):
         ringify(NanoGPT(attend=attend).train(), ring_size=1)(torch.randint(0, 64, (1, 8)))
-    with pytest.raises(ValueError, match=r"no softmax.*Mamba"):
-        ringify(_mamba(), ring_size=1)(torch.randint(0, 64, (1, 8)), use_cache=False)
 
 
 def eager_family(name: str):
