@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ringify.runtime import gather, ring_attention, shard
 from ringify.runtime.collectives.layout import unshard
+from ringify.runtime.collectives.ring import ring_by_name
 from ringify.testing import RankPool
 from ringify.testing.attention import model_layout
 
@@ -32,8 +33,8 @@ def as_model_layout(t):
 
 def opcheck_ops():
     """opcheck every op (every rank runs the same sequence of calls, so the ring stays in
-    step): the ring's attention, dilated attention, gather and take_shard, then the ops
-    beside them."""
+    step): the ring's attention, dilated attention, gather and take_shard, to_dim and
+    from_dim, then the ops beside them."""
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
@@ -62,6 +63,14 @@ def opcheck_ops():
     torch.library.opcheck(torch.ops.ringify.gather.default, (x, 1, name, "zigzag", 3))
     full = torch.randn(3, 8, dtype=torch.float64)
     torch.library.opcheck(torch.ops.ringify.take_shard.default, (full, 1, name, "zigzag"))
+    # between the sequence and a share of another dim (4 positions a rank, 4 channels)
+    size = ring_by_name(name).size
+    local = torch.randn(2, 4, 4, 3, dtype=torch.float64, requires_grad=True)
+    args = (local, 1, 2, name, "zigzag", 4 * size - 1)  # the padding cut off
+    torch.library.opcheck(torch.ops.ringify.to_dim.default, args)
+    share = torch.ops.ringify.to_dim(*args).detach().requires_grad_(True)
+    back = (share, 1, 2, name, "zigzag", 4 * size, -1.0)
+    torch.library.opcheck(torch.ops.ringify.from_dim.default, back)
     opcheck_beside_the_ring(name)
     return True
 
@@ -371,7 +380,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (16): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (18): a new op must join it."""
     import inspect
 
     import ringify.runtime  # noqa: F401  (registers the ops)
@@ -383,4 +392,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 16 and checked == registered, registered - checked
+    assert len(registered) == 18 and checked == registered, registered - checked

@@ -153,6 +153,8 @@ def compare(name, seq, dtype, layout, compile_backend=None):
         "rewritten": len(report.rewritten),
         "masks": [(a.mask, a.mask_shape) for a in report.rewritten],
         "gathers": [(x.op, x.reason) for x in report.gathers],
+        "resharded": [(x.entered, x.gathered) for x in report.resharded],
+        "gather_details": [x.detail for x in report.gathers],
         "quadratic": quadratic_nodes(ringified, seq),
     }
 
@@ -297,9 +299,17 @@ def test_pooling_over_the_sequence_reduces_over_the_ring(ranks, world, layout, n
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_unsupported_op_is_gathered_and_reported(ranks, world):
-    """cummax over the sequence has no rule: gathered, run replicated, exact, reported."""
+    """cummax over the sequence has no rule. It keeps its 16 channels independent, but the
+    output projection after it needs them whole: on 4 ranks (32 positions) the region is cut
+    before it, its value going back to the sequence, and cummax runs on a share of the
+    channels; on 2 ranks (16 positions, as many as channels) the value's sequence dim is not
+    told apart from its channels, so it is gathered, run replicated, and reported with why."""
     for r in run_compare(ranks, world, "cummax", 8 * world, torch.float64, "contiguous"):
-        assert r["gathers"] == [("aten.cummax.default", GatherReason.NO_RULE)]
+        if world == 4:
+            assert r["gathers"] == [] and r["resharded"] == [((("reshape", 2),), ())], r
+        else:
+            assert r["gathers"] == [("aten.cummax.default", GatherReason.NO_RULE)], r
+            assert "linear_1 (aten.linear.default) needs it whole" in r["gather_details"][0], r
         for kind in ("logits", "grads", "inputs"):
             assert r[kind] <= TOL[torch.float64], (kind, r)
 

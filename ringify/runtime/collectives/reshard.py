@@ -30,6 +30,8 @@ def to_dim_op(
     """Every position (the first ``length`` of them, in global order) of this rank's share of
     ``dim``, from every rank's positions ``x`` of all of it."""
     ring = ring_by_name(group_name)
+    if ring.size == 1:
+        return x.narrow(seq_dim, 0, length).clone(memory_format=torch.contiguous_format)
     share = x.shape[dim] // ring.size
     parts = torch.stack([x.narrow(dim, g * share, share) for g in range(ring.size)])
     received = exchanged(parts.contiguous(), ring)  # [g]: rank g's positions of my share
@@ -56,6 +58,8 @@ def from_dim_op(
     if pad:
         spec = [0, 0] * (y.dim() - seq_dim - 1) + [0, pad]
         y = torch.nn.functional.pad(y, spec, value=pad_value)
+    if ring.size == 1:
+        return y.clone(memory_format=torch.contiguous_format)
     parts = torch.stack(
         [shard_for_rank(y, seq_dim, g, ring.size, layout) for g in range(ring.size)]
     )
