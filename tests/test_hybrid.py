@@ -29,11 +29,13 @@ def hybrid(family: str):
 
     mamba = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, use_cache=False)
     common = mamba | dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-    if family == "bamba":
+    if family.startswith("bamba"):
+        # "bamba-square": B and C as wide as x (state = head dim), so that the scan reshapes
+        # equal shapes to different ones (DTensor's answers are cached by op and arguments)
         config = tf.BambaConfig(
             **common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
-            mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16, mamba_expand=2,
-            mamba_d_conv=4,
+            mamba_n_groups=1, mamba_d_state=16 if family == "bamba-square" else 8,
+            mamba_chunk_size=16, mamba_expand=2, mamba_d_conv=4,
         )  # fmt: skip
         return tf.BambaForCausalLM, config
     if family == "jamba":
@@ -153,7 +155,7 @@ def float32_rounding(model, step) -> dict:
 # Qwen3-Next's q, k, v, beta and g on the heads
 MAMBA2 = ([2] * 5, 0, 1)
 ENTERED = {
-    ("bamba", 2): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
+    ("bamba", 2): MAMBA2, ("bamba-square", 1): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
     ("granitemoehybrid", 1): MAMBA2, ("mamba2", 2): ([2] * 5, 0, 2), ("lfm2", 1): ([], 0, 0),
     ("jamba", 2): ([0] * 3, 0, 1), ("jamba", 1): ([1] * 2, 1, 1), ("mamba", 1): ([1] * 2, 1, 2),
     ("qwen3next", 1): ([1] * 5, 0, 1),
@@ -176,7 +178,7 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     [
         ("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45),
         ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
-        ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32),
+        ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("bamba-square", 1, 2, 32),
     ],
 )  # fmt: skip
 def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):

@@ -90,18 +90,30 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
     args, kwargs = fx.node.map_aggregate(
         (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
     )  # fmt: skip
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # As DTensor's dispatcher builds it: the op's schema info makes its non-tensor arguments
+    # (a view's shape) part of the key its answers are cached under.
+    info = propagator.op_to_schema_info.get(node.target)
+    info = info or propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
     try:
-        out = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(
-            OpSchema(node.target, tuple(args), dict(kwargs))
+        out = propagator.propagate_op_sharding(
+            OpSchema(node.target, tuple(args), dict(kwargs), schema_info=info)
         )
     except Exception:  # no strategy for the op: the region stays gathered
         return False
     if out.needs_redistribute:
         wanted = out.redistribute_schema
-        have = pytree.tree_leaves((args, kwargs), is_leaf=_is_spec)
+        have = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_spec) if _is_spec(x)]
         want = pytree.tree_leaves((wanted.args_schema, wanted.kwargs_schema), is_leaf=_is_spec)
-        for a, h, w in zip(pytree.tree_leaves((node.args, node.kwargs)), have, want, strict=True):
-            if not _is_spec(h) or h.placements == w.placements:
+        want = [x for x in want if _is_spec(x)]
+        operands = [
+            a for a in pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(a, fx.Node) and is_tensor(a)
+        ]  # fmt: skip
+        if not len(operands) == len(have) == len(want):
+            return False  # a schema rewritten beyond its tensors: not read
+        for a, h, w in zip(operands, have, want, strict=True):
+            if h.placements == w.placements:
                 continue
             d = _shard_dim(w)
             if d is None or _shard_dim(h) is not None:
