@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ringify.passes.shares import spec_of
 from ringify.runtime.collectives.layout import padded_length, shard_for_rank
 
 
@@ -126,3 +127,21 @@ def test_a_region_cut_before_an_op_that_needs_its_dim_whole(ranks, world, length
         # the flip and the scale, on a share of each head's channels (the last dim is tried
         # first); the norm that needs them whole runs on the sequence's shards
         assert [d for _, d in entered] == [3] and nodes == 2, r
+
+
+def two_reshapes():
+    from ringify.passes.shares import ask, mesh_of
+    from ringify.runtime.collectives.ring import resolve_ring
+
+    spec = spec_of(mesh_of(resolve_ring(None).name, "cpu"), torch.empty(1, 32, 4, 16), 2)
+    aten = torch.ops.aten
+    chunks = ask(aten.reshape.default, (spec, [1, -1, 16, 4, 16]), {}).output_spec
+    merged = ask(aten.reshape.default, (spec, [1, 32, -1]), {}).output_spec
+    return [p.dim for p in chunks.placements], [p.dim for p in merged.placements]
+
+
+def test_dtensor_is_asked_per_shape(ranks):
+    """One spec reshaped two ways gets two answers (DTensor caches its answers; the op's
+    schema info keys them by the shape too): the heads at dim 3 of the chunks, dim 2 merged."""
+    for chunks, merged in ranks(2).run(two_reshapes):
+        assert chunks == [3] and merged == [2]

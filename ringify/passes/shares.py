@@ -75,7 +75,7 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
 
     def spec(a: fx.Node) -> DTensorSpec:
         d = plan.dims[a] if a in members else plan.inputs.get(a)
-        return _spec(mesh, val(a), d)
+        return spec_of(mesh, val(a), d)
 
     if node.target is aten.einsum.default:
         equation, operands = node.args
@@ -90,15 +90,8 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
     args, kwargs = fx.node.map_aggregate(
         (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
     )  # fmt: skip
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    # As DTensor's dispatcher builds it: the op's schema info makes its non-tensor arguments
-    # (a view's shape) part of the key its answers are cached under.
-    info = propagator.op_to_schema_info.get(node.target)
-    info = info or propagator.op_to_schema_info_for_single_dim_strategy.get(node.target)
     try:
-        out = propagator.propagate_op_sharding(
-            OpSchema(node.target, tuple(args), dict(kwargs), schema_info=info)
-        )
+        out = ask(node.target, tuple(args), dict(kwargs))
     except Exception:  # no strategy for the op: the region stays gathered
         return False
     if out.needs_redistribute:
@@ -120,6 +113,16 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
                 return False  # a collective inside the region
             _read_as_share(plan, node, a, d)
     return _placed(out.output_spec, mesh.size())
+
+
+def ask(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """DTensor's ``OutputSharding`` of ``op`` on these specs, asked as its dispatcher asks:
+    the op's schema info makes its non-tensor arguments (a view's shape) part of the key
+    the answers are cached under."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    info = propagator.op_to_schema_info.get(op)
+    info = info or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+    return propagator.propagate_op_sharding(OpSchema(op, args, kwargs, schema_info=info))
 
 
 def _matmul_equation(a: int, b: int) -> str | False:
@@ -185,7 +188,7 @@ def mesh_of(group_name: str, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(ring_by_name(group_name).group, device_type)
 
 
-def _spec(mesh: DeviceMesh, value: torch.Tensor, dim: int | None) -> DTensorSpec:
+def spec_of(mesh: DeviceMesh, value: torch.Tensor, dim: int | None) -> DTensorSpec:
     placement = Replicate() if dim is None else Shard(dim)
     meta = TensorMeta(value.shape, value.stride(), value.dtype)
     return DTensorSpec(mesh, (placement,), tensor_meta=meta)
