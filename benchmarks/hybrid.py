@@ -73,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--rings", type=int, nargs="+", default=[2])
+    parser.add_argument("--kinds", nargs="+", default=["hybrid", "attention only"])
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
@@ -80,7 +81,7 @@ def main() -> None:
     configs = [
         (kind, impl, p, seq)
         for seq in args.seqs
-        for kind in ("hybrid", "attention only")
+        for kind in args.kinds
         for impl, p in (("unmodified", 1), *(("ringify", p) for p in args.rings))
     ]
     best = best_of_rounds(
