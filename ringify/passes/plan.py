@@ -331,11 +331,11 @@ def _mask_inputs(
 def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> Geometry:
     """The sequence's length, and the padded length the ring splits (the padding decision);
     ``general``: the padding steps kept where this length needs none."""
-    attentions = find_attention(graph)
-    if attentions or _tokens(graph) is None:
+    attentions, tokens = find_attention(graph), _tokens(graph)
+    if attentions or tokens is None:
         length = _sequence_length(attentions)
     else:
-        node, seq = _tokens(graph)
+        node, seq = tokens
         length = shape(node)[seq.dim]
     padded = padded_length(length, config.ring_size, config.layout)
     multiple = split_multiple(config.ring_size, config.layout)

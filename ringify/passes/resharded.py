@@ -133,14 +133,14 @@ def reshard_plans(graph: fx.Graph, geo: Geometry, seeds: dict, group_name: str):
     stay gathered. A region whose op needs its dim whole (a norm over heads merged with the
     positions) is cut there where it can be: the values that op reads go back to the
     sequence, and the graph is inferred again from them."""
+    if ring_by_name(group_name).group is None:  # no ring to ask DTensor (a pass alone)
+        return infer_placements(graph, geo, seeds), {}, {}
     cuts: dict[fx.Node, Seq] = {}
     first = None
     for _ in range(MAX_CUTS + 1):
         inference = infer_placements(graph, geo, seeds | cuts)
         plans: dict[fx.Node, Resharded] = {}
         why: dict[fx.Node, str] = {}
-        if ring_by_name(group_name).group is None:  # no ring to ask DTensor (a pass alone)
-            return inference, plans, why
         more: dict[fx.Node, Seq] = {}
         for nodes in regions(graph, inference.decisions):
             try:
