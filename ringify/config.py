@@ -31,9 +31,15 @@ class Hybrid:
 
 @dataclass(frozen=True)
 class Auto:
-    """``strategy="auto"`` as the pass takes it: how many consecutive ranks share a host."""
+    """``strategy="auto"`` as the pass takes it: the ring, and how many consecutive ranks of
+    it share a host, asked once where an attention first needs it (a collective: every rank
+    runs the same pass on the same graph, so every rank asks)."""
 
-    per_host: int
+    ring: Ring
+
+    @functools.cached_property
+    def per_host(self) -> int:
+        return ranks_per_host(self.ring)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Config:
     dilation: Dilation | None = None
     check_inputs: bool = True  # compare a fingerprint of the shared inputs at every call
     mesh: DeviceMesh | None = None  # one dim of a mesh: its group becomes ``group``
-    strategy: str | Hybrid = "ring"
+    strategy: str | Hybrid = "auto"
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -99,10 +105,10 @@ class Config:
 
     @functools.cached_property
     def transports(self) -> str | Hybrid | Auto:
-        """The strategy as the pass takes it; ``"auto"`` with the hosts of the ring's ranks,
-        found once (a collective: every rank of the ring asks, at its first trace)."""
+        """The strategy as the pass takes it; ``"auto"`` with the ring, one value for every
+        trace (its hosts are asked once)."""
         if self.strategy == "auto":
-            return Auto(ranks_per_host(self.ring()))
+            return Auto(self.ring())
         return self.strategy
 
 

@@ -58,7 +58,7 @@ def ringify(
     dilation: Dilation | None = None,
     check_inputs: bool = True,
     mesh: DeviceMesh | None = None,
-    strategy: str | Hybrid = "ring",
+    strategy: str | Hybrid = "auto",
 ) -> RingifiedModule:
     """``model``, sequence-parallel over a ring of ``ring_size`` ranks; same outputs and gradients.
 
@@ -82,7 +82,8 @@ def ringify(
       whose heads the ring divides and whose mask is the same for every head (the others
       keep the ring; the report says which and why, and the bytes of each);
       ``ringify.Hybrid(u=...)``, the all-to-all inside groups of u consecutive ranks and K/V
-      round the ring of the groups (USP).
+      round the ring of the groups (USP); ``"auto"`` (the default), per attention, the one
+      a paper model of a GPU cluster makes fastest (the ring on CPU ranks).
 
     The model itself is left untouched and its parameters are shared.
     """
@@ -169,9 +170,11 @@ class RingifiedModule(nn.Module):
         return self._last().report
 
     def graph_diff(self) -> str:
-        """Unified diff of the graph code before and after the pass (last call's signature)."""
+        """Unified diff of the graph code before and after the pass (last call's signature),
+        after a header that says where each attention, region and gather runs."""
         traced = self._last()
-        return "".join(
+        header = "".join(f"# {line}\n" for line in traced.report.placements())
+        return header + "".join(
             difflib.unified_diff(
                 traced.before.splitlines(keepends=True),
                 traced.module.code.splitlines(keepends=True),

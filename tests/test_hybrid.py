@@ -79,6 +79,13 @@ def hybrid(family: str):
             mlp_only_layers=[0, 1],  # dense MLPs: a router's float32 ties would blur the rounding
         )  # fmt: skip
         return tf.Qwen3NextForCausalLM, config
+    if family == "qwen3_5":
+        config = tf.Qwen3_5TextConfig(
+            **common, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"],
+        )  # fmt: skip
+        return tf.Qwen3_5ForCausalLM, config
     if family == "mamba":
         config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
         return tf.MambaForCausalLM, config
@@ -131,6 +138,8 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba",
         "runs": [a.run for a in report.attentions],
         "gathered": [x.node for x in report.gathers],
         "resharded": [(r.entered, r.gathered) for r in report.resharded],
+        "header": [line for line in ringified.graph_diff().splitlines() if line.startswith("# ")],
+        "placements": report.placements(),
     }
 
 
@@ -176,7 +185,7 @@ ENTERED = {
     ("bamba", 2): MAMBA2, ("bamba-square", 1): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
     ("granitemoehybrid", 1): MAMBA2, ("mamba2", 2): ([2] * 5, 0, 2), ("lfm2", 1): ([], 0, 0),
     ("jamba", 2): ([0] * 3, 0, 1), ("jamba", 1): ([1] * 2, 1, 1), ("mamba", 1): ([1] * 2, 1, 2),
-    ("qwen3next", 1): ([1] * 5, 0, 1),
+    ("qwen3next", 1): ([1] * 5, 0, 1), ("qwen3_5", 1): ([1] * 5, 0, 1),
 }  # fmt: skip
 
 
@@ -196,7 +205,8 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     [
         ("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45),
         ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
-        ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("bamba-square", 1, 2, 32),
+        ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("qwen3_5", 1, 2, 32),
+        ("bamba-square", 1, 2, 32),
     ],
 )  # fmt: skip
 def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
@@ -218,3 +228,6 @@ def check(results: list, family: str, batch: int) -> None:
         for entered, whole in r["resharded"]:  # every layer's scan alike
             assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
         assert len(r["gathered"]) == gathered * scans, r  # reported once per input left whole
+        # graph_diff opens with a line per attention, region on a share and gather
+        assert r["header"] == [f"# {line}" for line in r["placements"]], r["header"]
+        assert len(r["header"]) == len(r["runs"]) + scans + len(r["gathered"]), r["header"]

@@ -31,7 +31,7 @@ from ringify.passes.mask_programs import MASK_NOTE, program_inputs, step_plan
 from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
-from ringify.passes.strategy import choose_transport, step_bytes
+from ringify.passes.strategy import choose_transport, described, step_bytes
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.reference import joint_attention
@@ -209,7 +209,11 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     ring_bytes, all_to_all_bytes = step_bytes(att, state)
     state.attentions.append(
         dataclasses.replace(
-            row, ring_bytes=ring_bytes, all_to_all_bytes=all_to_all_bytes, strategy_note=note
+            row,
+            transport=described(transport, geo.ring_size),
+            ring_bytes=ring_bytes,
+            all_to_all_bytes=all_to_all_bytes,
+            strategy_note=note,
         )
     )
 

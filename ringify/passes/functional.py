@@ -13,9 +13,10 @@ the view's place (a shard, a gather) would take the write with it. ``functionali
 rewrites each write into a tensor made in the graph (not an input, parameter or buffer) as a
 new value: ``slice_scatter``/``select_scatter`` of the written view back into its base (and
 the functional op for ``add_``, ``masked_fill_``, ``index_put_``, ...), and every later
-read of the base reads that value. A write it cannot rewrite so (a view read again after the
-write, a view it cannot scatter) into a tensor read afterwards raises, naming the op: never
-a write silently lost.
+read of the base, or of any view of it (Qwen3.5's rotary embedding writes into
+``freqs[0][..., idx]`` and reads ``freqs[0]`` again), reads that value or the same view of
+it. A write it cannot rewrite so (through a view it cannot scatter) into a tensor read
+afterwards raises, naming the op: never a write silently lost.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ _VIEWS = frozenset({aten.slice.Tensor, aten.select.int, aten.alias.default})
 
 def functionalize_writes(graph: fx.Graph) -> int:
     """Rewrite the writes described above; how many."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     rewritten = 0
     for node in list(graph.nodes):
         if not _writes(node) or _vmapped(node):
             continue
         path, base = _view_path(node.args[0])
-        if base is None or not _made_here(base) or not _rewritable(node, path, base, order):
-            if _read_after(node, base, order):
+        if base is None or not _made_here(base):
+            if _read_after(node, base):
                 raise ValueError(
                     f"the model writes in place into {node.args[0].name} ({node.target}), a "
                     "tensor it reads again, through a view ringify cannot follow: write the "
@@ -49,9 +49,7 @@ def functionalize_writes(graph: fx.Graph) -> int:
             continue
         with graph.inserting_before(node):
             value, written = _rewritten(graph, node, path, base)
-        later = [u for u in base.users if order.get(u, -1) > order[node] and u not in path]
-        for user in later:
-            user.replace_input_with(base, value)
+            _read_from(graph, node, base, value)
         node.replace_all_uses_with(written)  # a write returns the view it wrote
         graph.erase_node(node)
         for view in reversed(path):
@@ -59,6 +57,47 @@ def functionalize_writes(graph: fx.Graph) -> int:
                 graph.erase_node(view)
         rewritten += 1
     return rewritten
+
+
+def _read_from(graph: fx.Graph, node: fx.Node, base: fx.Node, value: fx.Node) -> None:
+    """Point every read of ``base`` after the write at ``value``: a read of the base itself,
+    and a read of any view of it (made before the write or after, the written view's own
+    path included), through that view taken anew from ``value``."""
+    parents = _views_of(base)
+    later = {v: [u for u in v.users if u > node] for v in parents}  # before any is moved
+    anew = {base: value}
+
+    def taken(view: fx.Node) -> fx.Node:
+        if view not in anew:
+            parent = taken(parents[view])
+            anew[view] = call(graph, view.target, (parent, *view.args[1:]), view.kwargs)
+        return anew[view]
+
+    for view, users in later.items():
+        for user in users:
+            user.replace_input_with(view, taken(view))
+
+
+def _views_of(base: fx.Node) -> dict[fx.Node, fx.Node | None]:
+    """``base`` and every view of it, views of views included, each with the tensor it
+    views (parents first)."""
+    parents, stack = {base: None}, [base]
+    while stack:
+        parent = stack.pop()
+        for user in parent.users:
+            if _is_view(user) and user.args[0] is parent and user not in parents:
+                parents[user] = parent
+                stack.append(user)
+    return parents
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An op whose result aliases its first argument (``select``, ``view``, ``transpose``...),
+    read, not written."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or _writes(node):
+        return False
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _writes(node: fx.Node) -> bool:
@@ -105,17 +144,15 @@ def _made_here(base: fx.Node) -> bool:
     return True
 
 
-def _rewritable(node: fx.Node, path: list[fx.Node], base: fx.Node, order: dict) -> bool:
-    """The views on the way are read by this write alone, so nothing reads a stale view."""
-    return all(set(view.users) <= {node, *path} for view in path)
-
-
-def _read_after(node: fx.Node, base: fx.Node | None, order: dict) -> bool:
-    """Whether the written tensor is read after the write (else the write changes nothing)."""
-    written = base if base is not None else node.args[0]
-    if not isinstance(written, fx.Node) or written.op != "call_function":
+def _read_after(node: fx.Node, base: fx.Node | None) -> bool:
+    """Whether the written tensor, or any view of it, is read after the write (else the
+    write changes nothing)."""
+    written = node.args[0]
+    while _is_view(written):
+        written = written.args[0]
+    if written.op != "call_function":
         return False  # an input, parameter or buffer: the model's own state
-    return any(order.get(u, -1) > order[node] for u in written.users) or bool(node.users)
+    return any(u > node for v in _views_of(written) for u in v.users) or bool(node.users)
 
 
 def _rewritten(graph: fx.Graph, node: fx.Node, path: list[fx.Node], base: fx.Node) -> tuple:

@@ -68,9 +68,11 @@ class ReportedAttention:
     layout: str
     dilation: Dilation | None
     bytes_per_step: int
-    # bytes one rank sends a step (forward, and backward in training) on the ring and on the
-    # all-to-all (``passes/strategy.step_bytes``); and why the ring was kept where the
+    # the transport it runs on ("ring of 4", "all-to-all over 4 (Ulysses)", the hybrid's
+    # groups); bytes one rank sends a step (forward, and backward in training) on the ring and
+    # on the all-to-all (``passes/strategy.step_bytes``); and why the ring was kept where the
     # all-to-all was asked for
+    transport: str = ""
     ring_bytes: int = 0
     all_to_all_bytes: int = 0
     strategy_note: str = ""
@@ -141,6 +143,20 @@ class Report:
                 else ""
             )
         )
+
+    def placements(self) -> list[str]:
+        """One line per attention, region on a share and gather: where each runs."""
+        lines = [
+            f"{a.node}: {a.transport or a.run.value}"
+            + (f" (the ring kept: {a.strategy_note})" if a.strategy_note else "")
+            for a in self.attentions
+        ]
+        for r in self.resharded:
+            entered = ", ".join(f"{name} on dim {dim}" for name, dim in r.entered)
+            whole = f"; whole: {', '.join(r.gathered)}" if r.gathered else ""
+            lines.append(f"{r.node} and {r.nodes - 1} more: on a share, {entered}{whole}")
+        lines += [f"{g.node}: gathered, {g.reason.value}" for g in self.gathers]
+        return lines
 
 
 def _table(rows) -> str:

@@ -4,18 +4,23 @@
 all-to-all gives each rank every row of its share of the heads (DeepSpeed-Ulysses; (P-1)/P
 of one shard each of q, K/V and the output), for each attention it can serve; ``Hybrid(u)``,
 the all-to-all inside groups of u ranks and K/V round the groups; ``"auto"``, chosen per
-attention from its heads, the bytes and which ranks share a host. The attentions none
-serves keep the ring, and the report says why. Both byte counts go into the report.
+attention by the paper model of ``passes/transport_model.py`` from its shape, the ring's size
+and which ranks share a host (the ring on CPU ranks, where gloo's all-to-all is no faster).
+The attentions none serves keep the ring, and the report says why. Both byte counts go into
+the report.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from ringify.config import Auto
 from ringify.passes.crossings import PassState
 from ringify.passes.nodes import shape, val
 from ringify.passes.placement import Seq
+from ringify.passes.transport_model import Shape, fastest, sent_bytes
 from ringify.runtime.attention.outputs import accumulation_dtype
 from ringify.runtime.collectives.heads import kv_repeats
 from ringify.runtime.masks.plan import ALL_TO_ALL, RING
@@ -38,46 +43,68 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
     """``(transport, why the ring was kept)`` of a sharded attention under the strategy asked
     for: the all-to-all where its heads divide by the ranks it spans (GQA's K/V repeated as
     far as needed) and its mask is the same for every head (a program or none). ``"auto"``:
-    inside a host, the all-to-all where it sends fewer bytes a step than the ring; over hosts of
-    equal blocks of ranks, the hybrid with the all-to-all inside each host."""
+    the transport the paper model makes fastest on GPUs; the ring on CPU ranks."""
     strategy, size = state.strategy, state.geo.ring_size
     if strategy == "ring" or state.dilation is not None or size == 1:
         return RING, ""
-    u = size if strategy == "ulysses" else getattr(strategy, "u", 0)
-    if isinstance(strategy, Auto):
-        if strategy.per_host == 1:
-            return RING, "its ranks are not in equal blocks per host: the ring"
-        u = strategy.per_host  # the whole ring where it shares one host
     heads, kv_heads = shape(att.q)[1], shape(att.k)[1]
+    if isinstance(strategy, Auto):
+        picked, note = auto_transport(attention_shape(att, state), val(att.q).device, strategy)
+        if picked == RING:
+            return RING, note
+        u = int(picked.partition(":")[2] or size)
+    else:
+        u = size if strategy == "ulysses" else strategy.u
     if kv_repeats(heads, kv_heads, u) is None:
         return RING, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
     if att.mask is not None and att.mask.target is not program_mask:
         return RING, "its mask is a tensor of this rank's rows (not a program)"
     if att.mask is not None and len(shape(att.mask)) == 4 and shape(att.mask)[1] > 1:
         return RING, "its mask differs per head"
-    if isinstance(strategy, Auto) and u == size:
-        ring, heads_bytes = step_bytes(att, state)
-        if heads_bytes >= ring:
-            return RING, f"the ring sends fewer bytes a step ({ring} against {heads_bytes})"
     return (ALL_TO_ALL if u == size else f"{ALL_TO_ALL}:{u}"), ""
 
 
-def step_bytes(att, state: PassState) -> tuple[int, int]:
-    """Bytes one rank sends in a step, ``(ring, all-to-all)``: the forward, and the backward
-    where the graph has parameters that require a gradient (a model in training). The ring:
-    K/V shards P-1 times each way, dK/dV (in the accumulation dtype) P times, on and home (a
-    dense mask: every tile to the last step). The all-to-all: (P-1)/P of q, K/V (repeated as
-    far as it needs), out and lse forward; of dout, q, out, lse, K/V in and dq, dK, dV home
-    backward."""
-    p, geo = state.geo.ring_size, state.geo
-    e = val(att.q).element_size()
-    acc = accumulation_dtype(val(att.q).dtype).itemsize
+def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[str, str]:
+    """``strategy="auto"``: ``(transport, why the ring)`` for an attention of this shape on
+    ``device``: what the paper model makes fastest on a GPU cluster of the ring's hosts; the
+    ring on CPU ranks, where gloo's all-to-all ran no faster (``benchmarks/RESULTS.md``)."""
+    if device.type == "cpu":
+        return RING, "auto: the ring on CPU ranks (gloo's all-to-all is no faster)"
+    picked = fastest(shape, auto.ring.size, auto.per_host)
+    return picked, "auto: the ring is modelled fastest" if picked == RING else ""
+
+
+def described(transport: str, size: int) -> str:
+    """A transport as the report and ``graph_diff`` print it."""
+    if transport == RING:
+        return f"ring of {size}"
+    u = int(transport.partition(":")[2] or size)
+    if u == size:
+        return f"all-to-all over {size} (Ulysses)"
+    return f"all-to-all in groups of {u}, ring of {size // u} groups (hybrid)"
+
+
+def attention_shape(att, state: PassState) -> Shape:
+    """The attention as one rank holds it on the sequence, for the paper model: a training
+    step where the graph has parameters that require a gradient."""
+    geo = state.geo
     q_e, k_e, v_e = (math.prod(geo.local_shape(shape(x), Seq(2))) for x in (att.q, att.k, att.v))
-    kv_e, rows = k_e + v_e, q_e // shape(att.q)[-1]  # lse: one per query row and head
-    repeats = kv_repeats(shape(att.q)[1], shape(att.k)[1], p) or 1
-    ring = (p - 1) * kv_e * e
-    heads = (2 * q_e + kv_e * repeats) * e + rows * acc
-    if _trained(state):
-        ring += (p - 1) * kv_e * e + p * kv_e * acc
-        heads += (4 * q_e + 2 * kv_e * repeats) * e + rows * acc
-    return ring, heads * (p - 1) // p
+    causal = att.is_causal or (att.mask is not None and att.mask.target is program_mask)
+    return Shape(
+        q=q_e,
+        kv=k_e + v_e,
+        rows=q_e // shape(att.q)[-1],  # lse: one per query row and head
+        heads=shape(att.q)[1],
+        kv_heads=shape(att.k)[1],
+        keys=shape(att.k)[2],
+        element=val(att.q).element_size(),
+        accumulator=accumulation_dtype(val(att.q).dtype).itemsize,
+        causal=causal,
+        trained=_trained(state),
+    )
+
+
+def step_bytes(att, state: PassState) -> tuple[int, int]:
+    """Bytes one rank sends in a step, ``(ring, all-to-all)`` (``transport_model.sent_bytes``):
+    the forward, and the backward in training."""
+    return sent_bytes(attention_shape(att, state), state.geo.ring_size)

@@ -1,0 +1,68 @@
+"""The paper model ``strategy="auto"`` picks from (``passes/transport_model.py``): its bytes,
+its ring hidden behind the kernels, the picks ``benchmarks/strategies.py`` tabulates for
+Llama-3 layers on nodes of 8 GPUs, and "auto" itself: that pick on GPUs, the ring on CPU
+ranks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.strategies import shape
+from ringify.passes.strategy import auto_transport
+from ringify.passes.transport_model import Shape, fastest, seconds, sent_bytes, transports
+
+
+def test_sent_bytes():
+    """4 query heads on 2 K/V heads, 8 rows of head dim 4 per rank, bf16, float32 lse and
+    accumulators, on 4 ranks (K/V repeated twice for the all-to-all)."""
+    s = Shape(q=4 * 8 * 4, kv=2 * 2 * 8 * 4, rows=4 * 8, heads=4, kv_heads=2, keys=32)
+    ring = 3 * 128 * 2 + 3 * 128 * 2 + 4 * 128 * 4
+    heads = (2 * 128 + 256) * 2 + 32 * 4 + (4 * 128 + 512) * 2 + 32 * 4
+    assert sent_bytes(s, 4) == (ring, heads * 3 // 4)
+    inference = Shape(q=128, kv=128, rows=32, heads=4, kv_heads=2, keys=32, trained=False)
+    assert sent_bytes(inference, 4) == (3 * 128 * 2, ((2 * 128 + 256) * 2 + 32 * 4) * 3 // 4)
+
+
+def test_transports_the_heads_allow():
+    assert transports(32, 8, 64) == ["ring", "all-to-all:2", "all-to-all:4", "all-to-all:8",
+                                     "all-to-all:16", "all-to-all:32"]  # fmt: skip
+    assert transports(6, 6, 4) == ["ring", "all-to-all:2"]
+
+
+def test_a_ring_hidden_behind_its_kernels_costs_its_kernels():
+    s = shape(32, 8, 1 << 20, 8)
+    assert seconds(s, "ring", 8, 8) == pytest.approx(seconds(s, "ring", 1, 1))
+    # across hosts at 32K the network does not hide: the ring costs more than its kernels
+    short = shape(32, 8, 1 << 15, 64)
+    assert seconds(short, "ring", 64, 8) > 2 * seconds(short, "ring", 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "gpus", "want"),
+    [
+        (32, 8, 1 << 15, 8, "ring"),  # inside a node, hidden
+        (32, 8, 1 << 15, 16, "all-to-all:4"),
+        (32, 8, 1 << 15, 64, "all-to-all:8"),  # Ulysses over 64 cannot split 32 heads
+        (32, 8, 1 << 20, 64, "ring"),  # a million tokens hide the network
+        (64, 8, 1 << 15, 64, "all-to-all:8"),
+    ],
+)
+def test_the_picks_of_the_table(heads, kv_heads, seq, gpus, want):
+    s = shape(heads, kv_heads, seq, gpus)
+    assert fastest(s, gpus, 8) == want
+    times = {t: seconds(s, t, gpus, 8) for t in transports(heads, kv_heads, gpus)}
+    assert times[want] == min(times.values())
+
+
+def test_auto_is_the_models_pick_on_gpus_and_the_ring_on_cpu_ranks():
+    auto = SimpleNamespace(ring=SimpleNamespace(size=64), per_host=8)
+    s = shape(32, 8, 1 << 15, 64)
+    assert auto_transport(s, torch.device("cuda"), auto) == ("all-to-all:8", "")
+    picked, note = auto_transport(s, torch.device("cpu"), auto)
+    assert picked == "ring" and "CPU ranks" in note
+    long = shape(32, 8, 1 << 20, 64)
+    assert auto_transport(long, torch.device("cuda"), auto) == (
+        "ring", "auto: the ring is modelled fastest")  # fmt: skip
