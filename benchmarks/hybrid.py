@@ -2,6 +2,9 @@
 
     python benchmarks/hybrid.py --seqs 4096 16384 --rings 2 4
 
+``--kinds qwen3.5``: HF Qwen3.5's text model instead (Gated DeltaNet in layers 0-2, its
+chunked delta rule on a share of 8 value heads; attention in layer 3), the same sizes.
+
 HF Bamba (``BambaForCausalLM``, its torch path: no CUDA kernels here), 4 layers, hidden
 256: ``hybrid`` has attention in layers 1 and 3 and Mamba2 mixers in layers 0 and 2;
 ``attention only`` is the same model with attention in every layer (the SDPA spelling of
@@ -30,24 +33,40 @@ from ringify.testing import measured_step
 from ringify.testing.rounds import best_of_rounds
 
 
+def built(kind: str):
+    """The model of ``kind``: 4 layers, hidden 256, float32."""
+    import transformers as tf
+
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    if kind in ("hybrid", "attention only"):  # Bamba
+        config = tf.BambaConfig(
+            **common, attn_layer_indices=[1, 3] if kind == "hybrid" else [0, 1, 2, 3],
+            mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+            mamba_chunk_size=256, mamba_expand=2,
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        return tf.BambaForCausalLM(config)
+    if kind == "qwen3.5":  # Gated DeltaNet in 3 layers of 4, as at full size
+        config = tf.Qwen3_5TextConfig(
+            **common, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        return tf.Qwen3_5ForCausalLM(config)
+    raise ValueError(f"unknown model {kind!r}")
+
+
 def step(impl: str, kind: str, seq: int) -> dict:
     """On every rank: one warm-up step, then one timed and measured."""
     import torch
     import torch.distributed as dist
-    from transformers import BambaConfig, BambaForCausalLM
 
     from ringify import ringify
 
     torch.manual_seed(0)
-    config = BambaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2,
-        attn_layer_indices=[1, 3] if kind == "hybrid" else [0, 1, 2, 3],
-        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
-        mamba_chunk_size=256, mamba_expand=2, use_cache=False,
-    )  # fmt: skip
-    config._attn_implementation = "sdpa"
-    model = BambaForCausalLM(config)
+    model = built(kind)
     run = model if impl == "unmodified" else ringify(model, ring_size=dist.get_world_size())
     ids = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
 
@@ -73,7 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--rings", type=int, nargs="+", default=[2])
-    parser.add_argument("--kinds", nargs="+", default=["hybrid", "attention only"])
+    parser.add_argument(
+        "--kinds", nargs="+", default=["hybrid", "attention only"],
+        help="Bamba's 'hybrid' and 'attention only', or 'qwen3.5'",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks

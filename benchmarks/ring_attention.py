@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=3, help="round-robin repeats for S < 16K")
     parser.add_argument("--large-repeats", type=int, default=1, help="repeats for S >= 16K")
+    parser.add_argument("--impls", nargs="+", default=None, help="only these rows (all if unset)")
     args = parser.parse_args()
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
@@ -188,6 +189,7 @@ def main() -> None:
                 configs += [("torch_ring", 2, "contiguous")]
                 configs += [("torch_ring", 2, "zigzag")] if is_causal else []
                 configs += [("sdpa_concurrent", 2, "contiguous")]
+                configs = [c for c in configs if args.impls is None or c[0] in args.impls]
                 # Round-robin repeats, so that a slow spell of the machine hits every configuration.
                 best: dict[tuple, dict] = {}
                 for _ in range(repeats):

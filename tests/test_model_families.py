@@ -93,7 +93,7 @@ def _run(model, fn, args, kwargs, pick):
     return out.detach(), grads, [a.grad for a in args if a.grad is not None]
 
 
-def compare(name: str, length: int, backend: str | None = None, strategy: str = "ring"):
+def compare(name: str, length: int, backend: str | None = None, strategy="ring"):
     """On every rank: the largest differences, the report's attention runs and gathers."""
 
     model, args, kwargs, pick = _case(name, length)
@@ -158,6 +158,19 @@ def test_the_families_on_the_all_to_all(ranks, name, length):
     ranks), the rest as on the ring; padded sequences (17, 13) and a DiT's video included."""
     on_heads = [AttentionRun.ALL_TO_ALL if run is RING else run for run in EXPECTED[name]]
     for r in ranks(2).run(compare, name, length, None, "ulysses"):
+        assert r["gathers"] == [] and r["runs"] == on_heads, r
+        for kind in ("out", "grads", "inputs"):
+            assert r[kind] <= TOL, (kind, r)
+
+
+@pytest.mark.parametrize(("name", "length"), [("vit", 17), ("dit", 32)])
+def test_the_families_on_the_hybrid(ranks, name, length):
+    """``Hybrid(u=2)`` on 4 ranks: each sharded self-attention's 4 heads on the all-to-all
+    inside pairs, K/V round the ring of 2 pairs; a padded sequence (17) and a DiT's video."""
+    from ringify import Hybrid
+
+    on_heads = [AttentionRun.ALL_TO_ALL if run is RING else run for run in EXPECTED[name]]
+    for r in ranks(4).run(compare, name, length, None, Hybrid(u=2)):
         assert r["gathers"] == [] and r["runs"] == on_heads, r
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)

@@ -98,7 +98,7 @@ def test_ulysses_compiled(ranks):
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
-@pytest.mark.parametrize("case", ["causal", "packed"])
+@pytest.mark.parametrize("case", ["causal", "packed", "right", "window"])
 def test_the_hybrid_matches_the_model(ranks, case):
     """Hybrid(u=2) on 4 ranks: the all-to-all inside pairs, K/V round the ring of 2 pairs."""
     for r in ranks(4).run(hf_case, case, 4, False, 2):
@@ -118,12 +118,13 @@ def test_auto_keeps_the_ring_on_cpu_ranks(ranks):
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
-def encoder_and_decoder(name: str):
+def encoder_and_decoder(name: str, hybrid: int = 0):
     """GPT-2 (a causal program, MHA) and ModernBERT (a padding program and a window):
-    ``strategy="ulysses"`` against the unmodified model, logits and every gradient."""
+    ``strategy="ulysses"`` (or ``Hybrid(u=hybrid)``) against the unmodified model, logits and
+    every gradient."""
     import torch.distributed as dist
 
-    from ringify import ringify
+    from ringify import Hybrid, ringify
     from ringify.testing import hf_models
 
     seq = S * dist.get_world_size()
@@ -142,13 +143,15 @@ def encoder_and_decoder(name: str):
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     want, want_grads = step(model)
-    ringified = ringify(model, ring_size=dist.get_world_size(), strategy="ulysses")
+    strategy = Hybrid(u=hybrid) if hybrid else "ulysses"
+    ringified = ringify(model, ring_size=dist.get_world_size(), strategy=strategy)
     got, grads = step(ringified)
     report = ringified.report()
     return {
         "logits": (got - want).abs().max().item(),
         "grads": max((grads[n] - want_grads[n]).abs().max().item() for n in want_grads),
         "runs": [a.run for a in report.rewritten],
+        "transports": [a.transport for a in report.rewritten],
         "gathers": len(report.gathers),
     }
 
@@ -157,6 +160,15 @@ def encoder_and_decoder(name: str):
 def test_gpt2_and_modernbert_on_the_all_to_all(ranks, name):
     for r in ranks(2).run(encoder_and_decoder, name):
         assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+
+
+@pytest.mark.parametrize("name", ["gpt2", "modernbert"])
+def test_gpt2_and_modernbert_on_the_hybrid(ranks, name):
+    """Hybrid(u=2) on 4 ranks: 4 heads, the all-to-all inside pairs, K/V round 2 pairs."""
+    for r in ranks(4).run(encoder_and_decoder, name, 2):
+        assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        assert set(r["transports"]) == {"all-to-all in groups of 2, ring of 2 groups (hybrid)"}
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
