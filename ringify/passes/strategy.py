@@ -67,9 +67,10 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
 def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[str, str]:
     """``strategy="auto"``: ``(transport, why the ring)`` for an attention of this shape on
     ``device``: what the paper model makes fastest on a GPU cluster of the ring's hosts; the
-    ring on CPU ranks, where gloo's all-to-all ran no faster (``benchmarks/RESULTS.md``)."""
+    ring on CPU ranks, where gloo's all-to-all ran no faster beyond the machine's noise and
+    held 1.4-1.5 times the ring's memory (``benchmarks/RESULTS.md``, 8K-32K)."""
     if device.type == "cpu":
-        return RING, "auto: the ring on CPU ranks (gloo's all-to-all is no faster)"
+        return RING, "auto: the ring on CPU ranks (gloo's all-to-all is no faster, and holds more)"
     picked = fastest(shape, auto.ring.size, auto.per_host)
     return picked, "auto: the ring is modelled fastest" if picked == RING else ""
 
