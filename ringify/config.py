@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -32,14 +33,16 @@ class Hybrid:
 @dataclass(frozen=True)
 class Auto:
     """``strategy="auto"`` as the pass takes it: the ring, and how many consecutive ranks of
-    it share a host, asked once where an attention first needs it (a collective: every rank
-    runs the same pass on the same graph, so every rank asks)."""
+    it share a host, asked once, where a GPU attention first needs it (a collective: every
+    rank runs the same pass on the same graph, so every rank asks)."""
 
     ring: Ring
+    _asked: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @functools.cached_property
-    def per_host(self) -> int:
-        return ranks_per_host(self.ring)
+    def per_host(self, device: torch.device) -> int:
+        if "per_host" not in self._asked:
+            self._asked["per_host"] = ranks_per_host(self.ring, device)
+        return self._asked["per_host"]
 
 
 @dataclass(frozen=True)

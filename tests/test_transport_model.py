@@ -58,7 +58,7 @@ def test_the_picks_of_the_table(heads, kv_heads, seq, gpus, want):
 
 
 def test_auto_is_the_models_pick_on_gpus_and_the_ring_on_cpu_ranks():
-    auto = SimpleNamespace(ring=SimpleNamespace(size=64), per_host=8)
+    auto = SimpleNamespace(ring=SimpleNamespace(size=64), per_host=lambda device: 8)
     s = shape(32, 8, 1 << 15, 64)
     assert auto_transport(s, torch.device("cuda"), auto) == ("all-to-all:8", "")
     picked, note = auto_transport(s, torch.device("cpu"), auto)
@@ -66,3 +66,31 @@ def test_auto_is_the_models_pick_on_gpus_and_the_ring_on_cpu_ranks():
     long = shape(32, 8, 1 << 20, 64)
     assert auto_transport(long, torch.device("cuda"), auto) == (
         "ring", "auto: the ring is modelled fastest")  # fmt: skip
+
+
+def test_a_program_that_reads_positions_is_counted_causal():
+    """A causal, window or document program skips about half the blocks or more; a padding
+    program few: the model counts the first at half the FLOPs, the second dense."""
+    from ringify.passes.strategy import _reads_positions
+    from ringify.runtime.masks.program import MaskProgram
+
+    causal = MaskProgram((), (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),))
+    padding = MaskProgram(("k",), (("eq.Scalar", ({"in": 0}, 1), "bool"),))
+    assert _reads_positions(SimpleNamespace(args=[causal.text()]))
+    assert not _reads_positions(SimpleNamespace(args=[padding.text()]))
+
+
+def hosts_under_a_fake_mode() -> int:
+    """On every rank: ``ranks_per_host`` asked while a fake mode is active, as a trace may."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringify.runtime.collectives.ring import ranks_per_host, resolve_ring
+
+    with FakeTensorMode():
+        return ranks_per_host(resolve_ring(dist.group.WORLD), torch.device("cpu"))
+
+
+def test_the_ranks_of_one_host(ranks):
+    """Every rank of the pool runs on this host: blocks of the whole ring."""
+    assert ranks(2).run(hosts_under_a_fake_mode) == [2, 2]

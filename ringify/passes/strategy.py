@@ -24,7 +24,7 @@ from ringify.passes.transport_model import Shape, fastest, sent_bytes
 from ringify.runtime.attention.outputs import accumulation_dtype
 from ringify.runtime.collectives.heads import kv_repeats
 from ringify.runtime.masks.plan import ALL_TO_ALL, RING
-from ringify.runtime.masks.program import program_mask
+from ringify.runtime.masks.program import parse, program_mask
 
 
 def _trained(state: PassState) -> bool:
@@ -71,7 +71,7 @@ def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[str,
     held 1.4-1.5 times the ring's memory (``benchmarks/RESULTS.md``, 8K-32K)."""
     if device.type == "cpu":
         return RING, "auto: the ring on CPU ranks (gloo's all-to-all is no faster, and holds more)"
-    picked = fastest(shape, auto.ring.size, auto.per_host)
+    picked = fastest(shape, auto.ring.size, auto.per_host(device))
     return picked, "auto: the ring is modelled fastest" if picked == RING else ""
 
 
@@ -90,7 +90,11 @@ def attention_shape(att, state: PassState) -> Shape:
     step where the graph has parameters that require a gradient."""
     geo = state.geo
     q_e, k_e, v_e = (math.prod(geo.local_shape(shape(x), Seq(2))) for x in (att.q, att.k, att.v))
-    causal = att.is_causal or (att.mask is not None and att.mask.target is program_mask)
+    # a program that reads positions (causal, a window, documents) skips about half the
+    # blocks or more; one that does not (padding) skips few: counted dense
+    causal = att.is_causal or (
+        att.mask is not None and att.mask.target is program_mask and _reads_positions(att.mask)
+    )
     return Shape(
         q=q_e,
         kv=k_e + v_e,
@@ -103,6 +107,12 @@ def attention_shape(att, state: PassState) -> Shape:
         causal=causal,
         trained=_trained(state),
     )
+
+
+def _reads_positions(mask) -> bool:
+    """Whether a mask program reads the queries' or keys' positions."""
+    code = parse(mask.args[0]).code
+    return any(isinstance(a, dict) and "pos" in a for _, args, _ in code for a in args)
 
 
 def step_bytes(att, state: PassState) -> tuple[int, int]:

@@ -7,11 +7,13 @@ has one rank), as ``torch.distributed._functional_collectives`` does.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 LOCAL = ""
@@ -93,14 +95,19 @@ def _group_name(ring: Ring, key: tuple, members: range) -> str:
     return _sub_rings[key]
 
 
-def ranks_per_host(ring: Ring) -> int:
-    """How many consecutive ranks of ``ring`` share each host (an all-gather of host names):
-    the ring's size where all do, 1 where the hosts do not hold equal blocks of consecutive
-    ranks. A collective: every rank of the ring calls it."""
+def ranks_per_host(ring: Ring, device: torch.device) -> int:
+    """How many consecutive ranks of ``ring`` share each host: the ring's size where all do,
+    1 where the hosts do not hold equal blocks of consecutive ranks. A collective of one
+    host id per rank, on ``device`` (so that NCCL needs no current device set; outside any
+    fake mode the caller traces under): every rank of the ring calls it."""
     if ring.group is None:
         return 1
-    hosts: list = [None] * ring.size
-    dist.all_gather_object(hosts, socket.gethostname(), group=ring.group)
+    host = int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:7], "little")
+    with unset_fake_temporarily():
+        gathered = torch.empty(ring.size, dtype=torch.int64, device=device)
+        mine = torch.tensor([host], dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(gathered, mine, group=ring.group)
+        hosts = gathered.tolist()
     u = hosts.count(hosts[0])
     blocks = [tuple(hosts[i : i + u]) for i in range(0, ring.size, u)]
     equal = ring.size % u == 0 and all(len(set(b)) == 1 for b in blocks)
