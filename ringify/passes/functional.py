@@ -40,7 +40,7 @@ def functionalize_writes(graph: fx.Graph) -> int:
             continue
         path, base = _view_path(node.args[0])
         if base is None or not _made_here(base):
-            if _read_after(node, base):
+            if _read_after(node):
                 raise ValueError(
                     f"the model writes in place into {node.args[0].name} ({node.target}), a "
                     "tensor it reads again, through a view ringify cannot follow: write the "
@@ -144,7 +144,7 @@ def _made_here(base: fx.Node) -> bool:
     return True
 
 
-def _read_after(node: fx.Node, base: fx.Node | None) -> bool:
+def _read_after(node: fx.Node) -> bool:
     """Whether the written tensor, or any view of it, is read after the write (else the
     write changes nothing)."""
     written = node.args[0]
