@@ -76,7 +76,7 @@ def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
     return rows
 
 
-def compare(name: str, backend: str | None = None):
+def compare(name: str, backend: str | None = None, strategy: str = "auto"):
     import torch.distributed as dist
 
     from ringify.testing.tolerance import differences, exceeding
@@ -90,7 +90,7 @@ def compare(name: str, backend: str | None = None):
     if name in ("gemma2", "bloom"):  # their eager softmax is float32
         with _Float64Softmax():
             float64 = _results(model, model, ids)
-    ringified, run = ringified_run(model, backend)
+    ringified, run = ringified_run(model, backend, strategy=strategy)
     got = _results(model, run, ids)
     report = ringified.report()
     top_k = getattr(model.config, "num_experts_per_tok", 0)
@@ -99,6 +99,7 @@ def compare(name: str, backend: str | None = None):
         "same grads": set(got) == set(want),
         "gathers": [(g.op, g.reason.value) for g in report.gathers],
         "forms": sorted({a.form for a in report.attentions}),
+        "runs": sorted({a.run.name for a in report.attentions}),
         "expert rows": _expert_rows(ringified._active.module),
         "token copies": ids.numel() * top_k,  # the rows of each expert product, unmodified
     }
@@ -118,6 +119,17 @@ def test_the_family_matches_the_unmodified_model(ranks, world, name):
             assert r["forms"] == ["by hand, with sinks"], r["forms"]
         if name == "gemma2":
             assert r["forms"] == ["by hand, soft-capped"], r["forms"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss", "gemma2"])
+def test_mla_sinks_and_soft_caps_on_the_all_to_all(ranks, name):
+    """``strategy="ulysses"`` (what "auto" may pick on GPUs): DeepSeek-V3's MLA (v's head
+    dim narrower than q's and k's), gpt-oss's sinks (a logit per head, on each rank's share
+    of the heads) and Gemma 2's soft caps, against the unmodified model."""
+    for r in ranks(2).run(compare, name, None, "ulysses", timeout=600):
+        assert r["wrong"] == {}, r["wrong"]
+        assert r["same grads"] and r["gathers"] == [], r
+        assert r["runs"] == ["ALL_TO_ALL"], r["runs"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

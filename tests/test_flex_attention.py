@@ -21,7 +21,9 @@ from ringify.testing.runs import ringified_run
 TOL = 1e-10
 
 
-def compare(length: int, documents: bool, backend: str | None, alibi: bool = False):
+def compare(
+    length: int, documents: bool, backend: str | None, alibi: bool = False, strategy="auto"
+):
     from ringify.testing.models import FlexTransformer
 
     torch.manual_seed(0)
@@ -38,7 +40,7 @@ def compare(length: int, documents: bool, backend: str | None, alibi: bool = Fal
 
     with torch.no_grad():
         flex_out = model(*inputs)
-    ringified, run = ringified_run(model, backend)
+    ringified, run = ringified_run(model, backend, strategy=strategy)
     model.requires_grad_(False)
     with torch.no_grad():
         first = run(*inputs)  # traced without gradients: CPU flex has no backward
@@ -57,6 +59,7 @@ def compare(length: int, documents: bool, backend: str | None, alibi: bool = Fal
         "twin": (want[0] - flex_out).abs().max().item(),
         "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
         "runs": [(a.run, a.form, a.mask) for a in report.attentions],
+        "notes": [a.strategy_note for a in report.attentions],
         "gathers": [x.op for x in report.gathers],
         "quadratic": quadratic_nodes(ringified, length),
     }
@@ -77,6 +80,18 @@ def test_a_learned_score_mod(ranks, world):
     program's float values; the slopes' gradient comes from the ring, tile by tile."""
     for r in ranks(world).run(compare, 45, True, None, True):
         assert r["runs"] == [(AttentionRun.RING, "flex_attention", MaskKind.PROGRAM)] * 2, r
+        assert r["gathers"] == [] and r["quadratic"] == [], r
+        assert r["out"] <= TOL and r["twin"] <= TOL and r["grads"] <= TOL, r
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_flex_on_the_all_to_all(ranks, alibi):
+    """``strategy="ulysses"``: FlexAttention's documents on a share of the heads; ALiBi's
+    learned slopes (a bias that differs per head) keep the ring, and the report says why."""
+    run = AttentionRun.RING if alibi else AttentionRun.ALL_TO_ALL
+    for r in ranks(2).run(compare, 45, True, None, alibi, "ulysses"):
+        assert r["runs"] == [(run, "flex_attention", MaskKind.PROGRAM)] * 2, r
+        assert all(("differs per head" in n) == alibi for n in r["notes"]), r["notes"]
         assert r["gathers"] == [] and r["quadratic"] == [], r
         assert r["out"] <= TOL and r["twin"] <= TOL and r["grads"] <= TOL, r
 
@@ -109,6 +124,7 @@ def hf_flex(length: int):
         "diff": (got - want).abs().max().item(),
         "own": max((sdpa - want).abs().max().item(), eps),
         "runs": [(a.run, a.form, a.mask) for a in report.attentions],
+        "notes": [a.strategy_note for a in report.attentions],
         "gathers": [x.op for x in report.gathers],
     }
 
