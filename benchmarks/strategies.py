@@ -21,6 +21,7 @@ import sys
 from tabulate import tabulate
 
 from ringify.passes.transport_model import H100, Shape, fastest, seconds, transports
+from ringify.runtime.masks.plan import heads_group
 
 HEAD_DIM, PER_HOST = 128, 8
 # heads, K/V heads, parameters of one layer (q, k, v, o and the MLP)
@@ -39,10 +40,8 @@ def shape(heads: int, kv_heads: int, seq: int, gpus: int) -> Shape:
 
 
 def name(transport: str, gpus: int) -> str:
-    if transport == "ring":
-        return "ring"
-    u = int(transport.partition(":")[2] or gpus)
-    return "ulysses" if u == gpus else f"hybrid u={u}"
+    u = heads_group(transport, gpus)
+    return "ring" if u == 1 else "ulysses" if u == gpus else f"hybrid u={u}"
 
 
 def rows(seqs: list[int], gpu_counts: list[int]) -> list[dict]:

@@ -39,7 +39,7 @@ def functionalize_writes(graph: fx.Graph) -> int:
         if not _writes(node) or _vmapped(node):
             continue
         path, base = _view_path(node.args[0])
-        if base is None or not _made_here(base):
+        if not _made_here(base):
             if _read_after(node):
                 raise ValueError(
                     f"the model writes in place into {node.args[0].name} ({node.target}), a "
@@ -118,9 +118,10 @@ def _vmapped(node: fx.Node) -> bool:
     )
 
 
-def _view_path(x: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
-    """The views from a base to ``x`` (outermost first) and that base; ``None`` as the base
-    where a view on the way is not a slice or a select."""
+def _view_path(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """The slices and selects from a base to ``x`` (outermost first), and that base: the
+    first tensor on the way that is not one (another view, as a ``permute``, is the base,
+    which ``_made_here`` then judges)."""
     path = []
     while x.op == "call_function" and x.target in _VIEWS:
         path.append(x)

@@ -23,7 +23,7 @@ from ringify.passes.placement import Seq
 from ringify.passes.transport_model import Shape, fastest, sent_bytes
 from ringify.runtime.attention.outputs import accumulation_dtype
 from ringify.runtime.collectives.heads import kv_repeats
-from ringify.runtime.masks.plan import ALL_TO_ALL, RING
+from ringify.runtime.masks.plan import ALL_TO_ALL, RING, heads_group
 from ringify.runtime.masks.program import parse, program_mask
 
 
@@ -52,7 +52,7 @@ def choose_transport(att, state: PassState) -> tuple[str, str]:
         picked, note = auto_transport(attention_shape(att, state), val(att.q).device, strategy)
         if picked == RING:
             return RING, note
-        u = int(picked.partition(":")[2] or size)
+        u = heads_group(picked, size)
     else:
         u = size if strategy == "ulysses" else strategy.u
     if kv_repeats(heads, kv_heads, u) is None:
@@ -77,9 +77,9 @@ def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[str,
 
 def described(transport: str, size: int) -> str:
     """A transport as the report and ``graph_diff`` print it."""
-    if transport == RING:
+    u = heads_group(transport, size)
+    if u == 1:
         return f"ring of {size}"
-    u = int(transport.partition(":")[2] or size)
     if u == size:
         return f"all-to-all over {size} (Ulysses)"
     return f"all-to-all in groups of {u}, ring of {size // u} groups (hybrid)"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringify.runtime.collectives.heads import kv_repeats
-from ringify.runtime.masks.plan import ALL_TO_ALL, RING
+from ringify.runtime.masks.plan import ALL_TO_ALL, RING, heads_group
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def seconds(
     equal blocks of ``per_host`` consecutive ranks per host."""
     forward = 4 * shape.q * shape.keys * (0.5 if shape.causal else 1.0) / cluster.flops
     backward = 2.5 * forward if shape.trained else 0.0
-    u = int(transport.partition(":")[2] or size) if transport != RING else 1
+    u = heads_group(transport, size)
     exchange = 0.0
     if u > 1:  # the all-to-all over u ranks, some of it to other hosts where u > per_host
         moved = sent_bytes(shape, u)[1]
