@@ -44,6 +44,7 @@ from ringify.passes.length_integers import (
     read_at_run_time,
 )
 from ringify.runtime.collectives.layout import split_multiple
+from ringify.tensor_parallel import local_for_trace, tp_layers
 from ringify.trace import Rewritten, rewrite
 
 
@@ -159,7 +160,7 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
         positional = list(inspect.signature(model.forward).bind_partial(*args).arguments)
         names = [*positional, *kwargs]  # the order ``_dynamic_shapes`` gives them in
         dynamic = dict(zip(names, _dynamic_shapes(spec, dims), strict=True))
-        with _fsdp_units_whole(model):
+        with _as_traced(model):
             exported = torch.export.export(
                 model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
             )
@@ -184,11 +185,12 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
 
 
 @contextlib.contextmanager
-def _fsdp_units_whole(model: nn.Module):
-    """FSDP2 units seen whole, as the trace sees them (``unsharded_for_trace``): their full
-    parameters are fakes of the export's own fake mode, which export then takes as its own."""
-    units = fsdp_units(model)
-    if not units:
+def _as_traced(model: nn.Module):
+    """FSDP2 units seen whole and TP layers local, as the trace sees them
+    (``unsharded_for_trace``, ``local_for_trace``): their parameters are fakes of the
+    export's own fake mode, which export then takes as its own."""
+    units, layers = fsdp_units(model), tp_layers(model)
+    if not units and not layers:
         yield
         return
     mode = FakeTensorMode(
@@ -197,6 +199,7 @@ def _fsdp_units_whole(model: nn.Module):
     with (
         torch._guards.tracing(torch._guards.TracingContext(mode)),
         unsharded_for_trace(units, mode),
+        local_for_trace(model, layers, mode),
     ):
         yield
 

@@ -41,6 +41,7 @@ from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
 from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
+from ringify.tensor_parallel import local_state
 from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
 
 log = logging.getLogger("ringify")
@@ -207,7 +208,9 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
             config=config,
             retraced=traced is None,
             shared=shared if config.check_inputs else None,
-            state=state if config.check_inputs else None,
+            state=None
+            if state is None or not config.check_inputs
+            else list(map(local_state, state)),
             args=args,
             kwargs=kwargs,
         )
@@ -229,8 +232,13 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
     return (traced, *tree_flatten_spec((args, kwargs), traced.in_spec)), {}
 
 
+def _local_state(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """The state a traced graph reads: each tensor-parallel weight as its local shard."""
+    return [local_state(t) for t in state_of(model, names)]
+
+
 # Read eagerly: under torch.compile, reading the state is Python bookkeeping, not graph work.
-_current_state = torch.compiler.disable(state_of)
+_current_state = torch.compiler.disable(_local_state)
 
 
 def _forget(module: RingifiedModule, key: tuple, traced: Traced) -> None:
@@ -278,7 +286,7 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs, dims=None) -> Tr
         return traced
     shared = state = None
     if traced is not None and module.ringify_config.check_inputs:
-        state = state_of(module._model, traced.state_names)
+        state = _local_state(module._model, traced.state_names)
         if module.ringify_config.inputs == "sharded":
             flat = pytree.tree_leaves((args, kwargs))
             shared = [flat[i] for i in traced.shared_inputs]

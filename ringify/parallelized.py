@@ -10,8 +10,8 @@ the rewritten graph runs inside that unit's FSDP forward hooks (``passes/fsdp_un
 
 FSDP mixed precision is kept (parameters all-gathered in ``param_dtype``, the blocks'
 inputs cast as FSDP casts them, gradients reduced in ``reduce_dtype``). Refused, naming
-what composes: tensor parallelism (DTensor parameters outside FSDP), a unit grouping
-several modules, and a policy's ``output_dtype``.
+what composes: DTensor parameters outside FSDP and outside tensor-parallel layers
+(``tensor_parallel.py``), a unit grouping several modules, and a policy's ``output_dtype``.
 A parameter swapped for a DTensor after a trace changes the state's description
 (``state_kind``), so the cached graph is traced again rather than run on old weights.
 """
@@ -30,12 +30,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ringify.runtime.collectives.ring import Ring
+from ringify.tensor_parallel import tp_layers, tp_parameters
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "
     'mesh=mesh["dp"]) for each block, then fully_shard(model) before ringify or '
-    "fully_shard(ringify(model, ...)) after), or DDP around the ringified module. Tensor "
-    "parallelism is not supported yet."
+    "fully_shard(ringify(model, ...)) after), or DDP around the ringified module; tensor "
+    'parallelism by parallelize_module(model, mesh["tp"], plan) or transformers\' tp_plan, '
+    "before FSDP2."
 )
 
 
@@ -62,16 +64,19 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
                 "cast_forward_inputs, not a cast of the block's outputs. Leave output_dtype "
                 "unset (cast the model's output yourself)."
             )
+    tensor_parallel = tp_parameters(model, tp_layers(model))
     dtensors = [
         name
         for name, t in [*model.named_parameters(), *model.named_buffers()]
-        if isinstance(t, DTensor) and not any(_under(name, unit) for unit in units)
+        if isinstance(t, DTensor)
+        and name not in tensor_parallel
+        and not any(_under(name, unit) for unit in units)
     ]
     if dtensors:
         raise ValueError(
             f"the model's {dtensors[0]} (and {len(dtensors) - 1} more) are DTensors outside "
-            f"FSDP2 (tensor parallelism, e.g. parallelize_module): ringify cannot trace them. "
-            f"{_WORKS}"
+            f"FSDP2 and outside any tensor-parallel layer ringify keeps: ringify cannot trace "
+            f"them. {_WORKS}"
         )
     return units
 

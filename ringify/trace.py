@@ -31,6 +31,8 @@ from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.pipeline import folded, named_state, runnable, sharded
 from ringify.passes.plan import sharded_input_dims
 from ringify.passes.report import Report
+from ringify.passes.tensor_parallel import reported_collectives
+from ringify.tensor_parallel import TpLayer, is_tp_hook, local_for_trace, tp_layers
 
 log = logging.getLogger("ringify")
 
@@ -112,18 +114,18 @@ def rewrite(
     """Export and rewrite: the inputs at ``shapes`` (flat index -> shape) where given, and
     with ``general`` the padding steps inserted even where the length needs none (the
     graphs that ``lengths.py`` compares across lengths)."""
-    units = fsdp_units(model)
+    units, layers = fsdp_units(model), tp_layers(model)
     ring = config.ring()
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     dims, gathered = {}, {}
     if config.inputs == "sharded":
-        dims, gathered = _sharded_inputs(model, units, spec, flat, config)
+        dims, gathered = _sharded_inputs(model, units, layers, spec, flat, config)
         scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
-        exported, checkpoints = _export(model, units, spec, flat, scaled)
+        exported, checkpoints = _export(model, units, layers, spec, flat, scaled)
     else:
-        exported, checkpoints = _export(model, units, spec, flat, shapes or {})
-    gm = folded(exported)
+        exported, checkpoints = _export(model, units, layers, spec, flat, shapes or {})
+    gm = folded(exported, layers)
     _warn_about_hooks(model)
     plan, before, report = sharded(gm, config, dims or None, gathered, general)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -143,7 +145,12 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
     state_names, checkpointed, kept_units = runnable(
         gm, model, done.flat, done.checkpoints, done.units, outer, ring
     )
-    report = dataclasses.replace(report, checkpointed=checkpointed, fsdp_units=kept_units)
+    report = dataclasses.replace(
+        report,
+        checkpointed=checkpointed,
+        fsdp_units=kept_units,
+        tensor_parallel=reported_collectives(gm),
+    )
     module = fx.GraphModule(gm, gm.graph)
     for gather in report.gathers:
         log.warning(
@@ -168,7 +175,9 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
     )
 
 
-def _sharded_inputs(model: nn.Module, units: dict, spec, flat: list, config: Config):
+def _sharded_inputs(
+    model: nn.Module, units: dict, layers: dict[str, TpLayer], spec, flat: list, config: Config
+):
     """The inputs of ``inputs="sharded"`` mode that are this rank's part (see
     ``sharded_input_dims``). The global shapes are not known before they are: they are found
     on a trace at the local shapes. Where that trace fails because an input was passed
@@ -176,14 +185,14 @@ def _sharded_inputs(model: nn.Module, units: dict, spec, flat: list, config: Con
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = folded(_export(model, units, spec, flat, {})[0])
+        structure = folded(_export(model, units, layers, spec, flat, {})[0], layers)
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = folded(_export(model, units, spec, flat, full)[0])
+            structure = folded(_export(model, units, layers, spec, flat, full)[0], layers)
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)
@@ -226,7 +235,7 @@ def _warn_about_hooks(model: nn.Module) -> None:
         name or type(model).__name__
         for name, m in model.named_modules()
         if any(
-            not is_fsdp_hook(h)
+            not is_fsdp_hook(h) and not is_tp_hook(h)
             for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
         )
     ]
@@ -255,14 +264,22 @@ def _fakes(flat: list, shapes: dict[int, list[int]], mode: FakeTensorMode) -> li
     return fakes
 
 
-def _export(model: nn.Module, units: dict, spec, flat: list, shapes: dict[int, list[int]]):
+def _export(
+    model: nn.Module,
+    units: dict,
+    layers: dict[str, TpLayer],
+    spec,
+    flat: list,
+    shapes: dict[int, list[int]],
+):
     """The exported program on fake inputs like ``flat`` (input ``i`` of shape ``shapes[i]``
-    where given), and the checkpointed modules seen while it ran."""
+    where given), with FSDP2 units whole and TP layers local, and the checkpointed modules
+    seen while it ran."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
     try:
-        with unsharded_for_trace(units, mode), recorder:
+        with unsharded_for_trace(units, mode), local_for_trace(model, layers, mode), recorder:
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         recorder.check()

@@ -23,10 +23,12 @@ import torch
 from torch import fx
 
 from ringify.runtime.collectives.reduce import copy_to_ring
+from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
 
 # Namespaces of ops that talk to other ranks (and ringify's own functions, which may):
 # their order is part of the program.
 _COMMUNICATING = ("ringify", "_c10d_functional", "c10d", "_dtensor")
+_ON_TP_GROUP = frozenset({*TP_FEATURE_OPS, TP_VOCAB_EMBEDDING})
 
 
 def graph_digest(gm: fx.GraphModule) -> str:
@@ -47,6 +49,8 @@ def graph_digest(gm: fx.GraphModule) -> str:
         else:
             head = (node.op, _target_name(node.target))
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(hashes[n]))
+        if node.target in _ON_TP_GROUP:  # each rank's own TP group: one name per TP rank
+            args = tuple("<tp group>" if isinstance(a, str) else a for a in args[0]), args[1]
         key = (head, args, _shape(node.meta.get("val")))
         hashes[node] = _sha1(key)
         if _order_matters(node, graded):

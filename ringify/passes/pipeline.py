@@ -1,7 +1,8 @@
 """The pass, in order: what happens to an exported graph before one rank of the ring runs it.
 
 1. ``folded``: each form attention, masks, shifts, convolutions and a loss are written in
-   becomes the canonical op the rules read (the folds, docs/design.md section 3.1);
+   becomes the canonical op the rules read (the folds, docs/design.md section 3.1), and
+   each tensor-parallel layer gets its collectives;
 2. ``sharded``: where the sequence is (the plan), then every node rewritten for one rank
    (rules, crossings, attention on its transport), with what was done (the report);
 3. ``runnable``: the graph's values recorded, the model's state lifted to inputs, and the
@@ -38,12 +39,18 @@ from ringify.passes.plan import Plan, plan_sequence
 from ringify.passes.report import Report
 from ringify.passes.shard_sequence import shard_sequence
 from ringify.passes.shifts import fold_shifts
+from ringify.passes.sizes_of import fold_sizes_of
+from ringify.passes.tensor_parallel import place_tp_collectives
 from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring
+from ringify.tensor_parallel import TpLayer
 
 
-def folded(exported: torch.export.ExportedProgram) -> fx.GraphModule:
-    """1. The exported graph with every form the rules read folded in (docs/design.md, 3.1)."""
+def folded(
+    exported: torch.export.ExportedProgram, layers: dict[str, TpLayer] | None = None
+) -> fx.GraphModule:
+    """1. The exported graph with every form the rules read folded in (docs/design.md, 3.1),
+    and tensor parallelism's collectives around its TP ``layers``."""
     gm = exported.module()
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
@@ -52,6 +59,7 @@ def folded(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     inline_autocast_regions(gm)
     fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
     functionalize_writes(gm.graph)
+    fold_sizes_of(gm.graph)
     fold_identity_indexing(gm.graph)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)
@@ -60,6 +68,7 @@ def folded(exported: torch.export.ExportedProgram) -> fx.GraphModule:
     fold_repeated_kv(gm.graph)
     fold_joint_sequences(gm)
     fold_mask_programs(gm.graph, find_attention(gm.graph))
+    place_tp_collectives(gm, layers or {})
     return gm
 
 

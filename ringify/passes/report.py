@@ -100,6 +100,17 @@ class ReshardedRegion:
 
 
 @dataclass(frozen=True)
+class TpCollective:
+    """One tensor-parallel collective the pass wrote (``passes/tensor_parallel.py``)."""
+
+    node: str
+    layers: str  # the TP layers it serves
+    forward: str  # the collective in the forward ("" for none)
+    backward: str
+    sent_bytes: int  # per rank and step, at this rank's shapes (ring algorithms)
+
+
+@dataclass(frozen=True)
 class Report:
     ring_size: int
     layout: str
@@ -115,6 +126,8 @@ class Report:
     lengths: str = "this length"
     # regions run on a share of another dim instead of gathered (``passes/resharded.py``)
     resharded: tuple[ReshardedRegion, ...] = ()
+    # tensor parallelism's collectives, beside the ring (``passes/tensor_parallel.py``)
+    tensor_parallel: tuple[TpCollective, ...] = ()
 
     @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
@@ -134,6 +147,7 @@ class Report:
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"
         resharded = _table(self.resharded)
+        tp = _table(self.tensor_parallel)
         return (
             f"{head}\n\nattention:\n{attn}\n\n"
             f"gathers inserted (ops run on the full sequence):\n{gathers}\n"
@@ -142,6 +156,7 @@ class Report:
                 if resharded
                 else ""
             )
+            + (f"\ntensor-parallel collectives (over TP, beside the ring):\n{tp}\n" if tp else "")
         )
 
     def placements(self) -> list[str]:

@@ -118,6 +118,7 @@ from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.collectives.halo import same_conv1d
 from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.collectives.shift import shifted
+from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
 from ringify.runtime.masks.program import program_mask
 from ringify.runtime.zero_grads import with_zero_grads
 
@@ -185,6 +186,14 @@ def _infer_per_position(node, place: Placements):
     x = node.args[0]
     features = 1 if node.target is aten.linear.default else len(node.args[1])
     if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - features:
+        return place[x]
+    return Fallback(GatherReason.FEATURE_DIM)
+
+
+def _infer_features(node, place: Placements):
+    """Tensor parallelism's collectives: over another group, on the last (feature) dim."""
+    x = node.args[0]
+    if place.only_sharded(node, x) and place[x].dim < len(shape(x)) - 1:
         return place[x]
     return Fallback(GatherReason.FEATURE_DIM)
 
@@ -280,6 +289,8 @@ RULES: dict[object, Rule] = {
     aten.baddbmm.default: Rule(infer_baddbmm, rewrite_product),
     aten.einsum.default: Rule(infer_einsum, lambda n, out, s: s.fit_replicated_inputs(n, None)),
     aten.embedding.default: Rule(_infer_embedding, _fit_whole),
+    TP_VOCAB_EMBEDDING: Rule(_infer_embedding, _fit_whole),
+    **dict.fromkeys(TP_FEATURE_OPS, Rule(_infer_features, _as_it_is)),
     **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
     **dict.fromkeys(
         (aten.expand.default, aten.broadcast_to.default), Rule(infer_expand, rewrite_local_size)

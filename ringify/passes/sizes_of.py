@@ -1,0 +1,29 @@
+"""Ops that take their sizes from another tensor (``expand_as``, ``view_as``, ``reshape_as``)
+folded into the ops that name them (``expand``, ``reshape``).
+
+The other tensor is read for its shape alone; as an argument it would tie the result's
+placement to it. With the sizes written out, the rules treat the op as any expand or view:
+a replicated ``arange(n).expand_as(ids)`` stays whole, to be cut where it meets the
+sequence, and a sharded input gets its local sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.nodes import shape
+
+aten = torch.ops.aten
+_AS = {
+    aten.expand_as.default: aten.expand.default,
+    aten.view_as.default: aten.reshape.default,
+    aten.reshape_as.default: aten.reshape.default,
+}
+
+
+def fold_sizes_of(graph: fx.Graph) -> None:
+    """Rewrite each ``op_as(x, other)`` as ``op(x, other's sizes)``, in place."""
+    for node in [n for n in graph.nodes if n.target in _AS]:
+        x, other = node.args[:2]
+        node.target, node.args = _AS[node.target], (x, shape(other))

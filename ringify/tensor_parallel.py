@@ -1,0 +1,294 @@
+"""A model parallelized for tensor parallelism before ringify sees it: its TP layers read,
+and seen by the trace as one TP rank's local model.
+
+Two ways to parallelize are kept, both on a TP mesh dim beside the ring's:
+
+- torch's ``parallelize_module(model, mesh["tp"], plan)`` with ``ColwiseParallel`` and
+  ``RowwiseParallel`` (torchtitan's). Each style left its layouts in the forward hooks it
+  registered (``distribute_module``'s closures over the style's ``_prepare_*_fn``).
+- transformers' own plan (``config.base_model_tp_plan``, applied by
+  ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``). Each style
+  replaced the module's ``forward`` by a ``tp_forward`` closure over the style.
+
+``tp_layers`` reads each layer's placements into a ``TpLayer``, refusing what it cannot
+keep with what composes. While ringify traces (``local_for_trace``), each TP weight is a
+fake tensor of its local shard's shape and the styles' hooks and ``tp_forward`` are set
+aside (the model's other hooks run); all restored after. The pass then writes the
+collectives each layer implies where it reads its weight (``passes/tensor_parallel.py``),
+and at run time the graph reads each weight's local shard (``local_state``).
+
+Sequence parallelism inside TP (``SequenceParallel``, a ``Shard(1)`` input or output) is
+refused: ringify already shards the sequence, over the ring.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+_COMPOSES = (
+    "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "
+    "nn.Embedding (torch's parallelize_module, without SequenceParallel or loss parallel), or "
+    "transformers' colwise, rowwise, colwise_gather_output, rowwise_split_input and "
+    "embedding_rowwise/embedding_colwise styles (the base_model_tp_plan of Llama, Qwen2, Mistral "
+    "and most dense models), with shards of equal size and an embedding's ids whole "
+    "(input_layouts=Replicate(), as torchtitan writes it); the ring shards the sequence itself."
+)
+
+
+@dataclass(frozen=True)
+class TpLayer:
+    """One TP layer: a linear or embedding module and the collectives its placements imply.
+
+    ``kind``: ``"colwise"`` (output columns split), ``"rowwise"`` (input columns split, the
+    output a partial sum), ``"vocab"`` (an embedding's rows split) or ``"embedding_colwise"``
+    (an embedding's columns split). ``split_input``: a row-parallel layer given its whole
+    input; ``gather_output``: a column-parallel layer whose output is kept whole.
+    """
+
+    path: str
+    kind: str
+    split_input: bool
+    gather_output: bool
+    group_name: str
+    size: int
+    vocab: int = 0
+    padding_idx: int = -1
+
+    @property
+    def sharded_dim(self) -> int:
+        """The dim of the weight split over TP."""
+        return 0 if self.kind in ("colwise", "vocab") else 1
+
+    @property
+    def local_outside(self) -> bool:
+        """Whether the model around the layer sees a local shard (the colums of a
+        column-parallel layer's output, of a row-parallel layer's input). If not, the layer is
+        traced as the unparallelized model has it, and the pass makes its weight local."""
+        if self.kind == "rowwise":
+            return not self.split_input
+        return self.kind != "vocab" and not self.gather_output
+
+
+def tp_layers(model: nn.Module) -> dict[str, TpLayer]:
+    """The model's TP layers by module path (none: ``{}``), after refusing what cannot be kept."""
+    layers = {}
+    for path, module in model.named_modules():
+        style, mesh = _style_of(module)
+        if style is None:
+            continue
+        layers[path] = _layer(path, module, style, mesh)
+    return layers
+
+
+def tp_parameters(model: nn.Module, layers: dict[str, TpLayer]) -> set[str]:
+    """The names of the TP layers' own parameters (the DTensors a trace sees as local)."""
+    return {
+        f"{path}.{name}" if path else name
+        for path in layers
+        for name, _ in model.get_submodule(path).named_parameters(recurse=False)
+    }
+
+
+def local_state(t: torch.Tensor) -> torch.Tensor:
+    """What a graph traced by ringify reads of a state tensor: a TP weight's local shard
+    (differentiable: its gradient lands on the DTensor parameter), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextmanager
+def local_for_trace(model: nn.Module, layers: dict[str, TpLayer], fake_mode) -> Iterator[None]:
+    """While tracing: each TP layer's parameters are fakes (of their local shard's shape where
+    the model around the layer sees local shapes, ``TpLayer.local_outside``; else whole) and
+    its style's hooks or ``tp_forward`` are set aside; all restored, in order, on exit."""
+    parameters, hooks, forwards = [], [], []
+    try:
+        for path, layer in layers.items():
+            module = model.get_submodule(path)
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, DTensor):
+                    parameters.append((module, name, p))
+                    size = p.to_local().shape if layer.local_outside else p.shape
+                    with fake_mode:
+                        seen = torch.empty(size, dtype=p.dtype, device=p.device)
+                    module._parameters[name] = nn.Parameter(seen, p.requires_grad)
+            for table in (module._forward_pre_hooks, module._forward_hooks):
+                hooks.append((table, dict(table)))
+                for key in [k for k, hook in table.items() if is_tp_hook(hook)]:
+                    del table[key]
+            if _hf_style(module)[0] is not None:
+                forwards.append((module, module.__dict__.pop("forward")))
+        yield
+    finally:
+        for module, forward in forwards:
+            module.forward = forward
+        for module, name, p in parameters:
+            module._parameters[name] = p
+        for table, kept in hooks:
+            table.clear()
+            table.update(kept)
+
+
+def is_tp_hook(hook) -> bool:
+    """Whether a module hook is a torch parallel style's (set aside while tracing)."""
+    return _torch_style(hook)[0] is not None
+
+
+def _closure(fn) -> dict:
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
+
+
+def _torch_style(hook) -> tuple[object, object]:
+    """(the torch ParallelStyle's ``_prepare_*_fn`` partial, or a PrepareModule* style, and
+    its mesh) behind one of ``distribute_module``'s hook lambdas; ``(None, None)`` if none."""
+    if not callable(hook) or not hasattr(hook, "__code__"):
+        return None, None
+    cells = _closure(hook)
+    mesh = cells.get("device_mesh")
+    fn = cells.get("input_fn") or cells.get("output_fn") or cells.get("self")
+    if mesh is None or fn is None:
+        return None, None
+    owner = getattr(getattr(fn, "func", None), "__qualname__", "") or type(fn).__qualname__
+    if not owner.startswith(_TORCH_STYLES):
+        return None, None
+    return fn, mesh
+
+
+_TORCH_STYLES = (
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+)
+
+
+def _hf_style(module: nn.Module) -> tuple[object, object]:
+    """(transformers' TensorParallelLayer style, its mesh) behind a ``tp_forward``."""
+    forward = module.__dict__.get("forward")
+    if forward is None or getattr(forward, "__name__", "") != "tp_forward":
+        return None, None
+    cells = _closure(forward)
+    return cells.get("self"), cells.get("mesh")
+
+
+@dataclass(frozen=True)
+class _TorchStyle:
+    """A torch style, from its two hooks: its class name and the layouts their partials hold."""
+
+    name: str
+    input_layouts: tuple
+    output_layouts: tuple
+    use_local_output: bool
+
+
+def _style_of(module: nn.Module):
+    """(a style, its mesh) for a module parallelized by torch or transformers, else (None, None)."""
+    style, mesh = _hf_style(module)
+    if style is not None:
+        return style, mesh
+    found = [
+        _torch_style(h)
+        for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    ]
+    found = [(fn, mesh) for fn, mesh in found if fn is not None]
+    if not found:
+        return None, None
+    mesh = found[0][1]
+    named, name = {}, ""
+    for fn, _ in found:
+        func = getattr(fn, "func", None)
+        if func is None:  # a PrepareModule* style object itself
+            return fn, mesh
+        name = func.__qualname__.partition(".")[0]
+        named |= dict(zip(inspect.signature(func).parameters, fn.args, strict=False))
+    inputs = named.get("input_layouts", named.get("sequence_sharding", ()))
+    outputs = named.get("output_layouts", ())
+    use_local = named.get("use_local_output", True)
+    return _TorchStyle(name, tuple(inputs), tuple(outputs), use_local), mesh
+
+
+def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
+    name = getattr(style, "name", None) or type(style).__name__
+    where = f"{path} ({type(module).__name__}, {name})"
+    inputs = _layouts(getattr(style, "input_layouts", ()))
+    outputs = _layouts(getattr(style, "output_layouts", ()))
+    if name == "EmbeddingParallel":  # transformers': the ids whole, the output whole
+        inputs, outputs = _R, _R
+    if hasattr(style, "sequence_dim"):  # transformers' SequenceParallel
+        inputs = (Shard(style.sequence_dim),)
+    if any(isinstance(p, Shard) and p.dim != -1 for p in (*inputs, *outputs)):
+        raise ValueError(
+            f"{where} shards an activation on a dim other than its features (sequence "
+            f"parallel's Shard(1)): ringify shards the sequence itself, over the ring. Leave "
+            f"TP's activations Replicate or Shard(-1). {_COMPOSES}"
+        )
+    if not getattr(style, "use_local_output", True):
+        raise ValueError(
+            f"{where} keeps its output a DTensor (use_local_output=False, e.g. loss parallel): "
+            f"ringify's graph runs on local tensors. Use use_local_output=True. {_COMPOSES}"
+        )
+    kind = _kind(name, module, style)
+    allowed_in, allowed_out = _LAYOUTS[kind]
+    if kind is None or inputs[:1] not in allowed_in or outputs[:1] not in allowed_out:
+        raise ValueError(f"{where}: ringify cannot keep this parallel style. {_COMPOSES}")
+    if mesh is None or mesh.ndim != 1:
+        raise ValueError(f"{where}: ringify keeps TP on a 1-D mesh (mesh['tp']). {_COMPOSES}")
+    weight = module.weight
+    dim = 0 if kind in ("colwise", "vocab") else 1
+    if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
+        raise ValueError(f"{where}: its weight is not a DTensor on the style's mesh. {_COMPOSES}")
+    if weight.placements != (Shard(dim),) or weight.shape[dim] % mesh.size():
+        raise ValueError(
+            f"{where}: its weight is {weight.placements} of {tuple(weight.shape)}; ringify "
+            f"keeps Shard({dim}) into {mesh.size()} equal parts. {_COMPOSES}"
+        )
+    padding = getattr(module, "padding_idx", None)
+    return TpLayer(
+        path,
+        kind,
+        split_input=kind == "rowwise" and inputs[:1] == (Replicate(),),
+        gather_output=kind in ("colwise", "embedding_colwise") and outputs[:1] == (Replicate(),),
+        group_name=mesh.get_group().group_name,
+        size=mesh.size(),
+        vocab=weight.shape[0] if kind == "vocab" else 0,
+        padding_idx=-1 if padding is None else padding,
+    )
+
+
+def _kind(name: str, module: nn.Module, style) -> str | None:
+    if name == "EmbeddingParallel" and isinstance(module, nn.Embedding):
+        return "vocab" if style.shard_dim == 0 else "embedding_colwise"
+    if name not in ("ColwiseParallel", "RowwiseParallel"):
+        return None
+    colwise = name == "ColwiseParallel"
+    if isinstance(module, nn.Embedding):
+        return "embedding_colwise" if colwise else "vocab"
+    if isinstance(module, nn.Linear):
+        return "colwise" if colwise else "rowwise"
+    return None
+
+
+_R, _S = (Replicate(),), (Shard(-1),)
+# kind -> (the input layouts, the output layouts it keeps); () is a style's default
+_LAYOUTS = {
+    "colwise": ({(), _R}, {(), _S, _R}),
+    "rowwise": ({(), _S, _R}, {(), _R}),
+    "vocab": ({_R}, {(), _R}),
+    "embedding_colwise": ({_R}, {(), _S, _R}),
+    None: (set(), set()),
+}
+
+
+def _layouts(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
