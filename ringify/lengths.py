@@ -198,7 +198,7 @@ def _as_traced(model: nn.Module):
     )
     with (
         torch._guards.tracing(torch._guards.TracingContext(mode)),
-        unsharded_for_trace(units, mode),
+        unsharded_for_trace(units, mode, layers),
         local_for_trace(model, layers, mode),
     ):
         yield

@@ -41,7 +41,7 @@ from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
 from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
-from ringify.tensor_parallel import local_state
+from ringify.runtime.collectives.tensor_parallel import local_state
 from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
 
 log = logging.getLogger("ringify")

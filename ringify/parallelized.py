@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ringify.runtime.collectives.ring import Ring
-from ringify.tensor_parallel import tp_layers, tp_parameters
+from ringify.tensor_parallel import TpLayer, tp_layers, tp_parameters, traced_shape
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "
@@ -125,22 +125,26 @@ def is_fsdp_hook(hook) -> bool:
 
 
 @contextmanager
-def unsharded_for_trace(units: dict[str, nn.Module], fake_mode) -> Iterator[None]:
-    """While tracing: each unit's DTensor parameters are fake tensors of their full shape (in
-    the dtype FSDP all-gathers them to), and FSDP's forward hooks on the unit are replaced
-    by what they do to values (mixed precision's cast of the block's inputs); all restored,
-    in order, on exit."""
+def unsharded_for_trace(
+    units: dict[str, nn.Module], fake_mode, layers: dict[str, TpLayer]
+) -> Iterator[None]:
+    """While tracing: each unit's DTensor parameters are fake tensors of their full shape, or
+    of the shape a trace sees of a TP layer's (``traced_shape``), in the dtype FSDP
+    all-gathers them to; FSDP's forward hooks on the unit are replaced by what they do to
+    values (mixed precision's cast of the block's inputs); all restored, in order, on exit."""
     parameters, hooks, added = [], [], []
     try:
-        for unit in units.values():
+        for path, unit in units.items():
             policy = unit._get_fsdp_state()._mp_policy
-            for module in unit.modules():
+            for inner, module in unit.named_modules():
+                layer = layers.get(".".join(p for p in (path, inner) if p))
                 for name, p in list(module._parameters.items()):
                     if isinstance(p, DTensor):
                         parameters.append((module, name, p))
+                        size = p.shape if layer is None else traced_shape(layer, name, p.shape)
                         with fake_mode:
                             full = torch.empty(
-                                p.shape, dtype=policy.param_dtype or p.dtype, device=p.device
+                                size, dtype=policy.param_dtype or p.dtype, device=p.device
                             )
                         module._parameters[name] = nn.Parameter(full, p.requires_grad)
             for table in (unit._forward_pre_hooks, unit._forward_hooks):

@@ -96,10 +96,14 @@ def tp_parameters(model: nn.Module, layers: dict[str, TpLayer]) -> set[str]:
     }
 
 
-def local_state(t: torch.Tensor) -> torch.Tensor:
-    """What a graph traced by ringify reads of a state tensor: a TP weight's local shard
-    (differentiable: its gradient lands on the DTensor parameter), else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+def traced_shape(layer: TpLayer, name: str, shape) -> list[int]:
+    """The shape a trace sees of the TP layer's parameter ``name`` of global ``shape``: its
+    local shard's where the model around the layer sees local shapes, else whole."""
+    size = list(shape)
+    split = name == "weight" or (name == "bias" and layer.kind == "colwise")
+    if layer.local_outside and split:
+        size[layer.sharded_dim if name == "weight" else 0] //= layer.size
+    return size
 
 
 @contextmanager
@@ -112,9 +116,9 @@ def local_for_trace(model: nn.Module, layers: dict[str, TpLayer], fake_mode) -> 
         for path, layer in layers.items():
             module = model.get_submodule(path)
             for name, p in list(module._parameters.items()):
-                if isinstance(p, DTensor):
+                if isinstance(p, DTensor):  # (an FSDP2 unit's are fakes already)
                     parameters.append((module, name, p))
-                    size = p.to_local().shape if layer.local_outside else p.shape
+                    size = traced_shape(layer, name, p.shape)
                     with fake_mode:
                         seen = torch.empty(size, dtype=p.dtype, device=p.device)
                     module._parameters[name] = nn.Parameter(seen, p.requires_grad)
@@ -244,11 +248,10 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
         raise ValueError(f"{where}: ringify keeps TP on a 1-D mesh (mesh['tp']). {_COMPOSES}")
     weight = module.weight
     dim = 0 if kind in ("colwise", "vocab") else 1
-    if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
-        raise ValueError(f"{where}: its weight is not a DTensor on the style's mesh. {_COMPOSES}")
-    if weight.placements != (Shard(dim),) or weight.shape[dim] % mesh.size():
+    placement = _placement_on(weight, mesh)
+    if placement != Shard(dim) or weight.shape[dim] % mesh.size():
         raise ValueError(
-            f"{where}: its weight is {weight.placements} of {tuple(weight.shape)}; ringify "
+            f"{where}: its weight is {placement} over TP of {tuple(weight.shape)}; ringify "
             f"keeps Shard({dim}) into {mesh.size()} equal parts. {_COMPOSES}"
         )
     padding = getattr(module, "padding_idx", None)
@@ -262,6 +265,18 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
         vocab=weight.shape[0] if kind == "vocab" else 0,
         padding_idx=-1 if padding is None else padding,
     )
+
+
+def _placement_on(weight, mesh):
+    """The weight's placement over the TP mesh (an FSDP2 unit's weight is a DTensor over
+    (dp, tp)); ``None`` if it is no DTensor there."""
+    if not isinstance(weight, DTensor):
+        return None
+    if weight.device_mesh == mesh:
+        return weight.placements[0]
+    names = weight.device_mesh.mesh_dim_names or ()
+    tp = (mesh.mesh_dim_names or (None,))[0]
+    return weight.placements[names.index(tp)] if tp in names else None
 
 
 def _kind(name: str, module: nn.Module, style) -> str | None:

@@ -279,7 +279,11 @@ def _export(
     args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
     try:
-        with unsharded_for_trace(units, mode), local_for_trace(model, layers, mode), recorder:
+        with (
+            unsharded_for_trace(units, mode, layers),
+            local_for_trace(model, layers, mode),
+            recorder,
+        ):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         recorder.check()

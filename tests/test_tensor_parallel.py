@@ -218,3 +218,70 @@ def test_plans_ringify_cannot_keep_are_refused_on_every_rank(ranks, plan, says):
     for kind, message, _ in ranks(4).run(refused, plan):
         assert kind == "ValueError" and says in message, message
         assert "What composes with ringify" in message, message
+
+
+def three_d(backend: str, folder: str) -> dict:
+    """torchtitan's order on a (dp, tp, cp) = (2, 2, 2) mesh: TP, per-block FSDP2 over dp,
+    FSDP2 on the model, then ringify over cp; one step, then a DCP checkpoint of the result
+    loaded into the unmodified model."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from ringify.testing.titan import Transformer, parallelize
+
+    mesh = _mesh(("dp", "tp", "cp"))
+    torch.manual_seed(0)
+    reference = Transformer().double()
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = (torch.randint(0, 96, (2, S), generator=g) for _ in range(2))
+    positions = torch.cat([torch.arange(n) for n in (7, 17)]).expand(2, -1)
+    want = reference(tokens, labels, positions)
+    want.backward()
+    parallelize(model, mesh["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
+    run = ringified if backend == "eager" else torch.compile(ringified, backend=backend)
+    got = run(tokens, labels, positions)
+    got.backward()
+    state = get_model_state_dict(ringified)
+    dcp.save(state, checkpoint_id=folder)
+    loaded = Transformer().double()
+    plain = loaded.state_dict()
+    dcp.load(plain, checkpoint_id=folder)
+    loaded.load_state_dict(plain)
+    return {
+        **_differences(model, reference, [got], [want]),
+        "keys": sorted(state) == sorted(reference.state_dict()),
+        "loaded": max(
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), loaded.parameters(), strict=True)
+        ),
+    }
+
+
+def _on_8_ranks(backends: list[str], folder) -> None:
+    from ringify.testing import RankPool
+
+    pool = RankPool(8)  # oversubscribed: a throwaway pool, not kept for the session
+    try:
+        for backend in backends:
+            for r in pool.run(three_d, backend, str(folder / backend), timeout=600):
+                assert r["out"] <= EXACT and r["grads"] <= EXACT, (backend, r)
+                assert r["keys"] and r["loaded"] == 0, (backend, r)
+    finally:
+        pool.close()
+
+
+def test_fsdp2_over_tp_beside_the_ring_is_exact_and_checkpoints_the_models_keys(tmp_path):
+    _on_8_ranks(["eager"], tmp_path)
+
+
+@pytest.mark.slow  # two compilers on 8 ranks of a 2-core machine
+def test_fsdp2_over_tp_beside_the_ring_compiled(tmp_path):
+    _on_8_ranks(["aot_eager", "inductor"], tmp_path)

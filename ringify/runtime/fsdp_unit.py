@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from ringify.runtime.collectives.tensor_parallel import local_state
+
 
 class FsdpUnitRegion(nn.Module):
     """Runs ``region`` between ``unit``'s FSDP pre- and post-forward; ``parameters`` maps a
@@ -25,8 +27,16 @@ class FsdpUnitRegion(nn.Module):
         self.__dict__["unit"] = unit  # the user's module: used, not owned (not a submodule)
 
     def forward(self, *args):
-        state = self.unit._get_fsdp_state()
-        armed, _ = state._pre_forward(self.unit, args, {})
+        args, inputs = self._unsharded(args)
+        return self._resharded(args, self.region(*inputs))
+
+    # FSDP's own hooks run eagerly, as torch.compile runs them around a compiled block
+    # (Dynamo skips FSDP's hooks): the region between them is what a compiler sees.
+    @torch.compiler.disable
+    def _unsharded(self, args: tuple) -> tuple[tuple, list]:
+        """FSDP's pre-forward (its all-gather), then the region's inputs with the unit's
+        parameters (each TP weight as its local shard)."""
+        armed, _ = self.unit._get_fsdp_state()._pre_forward(self.unit, args, {})
         # Mixed precision casts every floating input; the graph already casts the block's
         # own inputs (the trace saw the cast), and any other value keeps its traced dtype.
         args = tuple(
@@ -35,5 +45,9 @@ class FsdpUnitRegion(nn.Module):
         )
         inputs = list(args)
         for position, name in sorted(self.parameters_at.items()):
-            inputs.insert(position, self.unit.get_parameter(name))
-        return state._post_forward(self.unit, args, self.region(*inputs))
+            inputs.insert(position, local_state(self.unit.get_parameter(name)))
+        return args, inputs
+
+    @torch.compiler.disable
+    def _resharded(self, args: tuple, outputs):
+        return self.unit._get_fsdp_state()._post_forward(self.unit, args, outputs)

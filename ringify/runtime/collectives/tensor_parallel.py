@@ -23,6 +23,7 @@ through them unchanged.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ringify.runtime.collectives.ring import ring_by_name
 
@@ -100,6 +101,12 @@ tp_gather.register_autograd(
 tp_split.register_autograd(
     lambda ctx, grad: (_all_gather_last(grad, ctx.group_name), None), setup_context=_keep_group
 )
+
+
+def local_state(t: torch.Tensor) -> torch.Tensor:
+    """What a graph traced by ringify reads of a state tensor: a TP weight's local shard
+    (differentiable: its gradient lands on the DTensor parameter), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def vocab_rows(vocab: int, rank: int, size: int) -> tuple[int, int]:
