@@ -1,14 +1,17 @@
 """Train an HF Llama with FSDP2 per layer, activation checkpointing and ringify on a
-(dp, cp) mesh, and check it against one process training on the global batch.
+(dp, cp) mesh, or with tensor parallelism too on a (dp, tp, cp) mesh, and check it against
+one process training on the global batch.
 
     torchrun --nproc-per-node 4 examples/train_fsdp_cp.py [--dp 2 --steps 3 --seq 64]
+    torchrun --nproc-per-node 8 examples/train_fsdp_cp.py --dp 2 --tp 2
 
-The torchtitan recipe on an unmodified model: checkpoint every decoder layer, shard
-every layer and the root with FSDP2 over dp x cp (so each weight's gradient is reduced
-once, by FSDP), ring the sequence over cp. Each dp replica trains on its own batch;
-the ranks of one ring share it. Rank 0 then trains the same model alone on the global
-batch (float64, same AdamW) and prints the largest difference of any weight.
-CUDA ranks use NCCL, CPU ranks gloo.
+The torchtitan recipe on an unmodified model: with ``--tp``, split the heads and MLP columns
+over tp with the model's own ``base_model_tp_plan`` (transformers' TP); checkpoint every
+decoder layer, shard every layer and the root with FSDP2 over dp x cp (so each weight's
+gradient is reduced once, by FSDP), ring the sequence over cp. Each dp replica trains on
+its own batch; the ranks of one ring (and of one TP group) share it. Rank 0 then trains the
+same model alone on the global batch (float64, same AdamW) and prints the largest
+difference of any weight. CUDA ranks use NCCL, CPU ranks gloo.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DistributedConfig, LlamaConfig, LlamaForCausalLM
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from ringify import ringify
 
@@ -61,6 +65,7 @@ def train(model, run, ids_per_step, lr: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2, help="sequences per dp replica")
     parser.add_argument("--seq", type=int, default=64)
@@ -74,10 +79,14 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    cp = dist.get_world_size() // args.dp
-    mesh = init_device_mesh(device.type, (args.dp, cp), mesh_dim_names=("dp", "cp"))
+    cp = dist.get_world_size() // (args.dp * args.tp)
+    shape, names = (args.dp, args.tp, cp), ("dp", "tp", "cp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
 
     model = build(args).to(device)
+    if args.tp > 1:  # the model's own TP plan, applied by transformers
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=args.tp))
+        apply_tensor_parallelism(model, mesh["tp"], plan)
     model.gradient_checkpointing_enable({"use_reentrant": False})
     shard_over = mesh["dp", "cp"]._flatten()  # FSDP over dp x cp: gradients reduced once
     for layer in model.model.layers:
@@ -93,7 +102,8 @@ def main() -> None:
         train(alone, alone, batches(args), lr=1e-2)
         err = max((weights[n] - p.detach()).abs().max().item() for n, p in alone.named_parameters())
         print(
-            f"dp={args.dp} x cp={cp}, FSDP2 per layer over dp x cp, {len(ringified.report().checkpointed)} "
+            f"dp={args.dp} x tp={args.tp} x cp={cp}, FSDP2 per layer over dp x cp, "
+            f"{len(ringified.report().checkpointed)} "
             f"layers checkpointed, {args.steps} AdamW steps: largest weight difference from "
             f"one process on the global batch {err:.2e}"
         )

@@ -42,6 +42,7 @@ from ringify.passes.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
 from ringify.runtime.collectives.tensor_parallel import local_state
+from ringify.tensor_parallel import tp_layers
 from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
 
 log = logging.getLogger("ringify")
@@ -156,6 +157,13 @@ class RingifiedModule(nn.Module):
         cache stays split across the ranks and each new token is one traced decode step
         (``ringify/generation/``). Returns what HF's ``generate`` returns."""
         if self._generation is None:
+            if tp_layers(self._model):
+                raise ValueError(
+                    "generate on a model parallelized for tensor parallelism is not supported: "
+                    "its decode step traces the model's DTensor weights, which torch.export "
+                    "cannot take. Generate with the model's own generate (TP alone), or with "
+                    "a copy of the model that is not split over TP."
+                )
             config = dataclasses.replace(self.ringify_config, inputs="full", outputs="sharded")
             prefill = RingifiedModule(self._model, config)
             self._generation = Generation(self._model, self._ring, config.layout, prefill)

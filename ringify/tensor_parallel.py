@@ -29,8 +29,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ringify.runtime.collectives.ring import ring_by_name
 
 _COMPOSES = (
     "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "
@@ -85,6 +88,23 @@ def tp_layers(model: nn.Module) -> dict[str, TpLayer]:
             continue
         layers[path] = _layer(path, module, style, mesh)
     return layers
+
+
+def check_beside(layers: dict[str, TpLayer], ring_group) -> None:
+    """Raise unless each TP group meets the ring's group in this rank alone: the ring must
+    run over ranks that hold the same heads and columns."""
+    if ring_group is None:
+        return
+    ring = set(dist.get_process_group_ranks(ring_group))
+    for path, layer in layers.items():
+        tp = set(dist.get_process_group_ranks(ring_by_name(layer.group_name).group))
+        if len(tp & ring) > 1:
+            raise ValueError(
+                f"{path} is split over ranks {sorted(tp)}, and the ring runs over "
+                f"{sorted(ring)}: a ring over ranks that hold different heads would mix them. "
+                "Ringify over another mesh dim than TP's: ringify(model, ring_size=cp, "
+                'mesh=mesh["cp"]) on a (tp, cp) mesh.'
+            )
 
 
 def tp_parameters(model: nn.Module, layers: dict[str, TpLayer]) -> set[str]:

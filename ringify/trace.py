@@ -32,7 +32,13 @@ from ringify.passes.pipeline import folded, named_state, runnable, sharded
 from ringify.passes.plan import sharded_input_dims
 from ringify.passes.report import Report
 from ringify.passes.tensor_parallel import reported_collectives
-from ringify.tensor_parallel import TpLayer, is_tp_hook, local_for_trace, tp_layers
+from ringify.tensor_parallel import (
+    TpLayer,
+    check_beside,
+    is_tp_hook,
+    local_for_trace,
+    tp_layers,
+)
 
 log = logging.getLogger("ringify")
 
@@ -116,6 +122,7 @@ def rewrite(
     graphs that ``lengths.py`` compares across lengths)."""
     units, layers = fsdp_units(model), tp_layers(model)
     ring = config.ring()
+    check_beside(layers, ring.group)
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     dims, gathered = {}, {}

@@ -146,10 +146,12 @@ def titan_case(case: str, backend: str = "eager") -> dict:
     got.backward()
     graph = ringified._last().module.graph
     ops = [str(n.target) for n in graph.nodes if str(n.target).startswith("ringify.tp_")]
+    blocks = [c for c in ringified.report().tensor_parallel if c.layers.startswith("layers.")]
     return {
         **_differences(model, reference, [got], [want]),
         "gathers": len(ringified.report().gathers),
         "ops": {op: ops.count(op) for op in set(ops)},
+        "block bytes": sum(c.sent_bytes for c in blocks),
     }
 
 
@@ -166,6 +168,9 @@ def test_torchtitan_plan_beside_the_ring_is_exact(ranks, case, backend):
             "ringify.tp_vocab_embedding.default": 1,
             "ringify.tp_gather.default": 1,
         }, r
+        # 2 blocks x 4 all-reduces of this rank's (2, S / 2, 64) float64 activations, a ring
+        # all-reduce over 2 ranks sending 2 (2 - 1) / 2 of each
+        assert r["block bytes"] == 2 * 4 * (2 * S // 2 * 64 * 8), r
 
 
 def refused(plan: str):
@@ -177,10 +182,15 @@ def refused(plan: str):
         parallelize_module,
     )
 
-    from ringify.testing.titan import Transformer
+    from ringify.testing.titan import Transformer, parallelize
 
     mesh = _mesh()
     torch.manual_seed(0)
+    if plan == "generate":
+        model = _hf_parallelized(_hf_model("llama"), mesh["tp"]).eval()
+        ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
+        ids = torch.randint(1, 64, (1, S))
+        return outcome(lambda: ringified.generate(ids, max_new_tokens=2))
     if plan == "hf sequence parallel":
         norms = {"model.layers.*.input_layernorm": "sequence_parallel"}
         model = _hf_parallelized(_hf_model("llama"), mesh["tp"], tp_plan=norms)
@@ -201,6 +211,10 @@ def refused(plan: str):
         parallelize_module(model, mesh["tp"], {"output": ColwiseParallel(use_local_output=False)})
     elif plan == "embedding ids sharded":
         parallelize_module(model, mesh["tp"], {"tok_embeddings": RowwiseParallel()})
+    elif plan == "ring over tp":
+        tokens = torch.randint(0, 96, (2, S))
+        parallelize(model, mesh["tp"])
+        return outcome(lambda: ringify(model, ring_size=2, mesh=mesh["tp"])(tokens))
     tokens = torch.randint(0, 96, (2, S))
     return outcome(lambda: ringify(model, ring_size=2, mesh=mesh["cp"])(tokens))
 
@@ -212,12 +226,15 @@ def refused(plan: str):
         ("hf sequence parallel", "Shard(1)"),
         ("loss parallel", "use_local_output=True"),
         ("embedding ids sharded", "input_layouts=Replicate()"),
+        ("generate", "generate on a model parallelized for tensor parallelism"),
+        ("ring over tp", 'mesh=mesh["cp"]'),
     ],
 )
 def test_plans_ringify_cannot_keep_are_refused_on_every_rank(ranks, plan, says):
     for kind, message, _ in ranks(4).run(refused, plan):
         assert kind == "ValueError" and says in message, message
-        assert "What composes with ringify" in message, message
+        named = plan in ("generate", "ring over tp")
+        assert named or "What composes with ringify" in message, message
 
 
 def three_d(backend: str, folder: str) -> dict:
