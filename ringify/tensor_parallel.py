@@ -255,15 +255,19 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
             f"parallel's Shard(1)): ringify shards the sequence itself, over the ring. Leave "
             f"TP's activations Replicate or Shard(-1). {_COMPOSES}"
         )
+    kind = _kind(name, module, style)
+    if kind is None:
+        raise ValueError(f"{where}: ringify cannot keep this parallel style. {_COMPOSES}")
     if not getattr(style, "use_local_output", True):
         raise ValueError(
             f"{where} keeps its output a DTensor (use_local_output=False, e.g. loss parallel): "
             f"ringify's graph runs on local tensors. Use use_local_output=True. {_COMPOSES}"
         )
-    kind = _kind(name, module, style)
     allowed_in, allowed_out = _LAYOUTS[kind]
-    if kind is None or inputs[:1] not in allowed_in or outputs[:1] not in allowed_out:
-        raise ValueError(f"{where}: ringify cannot keep this parallel style. {_COMPOSES}")
+    if inputs[:1] not in allowed_in or outputs[:1] not in allowed_out:
+        raise ValueError(
+            f"{where}: ringify cannot keep these layouts ({inputs}, {outputs}). {_COMPOSES}"
+        )
     if mesh is None or mesh.ndim != 1:
         raise ValueError(f"{where}: ringify keeps TP on a 1-D mesh (mesh['tp']). {_COMPOSES}")
     weight = module.weight
@@ -319,7 +323,6 @@ _LAYOUTS = {
     "rowwise": ({(), _S, _R}, {(), _R}),
     "vocab": ({_R}, {(), _R}),
     "embedding_colwise": ({_R}, {(), _S, _R}),
-    None: (set(), set()),
 }
 
 

@@ -78,7 +78,8 @@ def opcheck_ops():
 def opcheck_beside_the_ring(name: str) -> None:
     """The ops that serve the ring: memory attention (replicated queries, this rank's keys;
     with and without a learned bias), a mask program and its plan, a decode step's attention,
-    joint attention (image and text queries), the ring's maximum, sequence dropout."""
+    joint attention (image and text queries), the ring's maximum, sequence dropout, and
+    tensor parallelism's collectives."""
     import torch.distributed as dist
 
     from ringify.testing.attention import document_causal_program, document_inputs
@@ -137,6 +138,16 @@ def opcheck_beside_the_ring(name: str) -> None:
     torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
     if name:  # a ring's maximum needs a ring: checked on 2 ranks
         torch.library.opcheck(torch.ops.ringify.ring_amax.default, (x, [1], name))
+        # tensor parallelism's collectives, over the ring's group taken as a TP group
+        x = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
+        torch.library.opcheck(torch.ops.ringify.tp_copy.default, (x, name))
+        torch.library.opcheck(torch.ops.ringify.tp_reduce.default, (x, name))
+        torch.library.opcheck(torch.ops.ringify.tp_gather.default, (x, name))
+        torch.library.opcheck(torch.ops.ringify.tp_split.default, (x, name))
+        rows = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)  # of a vocab of 10
+        ids = torch.randint(0, 10, (2, 6), generator=g)
+        args = (rows, ids, 10, 3, name)
+        torch.library.opcheck(torch.ops.ringify.tp_vocab_embedding.default, args)
 
 
 def gradcheck_ring():
@@ -380,7 +391,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (18): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (23): a new op must join it."""
     import inspect
 
     import ringify.runtime  # noqa: F401  (registers the ops)
@@ -392,4 +403,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 18 and checked == registered, registered - checked
+    assert len(registered) == 23 and checked == registered, registered - checked

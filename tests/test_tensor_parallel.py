@@ -104,7 +104,7 @@ def hf_case(family: str, case: str, backend: str = "eager") -> dict:
         ("llama", "causal", "eager"),
         ("llama", "right", "eager"),
         ("llama", "packed", "aot_eager"),
-        ("qwen2", "causal", "aot_eager"),
+        pytest.param("qwen2", "causal", "aot_eager", marks=pytest.mark.slow),
         ("qwen2", "packed", "eager"),
     ],
 )
@@ -174,9 +174,10 @@ def test_torchtitan_plan_beside_the_ring_is_exact(ranks, case, backend):
 
 
 def refused(plan: str):
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -211,6 +212,11 @@ def refused(plan: str):
         parallelize_module(model, mesh["tp"], {"output": ColwiseParallel(use_local_output=False)})
     elif plan == "embedding ids sharded":
         parallelize_module(model, mesh["tp"], {"tok_embeddings": RowwiseParallel()})
+    elif plan == "unknown style":
+        style = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
+        parallelize_module(block, mesh["tp"], {"attention": style})
     elif plan == "ring over tp":
         tokens = torch.randint(0, 96, (2, S))
         parallelize(model, mesh["tp"])
@@ -228,6 +234,7 @@ def refused(plan: str):
         ("embedding ids sharded", "input_layouts=Replicate()"),
         ("generate", "generate on a model parallelized for tensor parallelism"),
         ("ring over tp", 'mesh=mesh["cp"]'),
+        ("unknown style", "PrepareModuleInput): ringify cannot keep this parallel style"),
     ],
 )
 def test_plans_ringify_cannot_keep_are_refused_on_every_rank(ranks, plan, says):
@@ -295,6 +302,7 @@ def _on_8_ranks(backends: list[str], folder) -> None:
         pool.close()
 
 
+@pytest.mark.slow  # 8 ranks on 2 cores: CI's slow pass runs it (the (tp, cp) cases are default)
 def test_fsdp2_over_tp_beside_the_ring_is_exact_and_checkpoints_the_models_keys(tmp_path):
     _on_8_ranks(["eager"], tmp_path)
 
