@@ -71,7 +71,7 @@ class TpLayer:
 
     @property
     def local_outside(self) -> bool:
-        """Whether the model around the layer sees a local shard (the colums of a
+        """Whether the model around the layer sees a local shard (the columns of a
         column-parallel layer's output, of a row-parallel layer's input). If not, the layer is
         traced as the unparallelized model has it, and the pass makes its weight local."""
         if self.kind == "rowwise":

@@ -74,6 +74,23 @@ def _differences(model, reference, got, want) -> dict:
     }
 
 
+def _bound(reference, kwargs: dict, logits) -> float:
+    """Inductor computes what HF computes in float32 (its RoPE tables, the loss) in another
+    order than eager: the unmodified model's own move under Inductor, measured here, sets
+    the bound (``ringify.testing.tolerance``)."""
+    import copy
+
+    from ringify.testing.tolerance import FACTOR
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    got = torch.compile(model)(**kwargs)
+    got.loss.backward()
+    moved = _differences(model, reference, [got.logits], [logits])
+    return max(EXACT, FACTOR * max(moved["out"], moved["grads"]))
+
+
 def hf_case(family: str, case: str, backend: str = "eager") -> dict:
     import copy
 
@@ -92,6 +109,7 @@ def hf_case(family: str, case: str, backend: str = "eager") -> dict:
     return {
         # (HF computes the loss in float32: its logits and gradients are float64)
         **_differences(model, reference, [got.logits], [want.logits]),
+        "bound": _bound(reference, kwargs, want.logits) if backend == "inductor" else EXACT,
         "gathers": len(report.gathers),
         "collectives": len(report.tensor_parallel),
         "heads": [a.local_shape[1] for a in report.rewritten],
@@ -121,7 +139,7 @@ def test_hf_base_model_tp_plan_beside_the_ring_is_exact(ranks, family, case, bac
 @pytest.mark.slow
 def test_hf_tp_plan_beside_the_ring_under_inductor(ranks):
     for r in ranks(4).run(hf_case, "llama", "right", "inductor", timeout=600):
-        assert r["out"] <= EXACT and r["grads"] <= EXACT, r
+        assert r["out"] <= r["bound"] and r["grads"] <= r["bound"], r
 
 
 def titan_case(case: str, backend: str = "eager") -> dict:
