@@ -85,8 +85,11 @@ def main() -> None:
 
     model = build(args).to(device)
     if args.tp > 1:  # the model's own TP plan, applied by transformers
-        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=args.tp))
-        apply_tensor_parallelism(model, mesh["tp"], plan)
+        if hasattr(model, "_resolve_parallel_plans"):  # transformers 5.2x: the plan per layer
+            plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=args.tp))
+            apply_tensor_parallelism(model, mesh["tp"], plan)
+        else:  # transformers 5.16: model.tp_plan, as it is
+            apply_tensor_parallelism(model, mesh["tp"])
     model.gradient_checkpointing_enable({"use_reentrant": False})
     shard_over = mesh["dp", "cp"]._flatten()  # FSDP over dp x cp: gradients reduced once
     for layer in model.model.layers:

@@ -245,7 +245,10 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
     where = f"{path} ({type(module).__name__}, {name})"
     inputs = _layouts(getattr(style, "input_layouts", ()))
     outputs = _layouts(getattr(style, "output_layouts", ()))
-    if name == "EmbeddingParallel":  # transformers': the ids whole, the output whole
+    hf_embedding = type(style).__module__.startswith("transformers") and isinstance(
+        module, nn.Embedding
+    )
+    if hf_embedding:  # transformers' embeddings: the ids whole, the output whole
         inputs, outputs = _R, _R
     if hasattr(style, "sequence_dim"):  # transformers' SequenceParallel
         inputs = (Shard(style.sequence_dim),)

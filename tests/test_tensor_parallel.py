@@ -48,11 +48,17 @@ def _hf_model(family: str):
     return hf_models.llama().double()
 
 
-def _hf_parallelized(model, tp_mesh, **config):
+def _hf_parallelized(model, tp_mesh, tp_plan=None):
+    """transformers' own TP: from 5.2x, the plan resolved per layer and applied; before, the
+    model's ``tp_plan`` applied as it is."""
     from transformers import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2, **config))
+    if not hasattr(model, "_resolve_parallel_plans"):  # transformers 5.16
+        model.tp_plan = model.tp_plan | (tp_plan or {})
+        return apply_tensor_parallelism(model, tp_mesh)
+    config = DistributedConfig(tp_size=2, tp_plan=tp_plan)
+    plan, _, _ = model._resolve_parallel_plans(config)
     return apply_tensor_parallelism(model, tp_mesh, plan)
 
 
@@ -94,6 +100,8 @@ def _bound(reference, kwargs: dict, logits) -> float:
 def hf_case(family: str, case: str, backend: str = "eager") -> dict:
     import copy
 
+    from torch.distributed.tensor import DTensor
+
     mesh = _mesh()
     torch.manual_seed(0)
     reference = _hf_model(family)
@@ -112,6 +120,7 @@ def hf_case(family: str, case: str, backend: str = "eager") -> dict:
         "bound": _bound(reference, kwargs, want.logits) if backend == "inductor" else EXACT,
         "gathers": len(report.gathers),
         "collectives": len(report.tensor_parallel),
+        "embedding split": isinstance(model.model.embed_tokens.weight, DTensor),
         "heads": [a.local_shape[1] for a in report.rewritten],
     }
 
@@ -133,7 +142,9 @@ def test_hf_base_model_tp_plan_beside_the_ring_is_exact(ranks, family, case, bac
         # per block: q, k, v's input copied once, o_proj's sum, the MLP's input copied once,
         # down_proj's sum; the vocabulary's sum; the head's input and its gather. 4 heads
         # over TP of 2.
-        assert r["collectives"] == 2 * 4 + 1 + 2 and r["heads"] == [2, 2], r
+        # (transformers 5.16's plans leave the embedding whole)
+        assert r["collectives"] == 2 * 4 + r["embedding split"] + 2, r
+        assert r["heads"] == [2, 2], r
 
 
 @pytest.mark.slow
