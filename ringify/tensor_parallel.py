@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ringify.runtime.collectives.ring import ring_by_name
@@ -38,8 +39,8 @@ from ringify.runtime.collectives.ring import ring_by_name
 _COMPOSES = (
     "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "
     "nn.Embedding (torch's parallelize_module, without SequenceParallel or loss parallel), or "
-    "transformers' colwise, rowwise, colwise_gather_output, rowwise_split_input and "
-    "embedding_rowwise/embedding_colwise styles (the base_model_tp_plan of Llama, Qwen2, Mistral "
+    "transformers' colwise, rowwise, colwise_gather_output, rowwise_split_input, "
+    "replicated_with_grad_allreduce and embedding_rowwise/embedding_colwise styles (the base_model_tp_plan of Llama, Qwen2, Mistral "
     "and most dense models), with shards of equal size and an embedding's ids whole "
     "(input_layouts=Replicate(), as torchtitan writes it); the ring shards the sequence itself."
 )
@@ -50,8 +51,9 @@ class TpLayer:
     """One TP layer: a linear or embedding module and the collectives its placements imply.
 
     ``kind``: ``"colwise"`` (output columns split), ``"rowwise"`` (input columns split, the
-    output a partial sum), ``"vocab"`` (an embedding's rows split) or ``"embedding_colwise"``
-    (an embedding's columns split). ``split_input``: a row-parallel layer given its whole
+    output a partial sum), ``"vocab"`` (an embedding's rows split), ``"embedding_colwise"``
+    (an embedding's columns split) or ``"replicated"`` (whole parameters that act on this
+    rank's heads alone, as Qwen3's per-head q_norm: their gradient is partial). ``split_input``: a row-parallel layer given its whole
     input; ``gather_output``: a column-parallel layer whose output is kept whole.
     """
 
@@ -171,47 +173,52 @@ def _closure(fn) -> dict:
 
 def _torch_style(hook) -> tuple[object, object]:
     """(the torch ParallelStyle's ``_prepare_*_fn`` partial, or a PrepareModule* style, and
-    its mesh) behind one of ``distribute_module``'s hook lambdas; ``(None, None)`` if none."""
+    its mesh) behind one of ``distribute_module``'s hook lambdas: any hook that holds a
+    ``device_mesh`` (a style ringify does not know is refused, not run as it is);
+    ``(None, None)`` if none."""
     if not callable(hook) or not hasattr(hook, "__code__"):
         return None, None
     cells = _closure(hook)
     mesh = cells.get("device_mesh")
-    fn = cells.get("input_fn") or cells.get("output_fn") or cells.get("self")
-    if mesh is None or fn is None:
+    if not isinstance(mesh, DeviceMesh):
         return None, None
-    owner = getattr(getattr(fn, "func", None), "__qualname__", "") or type(fn).__qualname__
-    if not owner.startswith(_TORCH_STYLES):
-        return None, None
+    fn = cells.get("input_fn") or cells.get("output_fn") or cells.get("self") or hook
     return fn, mesh
 
 
-_TORCH_STYLES = (
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-)
-
-
 def _hf_style(module: nn.Module) -> tuple[object, object]:
-    """(transformers' TensorParallelLayer style, its mesh) behind a ``tp_forward``."""
+    """(transformers' TensorParallelLayer style, its mesh) behind a ``tp_forward``: the style
+    its closure holds, else one named by the class whose method made it (a style that keeps
+    no ``self``, as ``ReplicatedWithGradAllReduce``)."""
     forward = module.__dict__.get("forward")
     if forward is None or getattr(forward, "__name__", "") != "tp_forward":
         return None, None
     cells = _closure(forward)
-    return cells.get("self"), cells.get("mesh")
+    style = cells.get("self") or _Style(forward.__qualname__.partition(".")[0])
+    return style, _mesh_in(cells)
+
+
+def _mesh_in(cells: dict, depth: int = 2):
+    """The DeviceMesh a closure holds, or a function it holds does (to ``depth``)."""
+    for value in cells.values():
+        if isinstance(value, DeviceMesh):
+            return value
+    if depth == 0:
+        return None
+    for value in cells.values():
+        if hasattr(value, "__code__") and (mesh := _mesh_in(_closure(value), depth - 1)):
+            return mesh
+    return None
 
 
 @dataclass(frozen=True)
-class _TorchStyle:
-    """A torch style, from its two hooks: its class name and the layouts their partials hold."""
+class _Style:
+    """A style known by its class name and the layouts its hooks hold."""
 
     name: str
-    input_layouts: tuple
-    output_layouts: tuple
-    use_local_output: bool
+    input_layouts: tuple = ()
+    output_layouts: tuple = ()
+    use_local_output: bool = True
 
 
 def _style_of(module: nn.Module):
@@ -230,14 +237,14 @@ def _style_of(module: nn.Module):
     named, name = {}, ""
     for fn, _ in found:
         func = getattr(fn, "func", None)
-        if func is None:  # a PrepareModule* style object itself
-            return fn, mesh
+        if func is None:  # a PrepareModule* style object itself, or a hook of another style
+            return (_Style(fn.__qualname__) if hasattr(fn, "__code__") else fn), mesh
         name = func.__qualname__.partition(".")[0]
         named |= dict(zip(inspect.signature(func).parameters, fn.args, strict=False))
     inputs = named.get("input_layouts", named.get("sequence_sharding", ()))
     outputs = named.get("output_layouts", ())
     use_local = named.get("use_local_output", True)
-    return _TorchStyle(name, tuple(inputs), tuple(outputs), use_local), mesh
+    return _Style(name, tuple(inputs), tuple(outputs), use_local), mesh
 
 
 def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
@@ -273,6 +280,9 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
         )
     if mesh is None or mesh.ndim != 1:
         raise ValueError(f"{where}: ringify keeps TP on a 1-D mesh (mesh['tp']). {_COMPOSES}")
+    group, size = mesh.get_group().group_name, mesh.size()
+    if kind == "replicated":
+        return TpLayer(path, kind, False, False, group, size)
     weight = module.weight
     dim = 0 if kind in ("colwise", "vocab") else 1
     placement = _placement_on(weight, mesh)
@@ -287,8 +297,8 @@ def _layer(path: str, module: nn.Module, style, mesh) -> TpLayer:
         kind,
         split_input=kind == "rowwise" and inputs[:1] == (Replicate(),),
         gather_output=kind in ("colwise", "embedding_colwise") and outputs[:1] == (Replicate(),),
-        group_name=mesh.get_group().group_name,
-        size=mesh.size(),
+        group_name=group,
+        size=size,
         vocab=weight.shape[0] if kind == "vocab" else 0,
         padding_idx=-1 if padding is None else padding,
     )
@@ -307,6 +317,8 @@ def _placement_on(weight, mesh):
 
 
 def _kind(name: str, module: nn.Module, style) -> str | None:
+    if name == "ReplicatedWithGradAllReduce":
+        return "replicated"
     if name == "EmbeddingParallel" and isinstance(module, nn.Embedding):
         return "vocab" if style.shard_dim == 0 else "embedding_colwise"
     if name not in ("ColwiseParallel", "RowwiseParallel"):
@@ -326,6 +338,7 @@ _LAYOUTS = {
     "rowwise": ({(), _S, _R}, {(), _R}),
     "vocab": ({_R}, {(), _R}),
     "embedding_colwise": ({_R}, {(), _S, _R}),
+    "replicated": ({()}, {()}),
 }
 
 

@@ -39,13 +39,19 @@ def _hf_inputs(case: str) -> dict:
 
 
 def _hf_model(family: str):
+    """HF Llama; Qwen2 (q/k/v biases); Qwen3 (a per-head q_norm and k_norm, whole on every TP
+    rank, their gradients partial)."""
+    import transformers as tf
+
     from ringify.testing import hf_models
 
     if family == "qwen2":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        return hf_models._decoder(Qwen2Config, Qwen2ForCausalLM, 2, 32, 4, 2, 64, 128).double()
-    return hf_models.llama().double()
+        model = hf_models._decoder(tf.Qwen2Config, tf.Qwen2ForCausalLM, 2, 32, 4, 2, 64, 128)
+    elif family == "qwen3":
+        model = hf_models._decoder(tf.Qwen3Config, tf.Qwen3ForCausalLM, 2, 32, 4, 2, 64, 128)
+    else:
+        model = hf_models.llama()
+    return model.double()
 
 
 def _hf_parallelized(model, tp_mesh, tp_plan=None):
@@ -133,6 +139,7 @@ def hf_case(family: str, case: str, backend: str = "eager") -> dict:
         ("llama", "packed", "aot_eager"),
         pytest.param("qwen2", "causal", "aot_eager", marks=pytest.mark.slow),
         ("qwen2", "packed", "eager"),
+        ("qwen3", "packed", "eager"),
     ],
 )
 def test_hf_base_model_tp_plan_beside_the_ring_is_exact(ranks, family, case, backend):
@@ -142,8 +149,10 @@ def test_hf_base_model_tp_plan_beside_the_ring_is_exact(ranks, family, case, bac
         # per block: q, k, v's input copied once, o_proj's sum, the MLP's input copied once,
         # down_proj's sum; the vocabulary's sum; the head's input and its gather. 4 heads
         # over TP of 2.
-        # (transformers 5.16's plans leave the embedding whole)
-        assert r["collectives"] == 2 * 4 + r["embedding split"] + 2, r
+        # (transformers 5.16's plans leave the embedding whole); Qwen3's q_norm and k_norm
+        # weights each get their partial gradients summed
+        norms = 2 * 2 if family == "qwen3" else 0
+        assert r["collectives"] == 2 * 4 + r["embedding split"] + 2 + norms, r
         assert r["heads"] == [2, 2], r
 
 

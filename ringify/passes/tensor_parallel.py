@@ -11,7 +11,8 @@ have done around the module, and as Megatron's layers do:
 - row-parallel: ``tp_reduce(linear(x, W)) + b`` (the bias once, after the sum), with
   ``tp_split(x)`` first where the input comes whole;
 - a vocabulary split by rows: ``tp_reduce(tp_vocab_embedding(W, ids))``;
-- an embedding split by columns: ``embedding(W, ids)``, then ``tp_gather`` where kept whole.
+- an embedding split by columns: ``embedding(W, ids)``, then ``tp_gather`` where kept whole;
+- a whole parameter acting on this rank's heads alone (Qwen3's q_norm): ``tp_copy(p)``.
 
 It runs before the ring's pass, which passes these ops through: each acts on the last dim.
 """
@@ -40,13 +41,18 @@ def place_tp_collectives(gm: fx.GraphModule, layers: dict[str, TpLayer]) -> None
     """Rewrite each TP layer's use of its weight in ``gm`` (a graph from ``torch.export``)."""
     if not layers:
         return
-    reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    reads: dict[str, list[fx.Node]] = {}  # parameter name -> the nodes that read it
+    for node in (n for n in gm.graph.nodes if n.op == "get_attr"):
+        reads.setdefault(node.target, []).append(node)
     copies: dict[fx.Node, fx.Node] = {}  # one tp_copy per input, however many layers read it
     for path, layer in layers.items():
-        weight = reads.get(f"{path}.weight")
-        if weight is None:
+        if layer.kind == "replicated":
+            _partial_gradients(gm.graph, reads, path, layer)
+            continue
+        weights = reads.get(f"{path}.weight", [])
+        if not weights:
             continue  # the layer did not run in this call
-        users = list(weight.users)
+        users = [u for w in weights for u in w.users]
         embedding = layer.kind in ("vocab", "embedding_colwise")
         op = aten.embedding.default if embedding else aten.linear.default
         if len(users) != 1 or users[0].target is not op:
@@ -126,6 +132,19 @@ def _rewrite(
         _after(graph, node, TP_REDUCE, path, group, bias)
     elif layer.gather_output:
         _after(graph, node, TP_GATHER, path, group, None)
+
+
+def _partial_gradients(graph: fx.Graph, reads: dict, path: str, layer: TpLayer) -> None:
+    """A whole parameter that acts on this rank's heads alone: each read of it goes through
+    ``tp_copy``, whose backward sums the TP ranks' partial gradients."""
+    own = [n for name, nodes in reads.items() if name.rpartition(".")[0] == path for n in nodes]
+    for param in own:
+        users = list(param.users)
+        with graph.inserting_after(param):
+            copy = call(graph, TP_COPY, (param, layer.group_name))
+        copy.meta["tp_layers"] = path
+        for user in users:
+            user.replace_input_with(param, copy)
 
 
 def _last_input(graph: fx.Graph) -> fx.Node:
