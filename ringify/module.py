@@ -216,9 +216,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
             config=config,
             retraced=traced is None,
             shared=shared if config.check_inputs else None,
-            state=None
-            if state is None or not config.check_inputs
-            else list(map(local_state, state)),
+            state=None if state is None or not config.check_inputs else _locals(state),
             args=args,
             kwargs=kwargs,
         )
@@ -240,9 +238,13 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
     return (traced, *tree_flatten_spec((args, kwargs), traced.in_spec)), {}
 
 
+def _locals(state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state as a traced graph reads it: each tensor-parallel weight as its local shard."""
+    return [local_state(t) for t in state]
+
+
 def _local_state(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
-    """The state a traced graph reads: each tensor-parallel weight as its local shard."""
-    return [local_state(t) for t in state_of(model, names)]
+    return _locals(state_of(model, names))
 
 
 # Read eagerly: under torch.compile, reading the state is Python bookkeeping, not graph work.
@@ -346,9 +348,14 @@ def _signature(model: nn.Module, flat: list, spec) -> tuple:
         for x in flat
     )
     modes = tuple(
-        (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks)) for m in model.modules()
+        (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks) + _backward_hooks(m))
+        for m in model.modules()
     )
     return (str(spec), described, modes)
+
+
+def _backward_hooks(m: nn.Module) -> int:
+    return len(m._backward_hooks) + len(m._backward_pre_hooks)
 
 
 def _signature_of(forward) -> inspect.Signature | None:

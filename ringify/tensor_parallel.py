@@ -148,7 +148,7 @@ def local_for_trace(model: nn.Module, layers: dict[str, TpLayer], fake_mode) -> 
                 hooks.append((table, dict(table)))
                 for key in [k for k, hook in table.items() if is_tp_hook(hook)]:
                     del table[key]
-            if _hf_style(module)[0] is not None:
+            if "forward" in module.__dict__ and _hf_style(module)[0] is not None:
                 forwards.append((module, module.__dict__.pop("forward")))
         yield
     finally:
@@ -187,15 +187,23 @@ def _torch_style(hook) -> tuple[object, object]:
 
 
 def _hf_style(module: nn.Module) -> tuple[object, object]:
-    """(transformers' TensorParallelLayer style, its mesh) behind a ``tp_forward``: the style
-    its closure holds, else one named by the class whose method made it (a style that keeps
-    no ``self``, as ``ReplicatedWithGradAllReduce``)."""
-    forward = module.__dict__.get("forward")
-    if forward is None or getattr(forward, "__name__", "") != "tp_forward":
-        return None, None
-    cells = _closure(forward)
-    style = cells.get("self") or _Style(forward.__qualname__.partition(".")[0])
-    return style, _mesh_in(cells)
+    """(transformers' TensorParallelLayer style, its mesh) behind a ``tp_forward``, or behind
+    a backward hook its ``install_forward`` registered (transformers 5.16's
+    ``ReplicatedWithGradAllReduce``): the style the closure holds, else one named by the
+    class whose method made it."""
+    made = [module.__dict__.get("forward"), *module._backward_hooks.values()]
+    for fn in made:
+        if ".install_forward.<locals>." in getattr(fn, "__qualname__", ""):
+            cells = _closure(fn)
+            style = cells.get("self") or _Style(fn.__qualname__.partition(".")[0])
+            return style, _mesh_in(cells)
+    return None, None
+
+
+def is_tp_backward_hook(hook) -> bool:
+    """Whether a module backward hook is a TP style's (its collective is written in the
+    graph instead)."""
+    return ".install_forward.<locals>." in getattr(hook, "__qualname__", "")
 
 
 def _mesh_in(cells: dict, depth: int = 2):

@@ -35,6 +35,7 @@ from ringify.passes.tensor_parallel import reported_collectives
 from ringify.tensor_parallel import (
     TpLayer,
     check_beside,
+    is_tp_backward_hook,
     is_tp_hook,
     local_for_trace,
     tp_layers,
@@ -134,6 +135,7 @@ def rewrite(
         exported, checkpoints = _export(model, units, layers, spec, flat, shapes or {})
     gm = folded(exported, layers)
     _warn_about_hooks(model)
+    _refuse_backward_hooks(model)
     plan, before, report = sharded(gm, config, dims or None, gathered, general)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # inputs the model does not read (HF's labels beside shift_labels) need not agree
@@ -254,6 +256,26 @@ def _warn_about_hooks(model: nn.Module) -> None:
             "each call. A hook added or removed later makes ringify trace again. Run such "
             "code outside the model, or on the unmodified model.",
             ", ".join(hooked),
+        )
+
+
+def _refuse_backward_hooks(model: nn.Module) -> None:
+    """A module's backward hooks never run: the graph, not the module, computes the backward.
+    Refuse them, naming hooks that do run (a TP style's is written in the graph)."""
+    hooked = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if any(
+            not is_tp_backward_hook(h)
+            for h in (*m._backward_hooks.values(), *m._backward_pre_hooks.values())
+        )
+    ]
+    if hooked:
+        raise ValueError(
+            f"{', '.join(hooked)} have backward hooks (register_full_backward_hook), which "
+            "never run on the ringified model: its graph computes the backward, not the "
+            "modules. Register them on the parameters instead (p.register_hook or "
+            "p.register_post_accumulate_grad_hook run as usual), or remove them."
         )
 
 

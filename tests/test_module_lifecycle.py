@@ -123,6 +123,21 @@ def test_hooks_warn_and_a_hook_added_later_takes_effect(caplog):
     assert len(ringified._traced) == 2  # with and without the later hook
 
 
+def test_a_module_backward_hook_is_refused_not_skipped():
+    """A module's backward hook would never run (the graph computes the backward): refused,
+    on the first call and when added after one (which traces again)."""
+    model = _model()
+    handle = model.blocks[0].register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(ValueError, match=r"blocks\.0 have backward hooks"):
+        ringify(model, ring_size=1)(*_batch())
+    handle.remove()
+    ringified = ringify(model, ring_size=1)
+    ringified(*_batch())
+    model.blocks[1].register_full_backward_pre_hook(lambda m, go: None)
+    with pytest.raises(ValueError, match=r"p\.register_hook"):
+        ringified(*_batch())
+
+
 def test_state_dict_keys_are_the_models_both_ways():
     model, other = _model(), _model(seed=1)
     ringified = ringify(model, ring_size=1)
