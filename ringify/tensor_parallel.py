@@ -8,10 +8,11 @@ Two ways to parallelize are kept, both on a TP mesh dim beside the ring's:
   registered (``distribute_module``'s closures over the style's ``_prepare_*_fn``).
 - transformers' own plan (``config.base_model_tp_plan``, applied by
   ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``). Each style
-  replaced the module's ``forward`` by a ``tp_forward`` closure over the style.
+  replaced the module's ``forward`` by a ``tp_forward`` closure over the style (5.16's
+  per-head norms: a backward hook instead).
 
 ``tp_layers`` reads each layer's placements into a ``TpLayer``, refusing what it cannot
-keep with what composes. While ringify traces (``local_for_trace``), each TP weight is a
+keep with what composes; a style it does not know is refused, never run as it is. While ringify traces (``local_for_trace``), each TP weight is a
 fake tensor of its local shard's shape and the styles' hooks and ``tp_forward`` are set
 aside (the model's other hooks run); all restored after. The pass then writes the
 collectives each layer implies where it reads its weight (``passes/tensor_parallel.py``),
