@@ -72,6 +72,17 @@ class TpLayer:
         """The dim of the weight split over TP."""
         return 0 if self.kind in ("colwise", "vocab") else 1
 
+    def local_shape(self, name: str, shape) -> list[int]:
+        """The shape of one TP rank's shard of the layer's parameter ``name`` (global
+        ``shape``): the weight split on ``sharded_dim``, a column-parallel bias with the
+        columns, anything else whole."""
+        size = list(shape)
+        if name == "weight":
+            size[self.sharded_dim] //= self.size
+        elif name == "bias" and self.kind == "colwise":
+            size[0] //= self.size
+        return size
+
     @property
     def local_outside(self) -> bool:
         """Whether the model around the layer sees a local shard (the columns of a
@@ -122,11 +133,7 @@ def tp_parameters(model: nn.Module, layers: dict[str, TpLayer]) -> set[str]:
 def traced_shape(layer: TpLayer, name: str, shape) -> list[int]:
     """The shape a trace sees of the TP layer's parameter ``name`` of global ``shape``: its
     local shard's where the model around the layer sees local shapes, else whole."""
-    size = list(shape)
-    split = name == "weight" or (name == "bias" and layer.kind == "colwise")
-    if layer.local_outside and split:
-        size[layer.sharded_dim if name == "weight" else 0] //= layer.size
-    return size
+    return layer.local_shape(name, shape) if layer.local_outside else list(shape)
 
 
 @contextmanager

@@ -152,17 +152,11 @@ def _last_input(graph: fx.Graph) -> fx.Node:
 
 
 def _made_local(node: fx.Node, layer: TpLayer) -> None:
-    """The layer was traced whole: its split parameters' values become their local shards'."""
-    split = [
-        (node.args[0 if layer.kind in ("vocab", "embedding_colwise") else 1], layer.sharded_dim)
-    ]
-    if layer.kind == "colwise" and len(node.args) > 2 and node.args[2] is not None:
-        split.append((node.args[2], 0))  # a column-parallel bias is split with the columns
-    for param, dim in split:
+    """The layer was traced whole: its parameters' values become their local shards'."""
+    for param in (a for a in node.all_input_nodes if a.op == "get_attr"):
         whole = param.meta["val"]
-        size = list(whole.shape)
-        size[dim] //= layer.size
-        param.meta["val"] = whole.new_empty(size)
+        name = param.target.rpartition(".")[2]
+        param.meta["val"] = whole.new_empty(layer.local_shape(name, whole.shape))
 
 
 def _after(graph: fx.Graph, node: fx.Node, op, path: str, group: str, bias: fx.Node | None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ringify.runtime.collectives.reduce import all_reduce
 from ringify.runtime.collectives.ring import ring_by_name
 
 _c10d = torch.ops._c10d_functional
@@ -32,10 +33,6 @@ _c10d = torch.ops._c10d_functional
 
 # Functional collectives: the backward formulas below are traced into the backward graph
 # under torch.compile, where an eager collective would carry its process group as a value.
-def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
-
-
 def _all_gather_last(x: torch.Tensor, group_name: str) -> torch.Tensor:
     size = ring_by_name(group_name).size
     stacked = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), size, group_name))
@@ -56,7 +53,7 @@ def tp_copy(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @torch.library.custom_op("ringify::tp_reduce", mutates_args=())
 def tp_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum over the TP group of every rank's ``x``."""
-    return _all_reduce(x, group_name)
+    return all_reduce(x, group_name)
 
 
 @torch.library.custom_op("ringify::tp_gather", mutates_args=())
@@ -92,7 +89,7 @@ def _keep_group(ctx, inputs, output):
 
 
 tp_copy.register_autograd(
-    lambda ctx, grad: (_all_reduce(grad, ctx.group_name), None), setup_context=_keep_group
+    lambda ctx, grad: (all_reduce(grad, ctx.group_name), None), setup_context=_keep_group
 )
 tp_reduce.register_autograd(lambda ctx, grad: (grad, None), setup_context=_keep_group)
 tp_gather.register_autograd(
