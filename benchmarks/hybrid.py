@@ -4,6 +4,11 @@
 
 ``--kinds qwen3.5``: HF Qwen3.5's text model instead (Gated DeltaNet in layers 0-2, its
 chunked delta rule on a share of 8 value heads; attention in layer 3), the same sizes.
+``--kinds jamba``: HF Jamba (Mamba1 mixers in layers 0 and 2, their selective scans passing
+state round the ring; attention in 1 and 3; dense MLPs). Its unmodified torch path loops over
+the positions, and its backward grows faster than S (each position's ``select`` back-propagates
+a full-size gradient): ``--rings 1`` gives the ringified graph on one process as the
+baseline at lengths the unmodified model cannot reach here.
 
 HF Bamba (``BambaForCausalLM``, its torch path: no CUDA kernels here), 4 layers, hidden
 256: ``hybrid`` has attention in layers 1 and 3 and Mamba2 mixers in layers 0 and 2;
@@ -29,6 +34,7 @@ import sys
 
 from tabulate import tabulate
 
+from ringify.runtime.selective_scan import ring_selective_scan
 from ringify.testing import measured_step
 from ringify.testing.rounds import best_of_rounds
 
@@ -55,6 +61,13 @@ def built(kind: str):
         )  # fmt: skip
         config._attn_implementation = "sdpa"
         return tf.Qwen3_5ForCausalLM(config)
+    if kind == "jamba":  # Mamba1 mixers in layers 0 and 2; dense MLPs (one expert)
+        config = tf.JambaConfig(
+            **common, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=16,
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        return tf.JambaForCausalLM(config)
     raise ValueError(f"unknown model {kind!r}")
 
 
@@ -85,7 +98,12 @@ def step(impl: str, kind: str, seq: int) -> dict:
     report = None if impl == "unmodified" else run.report()
     gathers = 0 if report is None else len(report.gathers)
     resharded = 0 if report is None else len(report.resharded)
-    return {"s": seconds, "peak": peak, "loss": loss, "gathers": gathers, "resharded": resharded}
+    graph = None if report is None else run._last().module.graph
+    passing = 0 if graph is None else sum(n.target is ring_selective_scan for n in graph.nodes)
+    return {
+        "s": seconds, "peak": peak, "loss": loss, "gathers": gathers, "resharded": resharded,
+        "passing": passing,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -94,9 +112,13 @@ def main() -> None:
     parser.add_argument("--rings", type=int, nargs="+", default=[2])
     parser.add_argument(
         "--kinds", nargs="+", default=["hybrid", "attention only"],
-        help="Bamba's 'hybrid' and 'attention only', or 'qwen3.5'",
+        help="Bamba's 'hybrid' and 'attention only', 'qwen3.5', or 'jamba'",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--no-unmodified", action="store_true",
+        help="leave the unmodified model out: ratios are to the first ring size's row",
+    )  # fmt: skip
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
@@ -104,27 +126,33 @@ def main() -> None:
         (kind, impl, p, seq)
         for seq in args.seqs
         for kind in args.kinds
-        for impl, p in (("unmodified", 1), *(("ringify", p) for p in args.rings))
+        for impl, p in (
+            *([] if args.no_unmodified else [("unmodified", 1)]),
+            *(("ringify", p) for p in args.rings),
+        )
     ]
+    base_of = "unmodified" if not args.no_unmodified else f"P={args.rings[0]}"
     best = best_of_rounds(
         step, [(p, (impl, kind, seq)) for kind, impl, p, seq in configs], args.repeats
     )
     rows = []
     for i, (kind, impl, p, seq) in enumerate(configs):
         r = best[i]
-        base = best[next(j for j in range(i, -1, -1) if configs[j][1] == "unmodified")]
+        first = next(j for j in range(i + 1) if configs[j][0::3] == configs[i][0::3])
+        base = best[first]
         rows.append({
             "S": seq,
             "model": kind,
             "run": impl if impl == "unmodified" else f"ringify P={p}",
             "gathers": r["gathers"],
             "on a share": r["resharded"],
+            "state passing": r["passing"],
             "step s": round(r["s"], 2),
-            "time / unmodified": round(r["s"] / base["s"], 3),
+            f"time / {base_of}": round(r["s"] / base["s"], 3),
             "peak MiB / rank": round(r["peak"] / 2**20, 1),
-            "memory / unmodified": round(r["peak"] / base["peak"], 3),
-            "memory / (unmodified / P)": round(r["peak"] * p / base["peak"], 3),
-            "|loss - unmodified|": f"{abs(r['loss'] - base['loss']):.1e}",
+            f"memory / {base_of}": round(r["peak"] / base["peak"], 3),
+            f"memory / ({base_of} / P)": round(r["peak"] * p / (base["peak"] * configs[first][2]), 3),
+            f"|loss - {base_of}|": f"{abs(r['loss'] - base['loss']):.1e}",
         })  # fmt: skip
     print(f"Command: python {' '.join(sys.argv)}")
     print(tabulate(rows, headers="keys", tablefmt="github"))

@@ -1,10 +1,12 @@
-"""Hybrids of attention and a scan on the ring: exact, their scans on a share of the heads.
+"""Hybrids of attention and a scan on the ring: exact, and nothing gathered.
 
-HF Bamba (Mamba2) and Jamba (Mamba1, its recurrence unrolled over the positions, with MoE). The attention layers are rings; a mixer's causal
-depthwise convolution is a halo exchange (``ring_conv1d``); its scan has no sequence rule,
-but keeps heads (or channels, or the batch) independent, so its inputs move onto a share of
-that dim by one all-to-all each and it runs on every position there (``passes/resharded.py``),
-with no gather. Against the unmodified model on 2 and 4 ranks, float64: logits and every
+HF Bamba (Mamba2) and Jamba (Mamba1, with MoE), and the rest of each class. The attention
+layers are rings; a mixer's causal depthwise convolution is a halo exchange
+(``ring_conv1d``). A Mamba2 or delta-rule scan has no sequence rule, but keeps heads
+independent, so its inputs move onto a share of them by one all-to-all each and it runs on
+every position there (``passes/resharded.py``). Mamba1's recurrence, unrolled over the
+positions by export, is folded into one selective scan that passes its state round the
+ring (``passes/scans.py``). Against the unmodified model on 2 and 4 ranks, float64: logits and every
 parameter gradient. Older transformers compute the SSM's decay (``A_log``, ``dt_bias``) in
 float32 inside a float64 model; the ring sums their gradients in another order, so each
 result is held to the unmodified model's own difference when its batch rows, or each rank's
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from ringify.passes.report import AttentionRun
+from ringify.runtime.selective_scan import ring_selective_scan
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import differences, exceeding, reordering_tolerances
 
@@ -89,6 +92,16 @@ def hybrid(family: str):
     if family == "mamba":
         config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
         return tf.MambaForCausalLM, config
+    if family == "falcon_mamba":
+        config = tf.FalconMambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4)
+        return tf.FalconMambaForCausalLM, config
+    if family == "zamba":  # its shared attention block in layers 2 and 5 (its tied weights')
+        config = tf.ZambaConfig(
+            **common | dict(num_hidden_layers=6, num_key_value_heads=4), attn_layer_period=3,
+            attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_dt_rank=4, n_mamba_heads=2,
+        )  # fmt: skip
+        return tf.ZambaForCausalLM, config
     config = tf.Mamba2Config(
         **mamba, state_size=8, expand=2, conv_kernel=4, num_heads=4, head_dim=16, n_groups=1,
         chunk_size=16,
@@ -99,7 +112,7 @@ def hybrid(family: str):
 def compare(world: int, length: int, backend: str | None, family: str = "bamba", batch: int = 2):
     torch.manual_seed(0)
     cls, config = hybrid(family)
-    if not family.startswith("mamba"):
+    if family not in NO_ATTENTION:
         config._attn_implementation = "sdpa"
     config.use_cache = False
     config._experts_implementation = "batched_mm"  # grouped_mm takes no float64
@@ -140,6 +153,9 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba",
         "resharded": [(r.entered, r.gathered) for r in report.resharded],
         "header": [line for line in ringified.graph_diff().splitlines() if line.startswith("# ")],
         "placements": report.placements(),
+        "state passing": sum(
+            n.target is ring_selective_scan for n in ringified._last().module.graph.nodes
+        ),
     }
 
 
@@ -176,17 +192,20 @@ def float32_rounding(model, step) -> dict:
 
 
 # each scan's inputs, the dim each enters on, how many stay gathered, and how many scans:
-# Mamba2's five (x, x * dt, A * dt, B, C) on the heads; Mamba1's discretized A and B * u
-# and its C on the batch, or, for one sequence, A and B * u on the channels and C (one per
-# position, shared by every channel) gathered; LFM2's short convolutions are halo exchanges;
-# Qwen3-Next's q, k, v, beta and g on the heads
+# Mamba2's five (x, x * dt, A * dt, B, C) on the heads; Mamba1's recurrence is folded into
+# one scan that passes its state round the ring (nothing moved; ``STATE_PASSING``); LFM2's
+# short convolutions are halo exchanges; Qwen3-Next's q, k, v, beta and g on the heads
 MAMBA2 = ([2] * 5, 0, 1)
 ENTERED = {
     ("bamba", 2): MAMBA2, ("bamba-square", 1): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
     ("granitemoehybrid", 1): MAMBA2, ("mamba2", 2): ([2] * 5, 0, 2), ("lfm2", 1): ([], 0, 0),
-    ("jamba", 2): ([0] * 3, 0, 1), ("jamba", 1): ([1] * 2, 1, 1), ("mamba", 1): ([1] * 2, 1, 2),
+    ("jamba", 2): ([], 0, 0), ("jamba", 1): ([], 0, 0), ("mamba", 1): ([], 0, 0),
+    ("falcon_mamba", 1): ([], 0, 0), ("zamba", 1): ([], 0, 0),
     ("qwen3next", 1): ([1] * 5, 0, 1), ("qwen3_5", 1): ([1] * 5, 0, 1),
 }  # fmt: skip
+# Mamba1 mixers: one selective scan each (Zamba's: one per mixer head, 2 heads in 6 layers)
+STATE_PASSING = {"jamba": 1, "mamba": 2, "falcon_mamba": 2, "zamba": 12}
+NO_ATTENTION = ("mamba", "mamba2", "falcon_mamba")
 
 
 @pytest.mark.parametrize(
@@ -204,6 +223,7 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
     ("family", "batch", "world", "length"),
     [
         ("jamba", 2, 2, 24), ("jamba", 1, 4, 30), ("mamba", 1, 2, 24), ("mamba2", 2, 4, 45),
+        ("falcon_mamba", 1, 4, 30), ("zamba", 1, 2, 24),
         ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
         ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("qwen3_5", 1, 2, 32),
         ("bamba-square", 1, 2, 32),
@@ -219,12 +239,18 @@ def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
     check(ranks(world).run(compare, world, length, None, family, batch), family, batch)
 
 
+def test_mamba1_scan_under_aot_autograd(ranks):
+    """Jamba's folded scan and its state passing traced by AOTAutograd (aot_eager)."""
+    check(ranks(2).run(compare, 2, 24, "aot_eager", "jamba", 1), "jamba", 1)
+
+
 def check(results: list, family: str, batch: int) -> None:
     dims, gathered, scans = ENTERED[family, batch]
     for r in results:
         assert r["wrong"] == {}, r
-        assert set(r["runs"]) == (set() if family.startswith("mamba") else {AttentionRun.RING}), r
+        assert set(r["runs"]) == (set() if family in NO_ATTENTION else {AttentionRun.RING}), r
         assert len(r["resharded"]) == scans, r
+        assert r["state passing"] == STATE_PASSING.get(family, 0), r
         for entered, whole in r["resharded"]:  # every layer's scan alike
             assert [d for _, d in entered] == dims and len(whole) == gathered, r["resharded"]
         assert len(r["gathered"]) == gathered * scans, r  # reported once per input left whole

@@ -136,6 +136,13 @@ def opcheck_beside_the_ring(name: str) -> None:
     x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.with_zero_grads.default, (x, [q_text]))
     torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
+    a, b = (torch.rand(2, 3, 7, 4, generator=g, dtype=torch.float64) for _ in "ab")
+    c = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
+    h0 = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    for scan in ((a, b, c, None), (a, b, c, h0), (a, b, None, h0)):  # Mamba-1's scan
+        scan = [t if t is None else t.requires_grad_() for t in scan]
+        args = (*scan, torch.float64, torch.float64)
+        torch.library.opcheck(torch.ops.ringify.selective_scan.default, args)
     if name:  # a ring's maximum needs a ring: checked on 2 ranks
         torch.library.opcheck(torch.ops.ringify.ring_amax.default, (x, [1], name))
         # tensor parallelism's collectives, over the ring's group taken as a TP group
@@ -391,10 +398,10 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (23): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (24): a new op must join it."""
     import inspect
 
-    import ringify.runtime  # noqa: F401  (registers the ops)
+    import ringify  # noqa: F401  (registers every op the pass writes)
 
     registered = {
         name
@@ -403,4 +410,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 23 and checked == registered, registered - checked
+    assert len(registered) == 24 and checked == registered, registered - checked

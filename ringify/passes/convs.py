@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import shape, slice_bounds, val
+from ringify.passes.nodes import replace_by_call, shape, slice_bounds
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
 from ringify.runtime.collectives.halo import ring_conv1d, same_conv1d
@@ -32,10 +32,7 @@ def fold_sequence_convs(graph: fx.Graph) -> int:
         if found is None:
             continue
         last, args = found
-        with graph.inserting_before(last):
-            conv = graph.call_function(same_conv1d, args)
-        conv.meta["val"] = val(last)
-        last.replace_all_uses_with(conv)
+        replace_by_call(graph, last, same_conv1d, args)
         for dead in (last, node) if last is not node else (node,):
             graph.erase_node(dead)
         folded += 1

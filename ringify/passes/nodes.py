@@ -54,6 +54,16 @@ def call(
     return node
 
 
+def replace_by_call(graph: fx.Graph, node: fx.Node, target, args: tuple) -> fx.Node:
+    """``target(*args)`` in ``node``'s place: inserted before it, with its value, and read by
+    its readers (``node`` is left unread, for the caller to erase)."""
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args)
+    new.meta["val"] = val(node)
+    node.replace_all_uses_with(new)
+    return new
+
+
 def evaluate(node: fx.Node, like: fx.Node | None = None):
     """``node``'s value: its op run on the fake values of its arguments."""
     values = fx.node.map_arg((node.args, node.kwargs), val)

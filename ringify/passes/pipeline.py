@@ -37,9 +37,10 @@ from ringify.passes.loss_shift import fold_sliced_loss
 from ringify.passes.mask_programs import fold_mask_programs
 from ringify.passes.plan import Plan, plan_sequence
 from ringify.passes.report import Report
+from ringify.passes.scans import fold_selective_scans
 from ringify.passes.shard_sequence import shard_sequence
 from ringify.passes.shifts import fold_shifts
-from ringify.passes.sizes_of import fold_sizes_of
+from ringify.passes.synonyms import fold_synonyms
 from ringify.passes.tensor_parallel import place_tp_collectives
 from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring
@@ -59,11 +60,12 @@ def folded(
     inline_autocast_regions(gm)
     fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
     functionalize_writes(gm.graph)
-    fold_sizes_of(gm.graph)
+    fold_synonyms(gm.graph)
     fold_identity_indexing(gm.graph)
     fold_shifts(gm.graph)
     fold_sliced_loss(gm.graph)
     fold_sequence_convs(gm.graph)
+    fold_selective_scans(gm.graph)
     fold_handwritten_attention(gm.graph)
     fold_repeated_kv(gm.graph)
     fold_joint_sequences(gm)

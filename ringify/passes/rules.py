@@ -61,7 +61,7 @@ from ringify.passes.joint_attention import (
     rewrite_joint_attention,
 )
 from ringify.passes.mask_programs import rewrite_program_mask
-from ringify.passes.nodes import norm_dim, shape, val
+from ringify.passes.nodes import shape, val
 from ringify.passes.placement import (
     Fallback,
     Geometry,
@@ -112,14 +112,20 @@ from ringify.passes.routing import (
     rewrite_scatter_add,
     rewrite_table_rows,
 )
+from ringify.passes.scans import (
+    infer_cumsum,
+    infer_selective_scan,
+    rewrite_cumsum,
+    rewrite_selective_scan,
+)
 from ringify.passes.shifts import infer_shift, rewrite_shift
 from ringify.passes.spellings import CASTS_LIKE
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.collectives.halo import same_conv1d
-from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.collectives.shift import shifted
 from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
 from ringify.runtime.masks.program import program_mask
+from ringify.runtime.selective_scan import selective_scan
 from ringify.runtime.zero_grads import with_zero_grads
 
 aten = torch.ops.aten
@@ -205,23 +211,6 @@ def _infer_embedding(node, place: Placements):
     return Fallback(GatherReason.SHARDED_TABLE)
 
 
-@sharded_first
-def _infer_cumsum(node, place, p: Seq, ndim: int):
-    """A running sum: local off the sequence, a scan over the ring along it."""
-    if norm_dim(node.args[1], ndim) != p.dim:
-        return p
-    if not place.geometry.alone(shape(node.args[0])[p.dim], p):
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
-    return p
-
-
-def _rewrite_cumsum(node, out: Seq, state: PassState) -> None:
-    x, dim = node.args[:2]
-    if norm_dim(dim, len(shape(x))) == out.dim:
-        node.target = ring_cumsum
-        node.args = (x, dim, state.group_name, state.geo.layout)
-
-
 def _infer_index(node, place: Placements):
     """Indexing a sharded tensor, or a replicated table by sharded ids (MoE's experts)."""
     if is_table_lookup(node, place):
@@ -271,7 +260,7 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(SAME_SHAPE, POINTWISE),
     **dict.fromkeys(CASTS_LIKE, Rule(lambda node, place: place[node.args[0]], _as_it_is)),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
-    **dict.fromkeys((aten.cat.default, aten.concat.default), Rule(infer_cat, _fit_broadcast)),
+    aten.cat.default: Rule(infer_cat, _fit_broadcast),
     aten.repeat.default: Rule(infer_repeat, _as_it_is),
     aten.stack.default: Rule(infer_stack, _as_it_is),
     **dict.fromkeys(
@@ -318,7 +307,7 @@ RULES: dict[object, Rule] = {
         (aten.slice_scatter.default, aten.select_scatter.default),
         Rule(infer_scatter, rewrite_scatter),
     ),
-    aten.cumsum.default: Rule(_infer_cumsum, _rewrite_cumsum),
+    aten.cumsum.default: Rule(infer_cumsum, rewrite_cumsum),
     **dict.fromkeys(SELECTIONS, Rule(infer_selection, _as_it_is)),
     aten.repeat_interleave.self_int: Rule(infer_repeat_interleave, rewrite_repeat_interleave),
     aten.one_hot.default: Rule(infer_one_hot, _as_it_is),
@@ -329,6 +318,7 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(LIKE, Rule(infer_like, _as_it_is)),
     shifted: Rule(infer_shift, rewrite_shift),
     same_conv1d: Rule(infer_conv, rewrite_conv),
+    selective_scan: Rule(infer_selective_scan, rewrite_selective_scan),
     program_mask: Rule(lambda node, place: None, rewrite_program_mask),
     **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, _as_it_is)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from ringify.passes.crossings import PassState
-from ringify.passes.nodes import call, norm_dim, shape, slice_bounds, val
+from ringify.passes.nodes import call, norm_dim, replace_by_call, shape, slice_bounds, val
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
 from ringify.runtime.collectives.layout import chunks_per_rank
@@ -40,10 +40,7 @@ def fold_shifts(graph: fx.Graph) -> None:
         found = _shift_of(node)
         if found is None:
             continue
-        with graph.inserting_before(node):
-            fold = graph.call_function(shifted, found)
-        fold.meta["val"] = val(node)
-        node.replace_all_uses_with(fold)
+        replace_by_call(graph, node, shifted, found)
         graph.erase_node(node)
     graph.eliminate_dead_code()
 
