@@ -15,9 +15,9 @@ copies of one step::
 ``fold_selective_scans`` finds that chain, position by position, and replaces it by one
 ``selective_scan(a, b, c)`` node (``runtime/selective_scan.py``). The graph no longer grows
 with the length, and along a sharded sequence the scan becomes ``ring_selective_scan``:
-state passing between the ring's chunks, where the loop's inputs were moved onto a share of
-the channels, and its ``c`` (one row per position, shared by every channel) gathered.
-A chain that is not exactly this (its last state read elsewhere, say) is left as it is.
+state passing between the ring's chunks. A chain that is not exactly this (its last state
+read elsewhere, say) is left as it is: a region on a share of the channels
+(``passes/resharded.py``), its ``c``, one row per position shared by every channel, gathered.
 """
 
 from __future__ import annotations
