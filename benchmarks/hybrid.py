@@ -7,8 +7,8 @@ chunked delta rule on a share of 8 value heads; attention in layer 3), the same 
 ``--kinds jamba``: HF Jamba (Mamba1 mixers in layers 0 and 2, their selective scans passing
 state round the ring; attention in 1 and 3; dense MLPs). Its unmodified torch path loops over
 the positions, and its backward grows faster than S (each position's ``select`` back-propagates
-a full-size gradient): ``--rings 1`` gives the ringified graph on one process as the
-baseline at lengths the unmodified model cannot reach here.
+a full-size gradient): ``--rings 1 2 --no-unmodified`` takes the ringified graph on one
+process as the baseline at lengths the unmodified model cannot reach here.
 
 HF Bamba (``BambaForCausalLM``, its torch path: no CUDA kernels here), 4 layers, hidden
 256: ``hybrid`` has attention in layers 1 and 3 and Mamba2 mixers in layers 0 and 2;
