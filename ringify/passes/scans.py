@@ -32,12 +32,12 @@ from ringify.passes.crossings import PassState
 from ringify.passes.nodes import erase_unused, norm_dim, replace_by_call, shape, uses, val
 from ringify.passes.placement import Fallback, Seq, sharded_first
 from ringify.passes.report import GatherReason
+from ringify.passes.spellings import CASTS
 from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.selective_scan import ring_selective_scan, selective_scan
 
 aten = torch.ops.aten
 _ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
-_CASTS = (aten.to.dtype, aten._to_copy.default)
 
 
 def fold_selective_scans(graph: fx.Graph) -> int:
@@ -77,12 +77,10 @@ def _scan_of(stack: fx.Node) -> tuple | None:
     if any(s is None for s in steps):
         return None
     first = steps[0]
-    batch, channels, length, state = shape(first.a) if len(shape(first.a)) == 4 else [0] * 4
-    if shape(first.b) != [batch, channels, length, state] or shape(first.c) != [
-        batch,
-        length,
-        state,
-    ]:
+    if len(shape(first.a)) != 4 or shape(first.b) != shape(first.a):
+        return None
+    batch, _, length, state = shape(first.a)
+    if shape(first.c) != [batch, length, state]:
         return None
     if any(s[:3] != first[:3] for s in steps) or first.before.target not in _ZEROS:
         return None
@@ -105,7 +103,7 @@ def _step(y: fx.Node, i: int) -> _Step | None:
     if product.target is not aten.matmul.default or norm_dim(y.args[1], 3) != 2:
         return None
     state, column = product.args
-    h = state.args[0] if state.target in _CASTS else state
+    h = state.args[0] if state.target in CASTS else state
     c = _position(column.args[0], i) if column.target is aten.unsqueeze.default else None
     if c is None or c[1] != 1 or norm_dim(column.args[1], 3) != 2 or len(shape(c[0])) != 3:
         return None
@@ -133,7 +131,7 @@ def _position(node, i: int) -> tuple[fx.Node, int] | None:
 
 def _alias_of(node: fx.Node) -> fx.Node | None:
     """The state a same-dtype cast returns (``h.to(h.dtype)`` is ``h``)."""
-    if node.target in _CASTS and val(node).dtype == val(node.args[0]).dtype:
+    if node.target in CASTS and val(node).dtype == val(node.args[0]).dtype:
         return node.args[0]
     return None
 
@@ -141,7 +139,7 @@ def _alias_of(node: fx.Node) -> fx.Node | None:
 def _read_only_by(h: fx.Node, readers: set) -> bool:
     """Whether ``readers`` alone read the state ``h``, directly or through its cast."""
     for user in uses(h):
-        if user.target in _CASTS and user not in readers:
+        if user.target in CASTS and user not in readers:
             if not all(u in readers for u in uses(user)):
                 return False
         elif user not in readers:

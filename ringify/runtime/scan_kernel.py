@@ -116,13 +116,14 @@ def _backward(ctx, grad_y, grad_last):
     if with_y:
         c4, gy = _in_blocks(c, 1, block, tail), _in_blocks(grad_y, 2, block, tail)
         grad_c = torch.empty(c4.shape, dtype=out_dtype, device=a.device)
-    outside = torch.zeros_like(entries)  # dL/dh from beyond the loop: the last state's
+    zero = torch.zeros_like(entries)
+    outside = zero.clone()  # dL/dh from beyond the loop: the last state's
     if grad_last is not None:
         outside[:, :, -1] = grad_last
 
     def direct(t):  # dL/dh[t] through y[t], and at a block's end what comes from outside
-        own = (gy[:, :, :, t, None] * c4[:, None, :, t]).to(dtype) if with_y else 0
-        return own + outside if t == block - 1 else own + torch.zeros_like(entries)
+        own = (gy[:, :, :, t, None] * c4[:, None, :, t]).to(dtype) if with_y else zero
+        return own + outside if t == block - 1 else own
 
     # each block from zero on its right: its adjoint at its first position and the product
     # of a over its later positions; then what flows into each block from the next one
