@@ -31,6 +31,7 @@ import sys
 import torch
 from tabulate import tabulate
 
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import padded_length, rank_chunks
 from ringify.runtime.masks.balance import (
     balanced_tiling,
@@ -156,7 +157,8 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
     )
     inputs = document_inputs(lengths)
     name = dist.group.WORLD.group_name
-    args = (None, False, 0.125, name, "zigzag", seq, _DOCUMENT_CAUSAL, inputs, 0, balance)
+    spec = AttentionSpec(name, 0.125, False, "zigzag", 0.0, _DOCUMENT_CAUSAL, balance=balance)
+    args = (None, inputs, seq, spec)
     dist.barrier()
     start = time.perf_counter()
     with SentBytes() as sent:

@@ -42,6 +42,7 @@ def _attention(impl: str, is_causal: bool, layout: str):
     import torch.nn.functional as F
 
     from ringify.runtime import ring_attention
+    from ringify.runtime.attention.spec import AttentionSpec
 
     if impl in ("sdpa", "sdpa_concurrent"):
         fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
@@ -53,22 +54,11 @@ def _attention(impl: str, is_causal: bool, layout: str):
         impl == "ringify_untiled"
     ):  # the op with one K/V tile per chunk: fewer sync points, more memory
         name = dist.group.WORLD.group_name
-        op = torch.ops.ringify.ring_attention
-        world = dist.get_world_size()
-        fwd = lambda q, k, v: op(
-            q,
-            k,
-            v,
-            None,
-            is_causal,
-            q.shape[-1] ** -0.5,
-            name,
-            layout,
-            q.shape[2] * world,
-            "",
-            [],
-            1,
-        )[0]
+        op, world = torch.ops.ringify.ring_attention, dist.get_world_size()
+        spec = lambda q: AttentionSpec(
+            name, q.shape[-1] ** -0.5, is_causal, layout, tiles_per_chunk=1
+        )
+        fwd = lambda q, k, v: op(q, k, v, None, [], q.shape[2] * world, spec(q))[0]
         return fwd, lambda out, dout: out.backward(dout)
 
     if impl == "ringify_ulysses":  # the op on the all-to-all transport (heads, not K/V, move)
@@ -78,8 +68,8 @@ def _attention(impl: str, is_causal: bool, layout: str):
             rows, seq = q.shape[2], q.shape[2] * world
             geometry = (name, layout, seq, 0, True, "all-to-all")
             plan = torch.ops.ringify.attention_plan("", [], rows, is_causal, *geometry)
-            args = (None, is_causal, q.shape[-1] ** -0.5, name, layout, seq, "", [], 0, True)
-            return torch.ops.ringify.ring_attention(q, k, v, *args, plan)[0]
+            spec = AttentionSpec(name, q.shape[-1] ** -0.5, is_causal, layout)
+            return torch.ops.ringify.ring_attention(q, k, v, None, [], seq, spec, plan)[0]
 
         return ulysses, lambda out, dout: out.backward(dout)
 

@@ -26,6 +26,7 @@ def counted(heads: int, kv_heads: int, transport: str) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
+    from ringify.runtime.attention.spec import AttentionSpec
     from ringify.runtime.collectives.p2p import SentBytes
 
     name, world = dist.group.WORLD.group_name, dist.get_world_size()
@@ -35,7 +36,7 @@ def counted(heads: int, kv_heads: int, transport: str) -> tuple[int, int]:
     seq = ROWS * world
     plan = torch.ops.ringify.attention_plan("", [], ROWS, True, name, "zigzag", seq, 0, False,
                                             transport)  # fmt: skip
-    args = (None, True, DIM**-0.5, name, "zigzag", seq, "", [], 0, False, plan)
+    args = (None, [], seq, AttentionSpec(name, DIM**-0.5, True, "zigzag", balance=False), plan)
     with SentBytes() as forward:
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     with SentBytes() as backward:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.testing.attention import document_causal_program, document_inputs
 from ringify.testing.tolerance import EXACT, relative_difference
 
@@ -86,8 +87,8 @@ def two_layers_on_an_accelerator_plan(name: str):
         plan = torch.ops.ringify.attention_plan(program, inputs, rows, False, group, "zigzag", SEQ)
         for _ in range(2):  # two layers of one step: the second reuses the kept masks
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
-            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, 0, True, plan)
-            out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+            spec = AttentionSpec(group, 0.5, layout="zigzag", mask_program=program)
+            out, _ = torch.ops.ringify.ring_attention(q, k, v, None, inputs, SEQ, spec, plan)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
                 ref = shard(ref, 2, layout="zigzag")

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ringify.runtime.attention.accumulator import Accumulator, RowSum
 from ringify.runtime.attention.blocks import merge_block
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.spec import AttentionSpec
 
 ROWS = 12
 
@@ -116,11 +117,11 @@ def test_a_causal_call_fills_no_accumulator_on_a_device():
     are its blocks' own."""
     program, host, _ = _case("causal")
     q, k, v, dout = meta_tensors()
-    geometry = ("", "contiguous", N)  # every key real
-    args = (None, False, 0.125, *geometry, program, host, 0, True)  # planned for the device
+    spec = AttentionSpec("", 0.125, mask_program=program)
+    args = (None, host, N, spec)  # every key real; planned for the device
     with _Fills() as fills:
         out, lse = ring_attention_op._init_fn(q, k, v, *args)
-        ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args[:-1])
+        ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
     assert fills.count == 0
     with _Fills() as padded:  # padding keys: a partial diagonal, merged into filled buffers
         plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)

@@ -12,6 +12,7 @@ import torch
 
 from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
@@ -70,9 +71,10 @@ def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap, transport="all-
     sinks_l = sinks.clone().requires_grad_() if sinks_on else None
     geometry = (name, layout, key_len, 2, True, transport)
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, causal, *geometry)
-    args = (None, causal, 0.3, name, layout, key_len, program, inputs, 2, True, plan)
+    spec = AttentionSpec(name, 0.3, causal, layout, softcap, program, 2)
     with SentBytes() as sent:
-        out, _ = torch.ops.ringify.ring_attention(*local[:3], *args, sinks_l, softcap)
+        args = (None, inputs, key_len, spec, plan, sinks_l)
+        out, _ = torch.ops.ringify.ring_attention(*local[:3], *args)
         out.backward(local[3])
     got = [gather(t.detach(), 2, layout=layout) for t in (out, *(x.grad for x in local[:3]))]
     if sinks_on:
@@ -178,8 +180,8 @@ def learned(world: int, transport: str):
     inputs = [*docs, bias.clone().requires_grad_()]
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, name, layout, seq, 2,
                                             True, transport)  # fmt: skip
-    args = (None, False, 0.3, name, layout, seq, program, inputs, 2, True, plan)
-    out, _ = torch.ops.ringify.ring_attention(*local[:3], *args)
+    spec = AttentionSpec(name, 0.3, False, layout, 0.0, program, 2)
+    out, _ = torch.ops.ringify.ring_attention(*local[:3], None, inputs, seq, spec, plan)
     out.backward(local[3])
     dist.all_reduce(inputs[2].grad)
     got = [gather(t.detach(), 2, layout=layout) for t in (out, *(x.grad for x in local[:3]))]

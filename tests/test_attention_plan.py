@@ -75,7 +75,8 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
     ]
     plans = [n for n in nodes if n.target is torch.ops.ringify.attention_plan.default]
     rings = [n for n in nodes if n.target is torch.ops.ringify.ring_attention.default]
-    reading = sum(1 for n in rings if n.args[-1] in plans or _is_region_input(n.args[-1]))
+    given = [n.args[7] for n in rings]  # the ring op's plan (``protocol.FORWARD``)
+    reading = sum(1 for plan in given if plan in plans or _is_region_input(plan))
     return len(plans), (len(rings), reading), same, other, reused, error
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.balance import (
     DEVICE_MOVE_AREA,
     MIN_GAIN,
@@ -137,7 +138,8 @@ def balanced_ring(world, lengths, learned, models_layout=False):
         if learned:
             inputs.append(bias.clone().requires_grad_())
         program = document_causal_program(learned)
-        args = (None, False, 8**-0.5, name, "zigzag", seq, program, inputs, PER_CHUNK, balance)
+        spec = AttentionSpec(name, 8**-0.5, False, "zigzag", 0.0, program, PER_CHUNK, balance)
+        args = (None, inputs, seq, spec)
         with SentBytes() as sent:
             out, _ = torch.ops.ringify.ring_attention(*local, *args)
             out.backward(shard(dout, 2, layout="zigzag"))

@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
@@ -47,12 +48,9 @@ def meta_tensors() -> tuple[torch.Tensor, ...]:
 
 def layer_bodies(program: str, inputs, plan, q, k, v, dout) -> None:
     """One layer's ring op bodies (not their fake kernels), forward then backward."""
-    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0, True, plan)
+    args = (None, inputs, KEYS, AttentionSpec("", 0.125, mask_program=program), plan)
     out, lse = ring_attention_op._init_fn(q, k, v, *args)
-    ring_attention_backward_op._init_fn(
-        dout, q, k, v, out, lse, None, False, 0.125, *GEOMETRY, program, inputs, 0,
-        balance=True, plan=plan,
-    )  # fmt: skip
+    ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
 
 
 @pytest.mark.parametrize("name", ["causal", "packed", "window", "learned"])
@@ -65,15 +63,14 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
     q, dout = meta(1, 4, N, 64), meta(1, 4, N, 64)
     k, v = meta(1, 2, N, 64), meta(1, 2, N, 64)  # GQA: 2 kv heads
     inputs = [x.to("meta") for x in host]
-    args = (None, False, scale, *geometry, program, inputs, 0, True, plan)
+    args = (None, inputs, KEYS, AttentionSpec("", scale, mask_program=program), plan)
     # The ops' bodies themselves: a meta tensor given to the op would dispatch to its fake kernel.
     with FlashCalls() as log:
         out, lse = ring_attention_op._init_fn(q, k, v, *args)
         wanted = [x.is_floating_point() for x in inputs]
         dq, dk, dv, _, dinputs, _ = ring_attention_backward_op._init_fn(
-            dout, q, k, v, out, lse, None, False, scale, *geometry, program, inputs, 0,
-            mask_grad=False, input_grads=wanted, balance=True, plan=plan,
-        )  # fmt: skip
+            dout, q, k, v, out, lse, *args, mask_grad=False, input_grads=wanted
+        )
     assert plan.calls.total() == 2  # both ran on the plan given: nothing made, nothing read
     assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -271,12 +268,12 @@ def test_capped_blocks_and_sinks_run_on_a_device(name):
     q, k, v, dout = meta_tensors()
     sinks = torch.empty(1, 4, 1, 1, dtype=torch.bfloat16, device="meta")
     inputs = [x.to("meta") for x in host]
-    extras = {"balance": True, "plan": plan, "sinks": sinks, "softcap": 30.0}
-    args = (None, False, 0.125, *GEOMETRY, program, inputs, 0)
+    spec = AttentionSpec("", 0.125, softcap=30.0, mask_program=program)
+    args = (None, inputs, KEYS, spec, plan, sinks)
     with FlashCalls() as log, VarlenCalls() as varlen:
-        out, lse = ring_attention_op._init_fn(q, k, v, *args, **extras)
+        out, lse = ring_attention_op._init_fn(q, k, v, *args)
         dq, dk, dv, _, _, dsinks = ring_attention_backward_op._init_fn(
-            dout, q, k, v, out, lse, *args, mask_grad=False, **extras
+            dout, q, k, v, out, lse, *args, mask_grad=False
         )
     assert not log.calls and not varlen.calls, (log.calls, varlen.calls)
     assert (out.shape, lse.shape, dsinks.shape) == (q.shape, q.shape[:3], sinks.shape)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
@@ -56,12 +57,12 @@ def two_calls(name: str):
         g = torch.Generator().manual_seed(seed + 10 * dist.get_rank())
         q, k, v, dout = (torch.randn(2, 4, ROWS, 8, generator=g) for _ in range(4))
         k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
-        args = (None, False, 0.35, *geometry, program, inputs, 2, True, plan)
+        name, layout, key_len = geometry
+        spec = AttentionSpec(name, 0.35, False, layout, 0.0, program, 2)
+        args = (None, inputs, key_len, spec, plan)
         with Launches() as launches:  # the ops' bodies: a mode sees a custom op as one op
             out, lse = ring_attention_op._init_fn(q, k, v, *args)
-            ring_attention_backward_op._init_fn(
-                dout, q, k, v, out, lse, *args[:9], balance=True, plan=plan
-            )
+            ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
         sequences.append(launches.calls)
     return sequences[1:], plan.calls.total()
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ringify.passes.mask_reader import read_program
 from ringify.runtime import shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.grads import DIFFERENTIABLE
 from ringify.runtime.masks.program import MaskProgram
 
@@ -110,8 +111,8 @@ def learned_ring(world, name, layout):
     q, k, v = (shard(t, 2, layout=layout).requires_grad_() for t in full)
     group = dist.group.WORLD.group_name
     inputs = [copy_to_ring(x, group) for x in learned]
-    args = (None, False, 0.5, group, layout, seq, program.text(), inputs, 2)
-    out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+    spec = AttentionSpec(group, 0.5, False, layout, mask_program=program.text(), tiles_per_chunk=2)
+    out, _ = torch.ops.ringify.ring_attention(q, k, v, None, inputs, seq, spec)
     out.backward(shard(dout, 2, layout=layout))
     got = [out.detach(), q.grad, k.grad, v.grad, *[x.grad for x in learned]]
     return max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True))

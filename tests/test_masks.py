@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ringify.passes.report import MaskKind
 from ringify.runtime import shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram, parse
 from ringify.runtime.tiling.tiles import Visibility
 from ringify.testing.attention import window_program
@@ -176,7 +177,8 @@ def windowed_ring(world, layout):
     plan = plan_for(
         resolve_ring(None), seq // world, None, False, layout, seq, program, [], tiles, True
     )
-    args = (None, False, 8**-0.5, name, layout, seq, program, [], tiles, True, plan)
+    spec = AttentionSpec(name, 8**-0.5, False, layout, 0.0, program, tiles)
+    args = (None, [], seq, spec, plan)
     with SentBytes() as sent_forward:
         out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
     sent = sent_forward.bytes

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import gather, ring_attention, shard
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
 from ringify.runtime.collectives.ring import ring_by_name
 from ringify.testing import RankPool
@@ -38,7 +40,8 @@ def opcheck_ops():
     qkv, name = ring_args(16)
     strided = [as_model_layout(t) for t in qkv]
     for is_causal, (q, k, v) in [(False, qkv), (True, qkv), (True, strided)]:
-        args = (q, k, v, None, is_causal, 0.3, name, "zigzag", q.shape[2] * 2, "", [], 2)
+        spec = AttentionSpec(name, 0.3, is_causal, "zigzag", tiles_per_chunk=2)
+        args = (q, k, v, None, [], q.shape[2] * 2, spec)
         torch.library.opcheck(torch.ops.ringify.ring_attention.default, args)
         out, lse = torch.ops.ringify.ring_attention(*args)
         # The backward op is not differentiable itself (no double backward): plain tensors.
@@ -49,7 +52,8 @@ def opcheck_ops():
     (q, k, v), _ = ring_args(16, layout="contiguous")
     k, v = (x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in (k, v))
     for is_causal in (False, True):
-        args = (q, k, v, is_causal, 0.3, name, [4, 16], [2, 2])
+        dilated = AttentionSpec.dilated(name, 0.3, is_causal, Dilation((4, 16), (2, 2)))
+        args = (q, k, v, None, [], q.shape[2] * 2, dilated)
         torch.library.opcheck(torch.ops.ringify.dilated_attention.default, args)
         out, lse = torch.ops.ringify.dilated_attention(*args)
         tensors = (torch.randn_like(out), q, k, v, out, lse)
@@ -89,7 +93,7 @@ def opcheck_beside_the_ring(name: str) -> None:
     k, v = (x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in (k, v))
     bias = torch.randn(1, 4, 3, k.shape[2], dtype=q.dtype, requires_grad=True)
     for mask in (None, bias):
-        args = (q, k, v, mask, 0.3, name, "contiguous", 15)
+        args = (q, k, v, mask, [], 15, AttentionSpec(name, 0.3))
         torch.library.opcheck(torch.ops.ringify.memory_attention.default, args)
         out, lse = torch.ops.ringify.memory_attention(*args)
         tensors = (torch.randn_like(out), q, k, v, out, lse)
@@ -126,8 +130,8 @@ def opcheck_beside_the_ring(name: str) -> None:
     k_text, v_text = (torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
     q_text = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
     for queries, sharded in ((q, True), (q_text, False)):  # image queries, then text queries
-        args = (queries, k, v, k_text.requires_grad_(), v_text.requires_grad_(), 0.3, name)
-        args = (*args, "zigzag", q.shape[2] * 2, sharded)
+        args = (queries, k, v, k_text.requires_grad_(), v_text.requires_grad_(), q.shape[2] * 2)
+        args = (*args, AttentionSpec(name, 0.3, layout="zigzag"), sharded)
         torch.library.opcheck(torch.ops.ringify.joint_attention.default, args)
         out, lse = torch.ops.ringify.joint_attention(*args)
         tensors = (torch.randn_like(out), *args[:5], out, lse)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
 from ringify.testing.attention import (
     make_inputs,
@@ -180,9 +181,8 @@ def padded_forward_backward(q, k, v, dout, layout, key_len, is_causal, tiles):
         for t in (q, k, v, dout)
     )
     name = dist.group.WORLD.group_name if dist.is_initialized() else ""
-    out, _ = torch.ops.ringify.ring_attention(
-        q, k, v, None, is_causal, 0.35, name, layout, key_len, "", [], tiles
-    )
+    spec = AttentionSpec(name, 0.35, is_causal, layout, tiles_per_chunk=tiles)
+    out, _ = torch.ops.ringify.ring_attention(q, k, v, None, [], key_len, spec)
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
@@ -310,8 +310,8 @@ def mask_gradient(q, k, v, dout, mask, layout, tiles):
     if tiles is None:  # the public function, which picks the tiling
         out = ring_attention(q, k, v, attn_mask=mask, layout=layout, enable_gqa=True)
     else:
-        args = (mask, False, scale, name, layout, full, "", [], tiles)
-        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+        spec = AttentionSpec(name, scale, False, layout, tiles_per_chunk=tiles)
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, mask, [], full, spec)
     out.backward(dout)
     return mask.grad
 

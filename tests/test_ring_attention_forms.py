@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.testing.attention import document_causal_program, document_inputs
 
 EXACT = 1e-10
@@ -69,9 +70,8 @@ def _ring_forms(world_case: tuple, sinks_on: bool, softcap: float, dv: int, tile
     mask_l = None if bias is None else shard(bias, 2, layout=layout)
     width = max(ql.shape[-1], vl.shape[-1])  # the pass pads the narrower head dim so
     vp = F.pad(vl, (0, width - vl.shape[-1]))
-    extras = {"sinks": sinks_l, "softcap": softcap}
-    args = (mask_l, causal, scale, name, layout, seq, program, inputs, tiles)
-    out, _ = torch.ops.ringify.ring_attention(ql, kl, vp, *args, **extras)
+    spec = AttentionSpec(name, scale, causal, layout, softcap, program, tiles)
+    out, _ = torch.ops.ringify.ring_attention(ql, kl, vp, mask_l, inputs, seq, spec, sinks=sinks_l)
     out = out[..., :dv]
     out.backward(dl)
     got = [gather(t.detach(), 2, layout=layout) for t in (out, ql.grad, kl.grad, vl.grad)]

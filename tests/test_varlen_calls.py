@@ -21,6 +21,7 @@ from test_flash_contracts import VarlenCalls
 
 from ringify.runtime import shard
 from ringify.runtime.attention.blocks import math_backward, math_forward
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.varlen import RowSpans, Varlen
 from ringify.testing.tolerance import EXACT, relative_difference
 
@@ -203,9 +204,8 @@ def varlen_layers(name: str, per_chunk: int = 0):
         )
         for _ in range(2):  # two layers of one step
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
-            args = (None, False, 0.5, group, "zigzag", SEQ, program, inputs, per_chunk, True)
-            args += (plan,)
-            out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+            spec = AttentionSpec(group, 0.5, False, "zigzag", 0.0, program, per_chunk)
+            out, _ = torch.ops.ringify.ring_attention(q, k, v, None, inputs, SEQ, spec, plan)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
                 worst = max(

@@ -35,6 +35,7 @@ from ringify.passes.strategy import choose_transport, described, step_bytes
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.reference import joint_attention
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.plan import RING
 from ringify.runtime.masks.program import program_mask
 
@@ -172,31 +173,29 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         return
     geo, g = state.geo, state.graph
     q_shape = shape(att.q)
-    causal, mask, program = att.is_causal, None, ("", [])
+    causal, mask, program, inputs, plan = att.is_causal, None, "", [], None
     kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
     transport, note = choose_transport(att, state)
     if att.mask is not None and att.mask.target is program_mask:
-        text, inputs, plan = program_inputs(att.mask, state, att.is_causal, transport)
-        program, kind = (text, inputs, 0, True, plan), MaskKind.PROGRAM
+        program, inputs, plan = program_inputs(att.mask, state, att.is_causal, transport)
+        kind = MaskKind.PROGRAM
     elif att.mask is not None:  # a mask tensor: its plan is the call's own
         mask, kind = local_mask(att.mask, state), MaskKind.KEPT
     elif dilation is None:
         plan = step_plan(state, "", [], att.is_causal, att.q, transport)
-        program = ("", [], 0, True, plan)
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+    if dilation is None:
+        spec = AttentionSpec(state.group_name, scale, causal, geo.layout, att.softcap, program)
+    else:
+        spec = AttentionSpec.dilated(state.group_name, scale, causal, dilation)
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)
         if dilation is None:
-            args = (q, k, v, mask, causal, scale, state.group_name, geo.layout)
-            ring = call(
-                g,
-                ringify_ops.ring_attention.default,
-                (*args, geo.length, *program),
-                _extras(att, state),
-            )
+            args = (q, k, v, mask, inputs, geo.length, spec, plan, _sinks(att, state))
+            ring = call(g, ringify_ops.ring_attention.default, args)
         else:
             _refuse_extras(att, "dilated attention")
-            ring = _dilated(att, q, k, v, mask or att.mask, causal, scale, state, dilation)
+            ring = _dilated(att, q, k, v, mask or att.mask, spec, state)
         ring_out = _value_columns(call(g, operator.getitem, (ring, 0)), att, state, Seq(2))
         lse = call(g, operator.getitem, (ring, 1))
     state.place.update({ring: [Seq(2), Seq(2)], ring_out: Seq(2), lse: Seq(2)})
@@ -247,8 +246,8 @@ def _rewrite_memory(att: Attention, state: PassState) -> None:
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
     with g.inserting_before(att.node):
         q, k, v = _equal_head_dims(att, state)
-        args = (q, k, v, mask, scale, state.group_name, geo.layout, geo.length)
-        merged = call(g, memory_attention_op._opoverload, args)
+        spec = AttentionSpec(state.group_name, scale, layout=geo.layout)
+        merged = call(g, memory_attention_op._opoverload, (q, k, v, mask, [], geo.length, spec))
         out = _value_columns(call(g, operator.getitem, (merged, 0)), att, state, None)
         lse = call(g, operator.getitem, (merged, 1))
     state.place.update({merged: [None, None], out: None, lse: None})
@@ -299,7 +298,7 @@ def reported(
     )
 
 
-def _dilated(att: Attention, q, k, v, mask, causal: bool, scale: float, state, dilation):
+def _dilated(att: Attention, q, k, v, mask, spec: AttentionSpec, state: PassState):
     """The dilated ring op in place of attention (k/v heads repeated for GQA)."""
     if mask is not None:
         raise ValueError(
@@ -307,28 +306,23 @@ def _dilated(att: Attention, q, k, v, mask, causal: bool, scale: float, state, d
             "that is not causal; dilation supports no masks besides causal"
         )
     geo, g = state.geo, state.graph
-    dilation.check_ring(geo.local, geo.ring_size, geo.layout)
+    spec.dilation.check_ring(geo.local, geo.ring_size, geo.layout)
     heads = shape(q)[1]
     if shape(k)[1] != heads:
         k, v = (
             call(g, aten.repeat_interleave.self_int, (x, heads // shape(x)[1], 1)) for x in (k, v)
         )
-    segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
-    args = (q, k, v, causal, scale, state.group_name, segments, rates)
-    return call(g, ringify_ops.dilated_attention.default, args)
+    return call(g, ringify_ops.dilated_attention.default, (q, k, v, None, [], geo.length, spec))
 
 
-def _extras(att: Attention, state: PassState) -> dict:
-    """The ring op's ``sinks`` (replicated: each rank's part of their gradient is summed over
-    the ring) and ``softcap``, where the attention has them."""
-    extras = {}
-    if att.sinks is not None:
-        if state.sharded(att.sinks):
-            raise ValueError(f"{att.node.name}: sink logits that vary along the sequence")
-        extras["sinks"] = state.copy_to_ring(att.sinks)
-    if att.softcap:
-        extras["softcap"] = att.softcap
-    return extras
+def _sinks(att: Attention, state: PassState) -> fx.Node | None:
+    """The ring op's ``sinks``, where the attention has them (replicated: each rank's part of
+    their gradient is summed over the ring)."""
+    if att.sinks is None:
+        return None
+    if state.sharded(att.sinks):
+        raise ValueError(f"{att.node.name}: sink logits that vary along the sequence")
+    return state.copy_to_ring(att.sinks)
 
 
 def _refuse_extras(att: Attention, what: str) -> None:

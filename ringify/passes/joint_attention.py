@@ -23,6 +23,7 @@ from ringify.passes.nodes import call, shape, val
 from ringify.passes.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.report import AttentionRun, GatherReason
 from ringify.runtime.attention.joint import joint_attention_op
+from ringify.runtime.attention.spec import AttentionSpec
 
 aten = torch.ops.aten
 
@@ -76,7 +77,8 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
             mask_extra = rest[0] if len(rest) == 1 else call(g, aten.cat.default, (rest, -1))
             state.place[mask_extra] = None
             mask = _sharded_keys_mask(masks[i], queries_sharded, state)
-        args = (q, keys[i], values[i], *extra, scale, state.group_name, geo.layout, geo.length)
+        spec = AttentionSpec(state.group_name, scale, layout=geo.layout)
+        args = (q, keys[i], values[i], *extra, geo.length, spec)
         # the step's plan, shared by the unmasked ring calls (a mask's plan is the call's own)
         plan = step_plan(state, "", [], False, q) if queries_sharded and mask is None else None
         args += (queries_sharded, mask, mask_extra, plan)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram
 
 
@@ -45,8 +46,8 @@ def ring_forward_backward(q, k, v, dout, layout, kwargs, tiles_per_chunk=None):
         scale = kwargs.get("scale", q.shape[-1] ** -0.5)
         name, full = dist.group.WORLD.group_name, q.shape[2] * dist.get_world_size()
         mask, is_causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
-        args = (mask, is_causal, scale, name, layout, full, "", [], tiles_per_chunk)
-        out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
+        spec = AttentionSpec(name, scale, is_causal, layout, tiles_per_chunk=tiles_per_chunk)
+        out, _ = torch.ops.ringify.ring_attention(q, k, v, mask, [], full, spec)
     out.backward(dout)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 

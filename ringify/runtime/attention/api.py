@@ -16,6 +16,7 @@ from ringify.runtime.attention.dilated_ops import dilated_attention_op
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_op
 from ringify.runtime.attention.outputs import DTYPES
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.agreement import check_ranks_agree
 from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring
@@ -87,14 +88,13 @@ def ring_attention(
     rows, value_dim = q.shape[2], v.shape[-1]
     q, k, v = equal_head_dims(q, k, v)
     if dilation is not None:
+        spec = AttentionSpec.dilated(ring.name, scale, is_causal, dilation)
         # Heads are dilated by their own index: give every q head its k/v head.
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        segments, rates = list(dilation.segment_lengths), list(dilation.dilation_rates)
-        out, _ = dilated_attention_op(q, k, v, is_causal, scale, ring.name, segments, rates)
+        out, _ = dilated_attention_op(q, k, v, None, [], rows * ring.size, spec)
     else:
-        out, _ = ring_attention_op(
-            q, k, v, attn_mask, is_causal, scale, ring.name, layout, rows * ring.size, "", []
-        )
+        spec = AttentionSpec(ring.name, scale, is_causal, layout)
+        out, _ = ring_attention_op(q, k, v, attn_mask, [], rows * ring.size, spec)
     return out[..., :value_dim]
 
 

@@ -1,8 +1,8 @@
 """The dilated (LongNet) attention custom ops, over a sequence sharded ``contiguous`` across a ring.
 
-``torch.ops.ringify.dilated_attention(q, k, v, is_causal, scale, group_name,
-segment_lengths, dilation_rates) -> (out, lse)``: a custom op with a fake kernel
-and autograd, like ``ring_attention``. Rank r holds positions [r*c, (r+1)*c).
+``torch.ops.ringify.dilated_attention(q, k, v, None, [], key_len, spec) -> (out, lse)``
+follows the attention ops' protocol (``protocol.py``), its pattern ``spec.dilation``; it
+takes no mask, plan or sinks. Rank r holds positions [r*c, (r+1)*c).
 
 For each pair (w, rate) and each head offset o (heads o, o+rate, ...), the kept
 positions of a segment are every rate-th one from o:
@@ -26,17 +26,17 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
-    empty_attention_outputs,
     empty_in_dim_order_of,
     in_dim_order_of,
 )
+from ringify.runtime.attention.protocol import attention_ops
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.ring import ring_by_name, sub_ring_name
 
 
-def _pieces(rows: int, heads: int, ring_size: int, segments, rates):
+def _pieces(rows: int, heads: int, ring_size: int, dilation: Dilation):
     """Every (w, rate, offset) piece of the pattern, in the same order on every rank."""
-    seq = rows * ring_size
-    for w, rate in Dilation(tuple(segments), tuple(rates)).pairs(seq):
+    for w, rate in dilation.pairs(rows * ring_size):
         for offset in range(min(rate, heads)):
             yield w, rate, offset
 
@@ -47,97 +47,70 @@ def _kept(x: torch.Tensor, rate: int, offset: int, start: int, stop: int) -> tor
     return x[:, offset::rate, start + offset : stop : rate]
 
 
-@torch.library.custom_op("ringify::dilated_attention", mutates_args=())
-def dilated_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    group_name: str,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    ring = ring_by_name(group_name)
+def _forward(q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None):
+    _check_plain(attn_mask, mask_inputs, plan, sinks, spec)
+    ring = ring_by_name(spec.group_name)
     b, h, c, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     out = empty_in_dim_order_of(q, acc).zero_()
     lse = torch.full((b, h, c), float("-inf"), dtype=acc, device=q.device)
-    for w, rate, o in _pieces(c, h, ring.size, segment_lengths, dilation_rates):
+    causal, scale = spec.is_causal, spec.scale
+    for w, rate, o in _pieces(c, h, ring.size, spec.dilation):
         if w <= c:  # one kernel call per segment, on views: no copies of q, k, v
             for start in range(0, c, w):
                 kept = [_kept(x, rate, o, start, start + w) for x in (q, k, v, out, lse)]
-                out_o, lse_o = block_forward(*kept[:3], is_causal=is_causal, scale=scale)
+                out_o, lse_o = block_forward(*kept[:3], is_causal=causal, scale=scale)
                 merge_block(kept[3], kept[4], out_o, lse_o)
         else:
             qo, ko, vo = (_kept(x, rate, o, 0, c).contiguous() for x in (q, k, v))
-            span = w // c
-            out_o, lse_o = ring_attention_op(
-                qo, ko, vo, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                qo.shape[2] * span, "", [],
-            )  # fmt: skip
+            span = w // c  # the segment's ranks: a sub-ring, on the kept rows only
+            sub = _sub_ring(spec, ring, span)
+            out_o, lse_o = ring_attention_op(qo, ko, vo, None, [], qo.shape[2] * span, sub)
             merge_block(_kept(out, rate, o, 0, c), _kept(lse, rate, o, 0, c), out_o, lse_o)
     return in_dim_order_of(q, out.to(q.dtype)), lse
 
 
-@dilated_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, segment_lengths, dilation_rates):
-    return empty_attention_outputs(q)
-
-
-@torch.library.custom_op("ringify::dilated_attention_backward", mutates_args=())
-def dilated_attention_backward_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    group_name: str,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ring = ring_by_name(group_name)
+def _backward(
+    grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None,
+    sinks=None, mask_grad=False, input_grads=None,
+):  # fmt: skip
+    ring = ring_by_name(spec.group_name)
     h, c = q.shape[1:3]
     acc = accumulation_dtype(q.dtype)
     grads = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v)]
-    for w, rate, o in _pieces(c, h, ring.size, segment_lengths, dilation_rates):
+    causal, scale = spec.is_causal, spec.scale
+    for w, rate, o in _pieces(c, h, ring.size, spec.dilation):
         if w <= c:
             for start in range(0, c, w):
                 kept = [_kept(x, rate, o, start, start + w) for x in (grad_out, q, k, v, out, lse)]
-                block = block_backward(*kept, is_causal=is_causal, scale=scale)
+                block = block_backward(*kept, is_causal=causal, scale=scale)
                 for total, g in zip(grads, block[:3], strict=True):
                     _kept(total, rate, o, start, start + w).add_(g)
         else:
-            span = w // c
             pieces = [_kept(x, rate, o, 0, c).contiguous() for x in (grad_out, q, k, v, out, lse)]
-            block = ring_attention_backward_op(
-                *pieces, None, is_causal, scale, sub_ring_name(ring, span), "contiguous",
-                pieces[1].shape[2] * span, "", [],
-            )  # fmt: skip
+            span = w // c
+            sub = _sub_ring(spec, ring, span)
+            block = ring_attention_backward_op(*pieces, None, [], pieces[1].shape[2] * span, sub)
             for total, g in zip(grads, block[:3], strict=True):
                 _kept(total, rate, o, 0, c).add_(g)
-    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    grads = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    return *grads, q.new_empty(0), [], q.new_empty(0)
 
 
-@dilated_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, is_causal, scale, group_name, segments, rates):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _sub_ring(spec: AttentionSpec, ring, span: int) -> AttentionSpec:
+    """A segment's dense ring: the ``span`` consecutive ranks it covers."""
+    return AttentionSpec(sub_ring_name(ring, span), spec.scale, spec.is_causal)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.flags = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mark_non_differentiable(lse)
+def _check_plain(attn_mask, mask_inputs, plan, sinks, spec: AttentionSpec) -> None:
+    given = (attn_mask, plan, sinks)
+    if spec.dilation is None or mask_inputs or any(x is not None for x in given):
+        raise ValueError(
+            "dilated_attention takes a spec with a dilation and no mask, plan or sinks "
+            "(is_causal=True is supported)"
+        )
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = dilated_attention_backward_op(grad_out, q, k, v, out, lse, *ctx.flags)
-    return *grads, *([None] * len(ctx.flags))
-
-
-dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
+dilated_attention_op, dilated_attention_backward_op = attention_ops(
+    "dilated_attention", _forward, _backward
+)

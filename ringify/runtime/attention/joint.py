@@ -30,12 +30,13 @@ from ringify.runtime.attention.outputs import (
     empty_attention_outputs,
     in_dim_order_of,
 )
+from ringify.runtime.attention.spec import SPEC_TYPE, AttentionSpec
 from ringify.runtime.masks.additive import additive_mask
 from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
 
 _ARGS = (
-    "Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, float scale, str group_name, "
-    "str layout, SymInt key_len, bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None"
+    "Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, SymInt key_len, "
+    f"{SPEC_TYPE} spec, bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None"
 )
 _PLAN = f"{PLAN_TYPE}? plan=None"  # written out: an optional opaque is beyond infer_schema
 
@@ -49,20 +50,18 @@ def joint_attention_op(
     v: torch.Tensor,
     k_extra: torch.Tensor,
     v_extra: torch.Tensor,
-    scale: float,
-    group_name: str,
-    layout: str,
     key_len: int,
+    spec: AttentionSpec,
     queries_sharded: bool,
     mask: torch.Tensor | None = None,
     mask_extra: torch.Tensor | None = None,
     plan: RingPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = spec.scale
     if queries_sharded:
-        args = (mask, False, scale, group_name, layout, key_len, "", [], 0, True, plan)
-        out, lse = ring_attention_op(q, k, v, *args)
+        out, lse = ring_attention_op(q, k, v, mask, [], key_len, spec, plan)
     else:
-        out, lse = memory_attention_op(q, k, v, mask, scale, group_name, layout, key_len)
+        out, lse = memory_attention_op(q, k, v, mask, [], key_len, spec)
     bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
     extra_out, extra_lse = block_forward(
         q, k_extra, v_extra, is_causal=False, scale=scale, bias=bias
@@ -74,7 +73,7 @@ def joint_attention_op(
 
 
 @joint_attention_op.register_fake
-def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, sharded, *masks):
+def _(q, k, v, k_extra, v_extra, key_len, spec, sharded, *masks):
     return empty_attention_outputs(q)
 
 
@@ -83,8 +82,8 @@ def _(q, k, v, k_extra, v_extra, scale, group_name, layout, key_len, sharded, *m
     mutates_args=(),
     schema=(
         "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, "
-        "Tensor out, Tensor lse, float scale, str group_name, str layout, SymInt key_len, "
-        f"bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None, {_PLAN}) "
+        f"Tensor out, Tensor lse, SymInt key_len, {SPEC_TYPE} spec, bool queries_sharded, "
+        f"Tensor? mask=None, Tensor? mask_extra=None, {_PLAN}) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
 )
@@ -97,10 +96,8 @@ def joint_attention_backward_op(
     v_extra: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    scale: float,
-    group_name: str,
-    layout: str,
     key_len: int,
+    spec: AttentionSpec,
     queries_sharded: bool,
     mask: torch.Tensor | None = None,
     mask_extra: torch.Tensor | None = None,
@@ -108,15 +105,9 @@ def joint_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
     this rank's rows' part."""
-    grad_out = grad_out.contiguous()
-    if queries_sharded:
-        args = (mask, False, scale, group_name, layout, key_len, "", [], 0)
-        dq, dk, dv, *_ = ring_attention_backward_op(
-            grad_out, q, k, v, out, lse, *args, balance=True, plan=plan
-        )
-    else:
-        args = (mask, scale, group_name, layout, key_len)
-        dq, dk, dv, _ = memory_attention_backward_op(grad_out, q, k, v, out, lse, *args)
+    grad_out, scale = grad_out.contiguous(), spec.scale
+    op = ring_attention_backward_op if queries_sharded else memory_attention_backward_op
+    dq, dk, dv, *_ = op(grad_out, q, k, v, out, lse, mask, [], key_len, spec, plan)
     block = (grad_out, q, k_extra, v_extra, out, lse)
     bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
     dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale, bias=bias)
@@ -136,11 +127,11 @@ def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, k_extra, v_extra, *flags = inputs
-    # scale, group, layout, key_len, sharded; then the masks (padding: no gradient) and the
-    # plan, which the call may leave to their defaults
-    flags = [*flags, None, None, None][:8]
-    ctx.flags, ctx.plan = flags[:5], flags[7]
-    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[5:7])
+    # key_len, spec, sharded; then the masks (padding: no gradient) and the plan, which the
+    # call may leave to their defaults
+    flags = [*flags, None, None, None][:6]
+    ctx.flags, ctx.plan = flags[:3], flags[5]
+    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[3:5])
     ctx.mark_non_differentiable(output[1])
 
 

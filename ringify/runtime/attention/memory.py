@@ -9,6 +9,8 @@ block gradient with the merged ``out`` and ``lse``; dq is summed over the ring,
 dk and dv stay on the rank that holds those keys; a learned mask's gradient is
 this rank's columns.
 
+``torch.ops.ringify.memory_attention(q, k, v, attn_mask, [], key_len, spec) -> (out, lse)``
+follows the attention ops' protocol (``protocol.py``); it takes no program, plan or sinks.
 ``key_len``: keys at global positions >= key_len are padding. ``attn_mask`` holds
 this rank's key columns (padding columns masked).
 """
@@ -23,40 +25,36 @@ from ringify.runtime.attention.blocks import (
     block_forward,
 )
 from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
+from ringify.runtime.attention.protocol import attention_ops
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import shard_for_rank
 from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
 from ringify.runtime.collectives.ring import LOCAL, ring_by_name
 from ringify.runtime.masks.additive import additive_mask
 
 
-def _bias(q, k, attn_mask, group_name: str, layout: str, key_len: int):
+def _bias(q, k, attn_mask, key_len: int, spec: AttentionSpec):
     """The additive mask of this rank's keys: ``attn_mask``'s, and -inf at padding."""
     bias = None if attn_mask is None else additive_mask(attn_mask, q.dtype)
-    ring = ring_by_name(group_name)
+    ring = ring_by_name(spec.group_name)
     padded = k.shape[2] * ring.size
     if padded == key_len:
         return bias
     positions = shard_for_rank(
-        torch.arange(padded, device=q.device), 0, ring.rank, ring.size, layout
+        torch.arange(padded, device=q.device), 0, ring.rank, ring.size, spec.layout
     )
     padding = torch.zeros(1, 1, 1, k.shape[2], dtype=q.dtype, device=q.device)
     padding = padding.masked_fill(positions >= key_len, float("-inf"))
     return padding if bias is None else bias + padding
 
 
-@torch.library.custom_op("ringify::memory_attention", mutates_args=())
-def memory_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    scale: float,
-    group_name: str,
-    layout: str,
-    key_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    bias = _bias(q, k, attn_mask, group_name, layout, key_len)
-    return merged_attention(q, k, v, bias, scale, group_name)
+def _forward(q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None):
+    if mask_inputs or spec.mask_program or spec.is_causal or spec.softcap:
+        raise ValueError("memory_attention takes a mask tensor only: no program, causality or cap")
+    if plan is not None or sinks is not None:
+        raise ValueError("memory_attention takes no plan and no sinks")
+    bias = _bias(q, k, attn_mask, key_len, spec)
+    return merged_attention(q, k, v, bias, spec.scale, spec.group_name)
 
 
 def merged_attention(q, k, v, bias, scale: float, group_name: str):
@@ -86,61 +84,25 @@ def merge_over_ring(q, out, lse, group_name: str):
     return target.copy_(merged), lse
 
 
-@memory_attention_op.register_fake
-def _(q, k, v, attn_mask, scale, group_name, layout, key_len):
-    return empty_attention_outputs(q)
-
-
-@torch.library.custom_op("ringify::memory_attention_backward", mutates_args=())
-def memory_attention_backward_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    scale: float,
-    group_name: str,
-    layout: str,
-    key_len: int,
-    mask_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, d attn_mask): the last is empty unless ``mask_grad`` (a learned bias)."""
-    bias = _bias(q, k, attn_mask, group_name, layout, key_len)
+def _backward(
+    grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None,
+    sinks=None, mask_grad=False, input_grads=None,
+):  # fmt: skip
+    bias = _bias(q, k, attn_mask, key_len, spec)
     block = (grad_out, q, k, v, out, lse)
-    dq, dk, dv = block_backward(*block, is_causal=False, scale=scale, bias=bias)
-    dq = dq.contiguous() if group_name == LOCAL else all_reduce(dq.contiguous(), group_name)
+    dq, dk, dv = block_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
+    group = spec.group_name
+    dq = dq.contiguous() if group == LOCAL else all_reduce(dq.contiguous(), group)
     dmask = q.new_empty(0)
     if mask_grad:
-        dbias = bias_backward(*block, is_causal=False, scale=scale, bias=bias)
+        dbias = bias_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
         shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
         broadcast = [d for d in range(4) if shape[d] == 1 < dbias.shape[d]]
         dbias = dbias.sum(broadcast, keepdim=True) if broadcast else dbias
         dmask = dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
-    return dq, dk.contiguous(), dv.contiguous(), dmask
+    return dq, dk.contiguous(), dv.contiguous(), dmask, [], q.new_empty(0)
 
 
-@memory_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, attn_mask, scale, group_name, layout, key_len, mask_grad=False):
-    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    return *grads, torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, *ctx.flags = inputs  # scale, group, layout, key_len
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    mask_grad = ctx.needs_input_grad[3]  # a learned bias
-    dq, dk, dv, dmask = memory_attention_backward_op(
-        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, mask_grad=mask_grad
-    )
-    return dq, dk, dv, dmask if mask_grad else None, *([None] * len(ctx.flags))
-
-
-memory_attention_op.register_autograd(_backward, setup_context=_setup_context)
+memory_attention_op, memory_attention_backward_op = attention_ops(
+    "memory_attention", _forward, _backward
+)

@@ -1,25 +1,18 @@
 """The ring-attention custom ops: exact SDPA over a sequence sharded across the ranks of a ring.
 
-``torch.ops.ringify.ring_attention(q, k, v, attn_mask, is_causal, scale, group_name,
-layout, key_len, mask_program, mask_inputs, tiles_per_chunk=0, balance=True,
-plan=None) -> (out, lse)`` is a custom op with a fake
-kernel and autograd, whose backward is the custom op
-``ringify::ring_attention_backward``; AOTAutograd and Inductor see each as one
-opaque node. Output strides are a function of q's, so the fake kernels can state
-them: ``out`` has q's dim order in memory, as ATen's CPU flash kernel returns it
-(for a model's q, a view of (B, S, H, D), a following
-``out.transpose(1, 2).reshape(B, S, H * D)`` is then free); ``lse`` and the
-gradients are contiguous.
+``torch.ops.ringify.ring_attention(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None,
+sinks=None) -> (out, lse)`` and its backward follow the attention ops' protocol
+(``protocol.py``): ``spec`` an ``AttentionSpec``, ``plan`` a ``RingPlan`` from
+``ringify::attention_plan`` (the graph's one plan per program and step, ``masks/plan.py``)
+or None: made here.
 
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
-
 ``key_len``: keys at global positions >= key_len are padding and are cut off.
-``mask_program`` / ``mask_inputs``: a mask as a program (``masks/program.py``, its text, or
-"" for none) and its O(S) inputs; the op bounds it per tile pair (``masks/tile_masks.py``).
-``tiles_per_chunk``: 0 lets the op choose (``tiling/schedule.py``); tests and benchmarks
-force a tiling with it. ``plan``: a ``RingPlan`` from ``ringify::attention_plan`` (the
-graph's one plan per program and step, ``masks/plan.py``), or None: made here.
+``spec.mask_program`` / ``mask_inputs``: a mask as a program (``masks/program.py``, its
+text, or "" for none) and its O(S) inputs; the op bounds it per tile pair
+(``masks/tile_masks.py``). ``spec.tiles_per_chunk``: 0 lets the op choose
+(``tiling/schedule.py``); tests and benchmarks force a tiling with it.
 
 Forward, P ranks: the K/V tiles of each sub-ring (see ``tiling/tiles.py``) travel round
 the ring for P-1 steps; at step i this rank holds the tiles of rank
@@ -27,11 +20,12 @@ the ring for P-1 steps; at step i this rank holds the tiles of rank
 kernel while the next tiles are already in flight, and merges the results into
 float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
-with it, every rank adds its contribution, and after P steps it arrives home.
+with it, every rank adds its contribution, and after P steps it arrives home
+(``tiling/grad_trip.py``).
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
 length), both run on a balanced plan (``masks/balance.py``): some query tiles change rank,
 their rows move there first and their results move back (``tiling/moves.py``), while
-K/V tiles travel from home as ever; ``balance=False`` keeps the shard's own tiling
+K/V tiles travel from home as ever; ``spec.balance=False`` keeps the shard's own tiling
 (tests and benchmarks compare the two).
 """
 
@@ -49,68 +43,43 @@ from ringify.runtime.attention.flash import serves_varlen, varlen_backward, varl
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
-    empty_attention_outputs,
     in_dim_order_of,
 )
+from ringify.runtime.attention.protocol import attention_ops
 from ringify.runtime.attention.sinks import sink_grad, with_sinks
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
-from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan, plan_for
+from ringify.runtime.masks.plan import RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.grad_trip import GradSlots
 from ringify.runtime.tiling.moves import narrow_rows
 from ringify.runtime.tiling.tiles import Visibility
 
-# Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
-_CALL = (
-    "Tensor? attn_mask, bool is_causal, float scale, str group_name, str layout, SymInt key_len, "
-    "str mask_program, Tensor[] mask_inputs, SymInt tiles_per_chunk=0"
-)
-_EXTRAS = f"{PLAN_TYPE}? plan=None, Tensor? sinks=None, float softcap=0."
-_FORWARD = (
-    f"(Tensor q, Tensor k, Tensor v, {_CALL}, bool balance=True, {_EXTRAS}) -> (Tensor, Tensor)"
-)
-_BACKWARD = (
-    f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_CALL}, "
-    f"bool mask_grad=False, bool[]? input_grads=None, bool balance=True, {_EXTRAS}) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)"
-)
 
-
-@torch.library.custom_op("ringify::ring_attention", mutates_args=(), schema=_FORWARD)
-def ring_attention_op(
+def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    group_name: str,
-    layout: str,
-    key_len: int,
-    mask_program: str,
     mask_inputs: list[torch.Tensor],
-    tiles_per_chunk: int = 0,
-    balance: bool = True,
+    key_len: int,
+    spec: AttentionSpec,
     plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ring = ring_by_name(group_name)
+    ring = ring_by_name(spec.group_name)
     acc = accumulation_dtype(q.dtype)
-    rows = q.shape[2]
-    if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
-        out, lse = block_forward(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap)
+    scale, softcap = spec.scale, spec.softcap
+    if _local(ring, q, attn_mask, key_len, spec):
+        out, lse = block_forward(q, k, v, is_causal=spec.is_causal, scale=scale, softcap=softcap)
         out, lse = out.to(acc), lse.to(acc).contiguous()
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
         return in_dim_order_of(q, out.to(q.dtype)), lse
 
-    transport, masks = _planned(
-        ring, q, k, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
-        tiles_per_chunk, balance, plan,
-    )  # fmt: skip
+    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan)
     (q_at,) = transport.queries_in([q])
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
@@ -143,16 +112,7 @@ def ring_attention_op(
     return in_dim_order_of(q, out), lse
 
 
-@ring_attention_op.register_fake
-def _(
-    q, k, v, attn_mask, is_causal, scale, group_name, layout, key_len, mask_program,
-    mask_inputs, tiles_per_chunk=0, balance=True, plan=None, sinks=None, softcap=0.0,
-):  # fmt: skip
-    return empty_attention_outputs(q)
-
-
-@torch.library.custom_op("ringify::ring_attention_backward", mutates_args=(), schema=_BACKWARD)
-def ring_attention_backward_op(
+def _backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,46 +120,31 @@ def ring_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    group_name: str,
-    layout: str,
-    key_len: int,
-    mask_program: str,
     mask_inputs: list[torch.Tensor],
-    tiles_per_chunk: int = 0,
-    mask_grad: bool = False,
-    input_grads: list[bool] | None = None,
-    balance: bool = True,
+    key_len: int,
+    spec: AttentionSpec,
     plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor
-]:
-    """(dq, dk, dv, d attn_mask, d mask_inputs, d sinks): d attn_mask is empty unless
-    ``mask_grad`` (a learned bias); d mask_inputs holds the gradient of each input
-    ``input_grads`` asks for (a learned program), in order, and nothing for the others (no
-    output to allocate); d sinks is this rank's rows' part (empty without sinks). ``out``
-    and ``lse`` are the op's, sinks included: the blocks' probabilities are the final ones."""
-    ring = ring_by_name(group_name)
+    mask_grad: bool = False,
+    input_grads: list[bool] | None = None,
+) -> tuple:
+    """``out`` and ``lse`` are the op's, sinks included: the blocks' probabilities are the
+    final ones."""
+    ring = ring_by_name(spec.group_name)
     grad_out = grad_out.contiguous()
-    rows = q.shape[2]
     no_mask_grad = q.new_empty(0)
     dsinks = q.new_empty(0) if sinks is None else sink_grad(grad_out, out, lse, sinks)
     wanted = input_grads or [False] * len(mask_inputs)
-    if ring.size == 1 and attn_mask is None and not mask_program and key_len >= rows:
+    if _local(ring, q, attn_mask, key_len, spec):
         dq, dk, dv = block_backward(
-            grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale, softcap=softcap
-        )
+            grad_out, q, k, v, out, lse, is_causal=spec.is_causal, scale=spec.scale,
+            softcap=spec.softcap,
+        )  # fmt: skip
         grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
         return *grads, no_mask_grad, [], dsinks
 
     acc = accumulation_dtype(q.dtype)
-    transport, masks = _planned(
-        ring, q, k, attn_mask, is_causal, layout, key_len, mask_program, mask_inputs,
-        tiles_per_chunk, balance, plan,
-    )  # fmt: skip
+    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan)
     saved = transport.queries_in([grad_out, q, out, lse])
     k, v = transport.keys_in(k, v)
     mine = transport.mine
@@ -217,9 +162,8 @@ def ring_attention_backward_op(
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
-                held, kv, trip.slots, mine, masks, saved, dq_sum, dmask, learned,
-                scale=scale, acc=acc, softcap=softcap,
-            )  # fmt: skip
+                held, kv, trip.slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc
+            )
         dkv = trip.arrived(step)
         if held is not None:
             dkv = _added(dkv, here, trip.slots, acc, q.device)
@@ -234,15 +178,21 @@ def ring_attention_backward_op(
     return dq, dk, dv, dmask, dinputs, dsinks
 
 
-def _planned(
-    ring: Ring, q, k, attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance,
-    plan: RingPlan | None,
-):  # fmt: skip
+ring_attention_op, ring_attention_backward_op = attention_ops("ring_attention", _forward, _backward)
+
+
+def _local(ring: Ring, q, attn_mask, key_len, spec: AttentionSpec) -> bool:
+    """One rank, nothing masked but causality: one block kernel, no plan."""
+    return ring.size == 1 and attn_mask is None and not spec.mask_program and key_len >= q.shape[2]
+
+
+def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, plan):
     """``(transport, TileMasks)`` of this call from its plan (``masks/plan.py``): the step's,
     which the graph made once, else one made here (on the ring)."""
-    rows = q.shape[2]
+    rows, is_causal, layout = q.shape[2], spec.is_causal, spec.layout
     if plan is None:
-        args = (attn_mask, is_causal, layout, key_len, program, inputs, per_chunk, balance)
+        args = (attn_mask, is_causal, layout, key_len, spec.mask_program, inputs)
+        args += (spec.tiles_per_chunk, spec.balance)
         plan = plan_for(ring, rows, *args, device_type=q.device.type)
     elif plan.geometry[:6] != (ring.name, ring.size, rows, is_causal, layout, key_len):
         raise ValueError(
@@ -255,15 +205,14 @@ def _planned(
     return transport, plan.bound_masks(inputs, q.device)
 
 
-def _tiles_backward(
-    held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, *, scale, acc, softcap
-):
+def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc):
     """This rank's share of the held tiles' dK/dV: per slot of ``slots``, its blocks'
     ``(key rows, grad)`` (none where no query here sees it), added up by ``_added``. Its
     queries' share is added into ``dq_sum`` (a ``RowSum``), the mask's into ``dmask`` (a
     learned bias) or, with ``learned`` = (program, inputs, their gradients), into the
     program's."""
     grad_out, q, out, lse = saved
+    scale, softcap = spec.scale, spec.softcap
     here: list[list] = [[] for _ in slots.shapes]
     bias_in = bias_dtype(q.tensor)  # q: ShardRows
     varlen = serves_varlen(q.tensor) and not softcap  # FA2 through ATen: no cap
@@ -311,53 +260,3 @@ def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.T
             total.add(rows, grad)
         totals.append(total.result())
     return totals
-
-
-@ring_attention_backward_op.register_fake
-def _(
-    grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, group_name, layout, key_len,
-    mask_program, mask_inputs, tiles=0, mask_grad=False, input_grads=None, balance=True,
-    plan=None, sinks=None, softcap=0.0,
-):  # fmt: skip
-    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    wanted = input_grads or [False] * len(mask_inputs)
-    dinputs = [torch.empty_like(x) for x, w in zip(mask_inputs, wanted, strict=True) if w]
-    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
-    return *grads, dmask, dinputs, dsinks
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask = inputs[:4]
-    ctx.flags = inputs[4:9]  # is_causal, scale, group_name, layout, key_len
-    ctx.program, mask_inputs = inputs[9:11]
-    ctx.tiles = inputs[11] if len(inputs) > 11 else 0
-    ctx.balance = inputs[12] if len(inputs) > 12 else True
-    plan = inputs[13] if len(inputs) > 13 else None
-    sinks = inputs[14] if len(inputs) > 14 else None
-    ctx.softcap = inputs[15] if len(inputs) > 15 else 0.0
-    ctx.input_grads = [x.requires_grad for x in mask_inputs]
-    out, lse = output
-    ctx.plan = plan  # a value, not a tensor: kept on the context
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *mask_inputs)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask, sinks, *mask_inputs = ctx.saved_tensors
-    mask_grad = ctx.needs_input_grad[3]  # a learned bias
-    dq, dk, dv, dmask, dinputs, dsinks = ring_attention_backward_op(
-        grad_out, q, k, v, out, lse, attn_mask, *ctx.flags, ctx.program, mask_inputs, ctx.tiles,
-        mask_grad=mask_grad, input_grads=ctx.input_grads, balance=ctx.balance, plan=ctx.plan,
-        sinks=sinks, softcap=ctx.softcap,
-    )  # fmt: skip
-    # one gradient per argument as the caller passed them (tiles_per_chunk may be left out)
-    grads = [dq, dk, dv, dmask if mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
-    given = iter(dinputs)
-    grads[10] = [next(given) if want else None for want in ctx.input_grads]
-    if sinks is not None and ctx.needs_input_grad[14]:
-        grads[14] = dsinks
-    return tuple(grads)
-
-
-ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
