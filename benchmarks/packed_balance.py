@@ -117,7 +117,7 @@ def op_area(lengths: list[int], ring: int, balanced: bool) -> list[float]:
         for j in sorted({t.sub_ring for t in mine}):
             for step in range(ring):
                 held = sub_ring_tiles(home((rank - step) % ring), j)
-                for b in masks.pairs(mine, held, torch.float32):
+                for b in masks.step_blocks(mine, held, torch.float32, False, False, False).blocks:
                     cells = (b.rows.stop - b.rows.start) * (b.cols.stop - b.cols.start)
                     area += cells / 2 if b.seen is Visibility.DIAGONAL else cells
         work.append(area)

@@ -11,7 +11,7 @@ Ranks that disagree raise together: ``ValueError`` naming what differs, or
 from ringify import runtime
 from ringify.config import Hybrid
 from ringify.module import RingifiedModule, ringify
-from ringify.passes.report import Report
+from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import RankFailed
 from ringify.samplers import RingSampler

@@ -38,7 +38,7 @@ from ringify.config import Config, Hybrid
 from ringify.consistency import check_call, check_trace
 from ringify.generation import Generation, generate
 from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
-from ringify.passes.report import Report
+from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
 from ringify.runtime.collectives.tensor_parallel import local_state

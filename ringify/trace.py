@@ -28,9 +28,9 @@ from ringify.config import Config
 from ringify.export_errors import export_failure
 from ringify.parallelized import fsdp_units, is_fsdp_hook, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
+from ringify.passes.graph.report import Report
 from ringify.passes.pipeline import folded, named_state, runnable, sharded
-from ringify.passes.plan import sharded_input_dims
-from ringify.passes.report import Report
+from ringify.passes.sharding.plan import sharded_input_dims
 from ringify.passes.tensor_parallel import reported_collectives
 from ringify.tensor_parallel import (
     TpLayer,

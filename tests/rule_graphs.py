@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ringify.passes.placement import Fallback, Geometry, Seq
-from ringify.passes.plan import Plan
-from ringify.passes.report import GatherReason
-from ringify.passes.rules import infer_placements
-from ringify.passes.shard_sequence import shard_sequence
-from ringify.passes.shifts import fold_shifts
+from ringify.passes.folds.shifts import fold_shifts
+from ringify.passes.graph.placement import Fallback, Geometry, Seq
+from ringify.passes.graph.report import GatherReason
+from ringify.passes.sharding.plan import Plan
+from ringify.passes.sharding.rules import infer_placements
+from ringify.passes.sharding.shard_sequence import shard_sequence
 
 S = 8  # the sequence length of every case
 

@@ -1,11 +1,11 @@
-"""``passes/constants.py``: a cat leaves out the empty tensor constants an HF cache starts from
+"""``passes/folds/constants.py``: a cat leaves out the empty tensor constants an HF cache starts from
 (export ties them to the trace's device), and computes exactly what it did."""
 
 from __future__ import annotations
 
 import torch
 
-from ringify.passes.constants import drop_empty_concatenated
+from ringify.passes.folds.constants import drop_empty_concatenated
 
 
 class Starts(torch.nn.Module):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringify.passes.convs import fold_sequence_convs
+from ringify.passes.folds.convs import fold_sequence_convs
 from ringify.runtime import shard
 from ringify.runtime.collectives.halo import same_conv1d
 

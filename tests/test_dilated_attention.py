@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from test_ring_attention import EXACT, assert_matches, assert_near_truth, make_inputs
 
-from ringify.passes.report import MaskKind
+from ringify.passes.graph.report import MaskKind
 from ringify.runtime import Dilation, dilated_attention, ring_attention, shard
 from ringify.runtime.collectives.layout import unshard
 

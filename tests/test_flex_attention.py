@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.passes.report import AttentionRun, MaskKind
+from ringify.passes.graph.report import AttentionRun, MaskKind
 from ringify.testing.graphs import quadratic_nodes
 from ringify.testing.runs import ringified_run
 

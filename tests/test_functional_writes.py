@@ -1,4 +1,4 @@
-"""Writes into a tensor the graph made, rewritten as functional ops (``passes/functional.py``):
+"""Writes into a tensor the graph made, rewritten as functional ops (``passes/folds/functional.py``):
 the rewritten graph computes what the model computes, with no write left, where later reads
 go through views of the written tensor (Qwen3.5's rotary embedding writes into
 ``freqs[0][..., idx]`` and reads ``freqs[0]`` again), and a write through a view it cannot
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.passes.functional import functionalize_writes
+from ringify.passes.folds.functional import functionalize_writes
 
 
 class InterleavedSections(torch.nn.Module):

@@ -92,7 +92,7 @@ def compare(kind: str, padded: bool, options: dict):
 
 def _empty_constants(gm) -> int:
     """The empty tensor constants the prefill graph reads (HF's cache starts, tied to the
-    device of the trace: ``passes/constants.py`` leaves them out)."""
+    device of the trace: ``passes/folds/constants.py`` leaves them out)."""
     import operator
 
     values = [operator.attrgetter(n.target)(gm) for n in gm.graph.nodes if n.op == "get_attr"]

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ringify import ringify
-from ringify.passes.handwritten import UNREAD_NOTE, fold_handwritten_attention
-from ringify.passes.report import AttentionRun, GatherReason
+from ringify.passes.folds.handwritten import UNREAD_NOTE, fold_handwritten_attention
+from ringify.passes.graph.report import AttentionRun, GatherReason
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import rounding
 

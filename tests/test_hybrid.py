@@ -4,9 +4,9 @@ HF Bamba (Mamba2) and Jamba (Mamba1, with MoE), and the rest of each class. The 
 layers are rings; a mixer's causal depthwise convolution is a halo exchange
 (``ring_conv1d``). A Mamba2 or delta-rule scan has no sequence rule, but keeps heads
 independent, so its inputs move onto a share of them by one all-to-all each and it runs on
-every position there (``passes/resharded.py``). Mamba1's recurrence, unrolled over the
+every position there (``passes/sharding/resharded.py``). Mamba1's recurrence, unrolled over the
 positions by export, is folded into one selective scan that passes its state round the
-ring (``passes/scans.py``). Against the unmodified model on 2 and 4 ranks, float64: logits and every
+ring (``passes/folds/scans.py``). Against the unmodified model on 2 and 4 ranks, float64: logits and every
 parameter gradient. Older transformers compute the SSM's decay (``A_log``, ``dt_bias``) in
 float32 inside a float64 model; the ring sums their gradients in another order, so each
 result is held to the unmodified model's own difference when its batch rows, or each rank's
@@ -21,7 +21,7 @@ import itertools
 import pytest
 import torch
 
-from ringify.passes.report import AttentionRun
+from ringify.passes.graph.report import AttentionRun
 from ringify.runtime.selective_scan import ring_selective_scan
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import differences, exceeding, reordering_tolerances

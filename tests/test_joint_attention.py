@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.passes.report import AttentionRun
+from ringify.passes.graph.report import AttentionRun
 from ringify.testing.runs import ringified_run
 
 pytest.importorskip("diffusers")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringify.passes.mask_reader import read_program
+from ringify.passes.folds.mask_reader import read_program
 from ringify.runtime import shard
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.grads import DIFFERENTIABLE
@@ -144,7 +144,7 @@ def test_a_learned_path_through_an_op_without_a_gradient_rule_is_kept():
             bias = (self.slope * rel).abs() if self.learned_abs else self.slope * rel
             return F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
 
-    from ringify.passes.mask_reader import NotAProgram
+    from ringify.passes.folds.mask_reader import NotAProgram
 
     for learned_abs in (True, False):
         exported = torch.export.export(Model(learned_abs), (torch.randn(1, 1, 8, 4),))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringify.passes.report import MaskKind
+from ringify.passes.graph.report import MaskKind
 from ringify.runtime import shard
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram, parse

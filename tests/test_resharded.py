@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ringify.passes.shares import spec_of
+from ringify.passes.sharding.shares import spec_of
 from ringify.runtime.collectives.layout import padded_length, shard_for_rank
 
 
@@ -130,7 +130,7 @@ def test_a_region_cut_before_an_op_that_needs_its_dim_whole(ranks, world, length
 
 
 def two_reshapes():
-    from ringify.passes.shares import ask, mesh_of
+    from ringify.passes.sharding.shares import ask, mesh_of
     from ringify.runtime.collectives.ring import resolve_ring
 
     spec = spec_of(mesh_of(resolve_ring(None).name, "cpu"), torch.empty(1, 32, 4, 16), 2)

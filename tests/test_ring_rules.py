@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from rule_graphs import S, check_inferred, node_of, targets_after, x3
 
-from ringify.passes.placement import Seq
-from ringify.passes.report import GatherReason
+from ringify.passes.graph.placement import Seq
+from ringify.passes.graph.report import GatherReason
 from ringify.runtime.collectives.reduce import copy_to_ring, reduce_from_ring, ring_amax
 from ringify.runtime.collectives.scan import ring_cumsum
 from ringify.runtime.collectives.shift import ring_shift, shifted

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringify import ringify
-from ringify.passes.report import GatherReason, MaskKind
+from ringify.passes.graph.report import GatherReason, MaskKind
 from ringify.testing.graphs import quadratic_nodes
 from ringify.testing.hf_models import falcon, gpt2, llama, t5
 from ringify.testing.models import (

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from rule_graphs import S, check_inferred, infer, node_of, targets_after, x3
 
-from ringify.passes.crossings import PassState
-from ringify.passes.placement import Geometry, Seq, view_placement
-from ringify.passes.report import GatherReason
+from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.placement import Geometry, Seq, view_placement
+from ringify.passes.graph.report import GatherReason
 from ringify.runtime.collectives.reduce import copy_to_ring
 
 aten = torch.ops.aten

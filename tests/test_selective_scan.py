@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringify.passes.scans import fold_selective_scans
+from ringify.passes.folds.scans import fold_selective_scans
 from ringify.runtime import shard
 from ringify.runtime.scan_kernel import selective_scan_op
 from ringify.runtime.selective_scan import selective_scan

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ringify import ringify
-from ringify.passes.report import AttentionRun, GatherReason, MaskKind
+from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind
 from ringify.runtime import ring_attention
 
 

@@ -1,4 +1,4 @@
-"""The paper model ``strategy="auto"`` picks from (``passes/transport_model.py``): its bytes,
+"""The paper model ``strategy="auto"`` picks from (``passes/sharding/transport_model.py``): its bytes,
 its ring hidden behind the kernels, the picks ``benchmarks/strategies.py`` tabulates for
 Llama-3 layers on nodes of 8 GPUs, and "auto" itself: that pick on GPUs, the ring on CPU
 ranks."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from benchmarks.strategies import shape
-from ringify.passes.strategy import auto_transport
-from ringify.passes.transport_model import Shape, fastest, seconds, sent_bytes, transports
+from ringify.passes.sharding.strategy import auto_transport
+from ringify.passes.sharding.transport_model import Shape, fastest, seconds, sent_bytes, transports
 
 
 def test_sent_bytes():
@@ -68,7 +68,7 @@ def test_auto_is_the_models_pick_on_gpus_and_the_ring_on_cpu_ranks():
 def test_a_program_that_reads_positions_is_counted_causal():
     """A causal, window or document program skips about half the blocks or more; a padding
     program few: the model counts the first at half the FLOPs, the second dense."""
-    from ringify.passes.strategy import _reads_positions
+    from ringify.passes.sharding.strategy import _reads_positions
     from ringify.runtime.masks.program import MaskProgram
 
     causal = MaskProgram((), (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),))

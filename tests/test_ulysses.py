@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.passes.report import AttentionRun
+from ringify.passes.graph.report import AttentionRun
 
 EXACT = 1e-10
 S = 24  # per rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringify.passes.report import MaskKind
+from ringify.passes.graph.report import MaskKind
 from ringify.testing.runs import ringified_run
 
 TOL = 1e-10

@@ -26,8 +26,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from ringify.passes.attention import read_attention
-from ringify.passes.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
+from ringify.passes.graph.attention_nodes import read_attention
+from ringify.passes.graph.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
 from ringify.runtime.attention.decode import decode_attention
 from ringify.runtime.attention.reference import attention as reference_attention
 

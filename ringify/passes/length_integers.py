@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
-from ringify.passes.nodes import val
+from ringify.passes.graph.nodes import val
 
 
 class NotLiftable(Exception):

@@ -21,26 +21,26 @@ from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
 from ringify.config import Config
 from ringify.parallelized import units_averaging_over_ring
-from ringify.passes.attention import find_attention
-from ringify.passes.autocast import inline_autocast_regions
 from ringify.passes.checkpoints import keep_checkpoints
-from ringify.passes.constants import drop_empty_concatenated
-from ringify.passes.convs import fold_sequence_convs
-from ringify.passes.flex import fold_flex_attention
+from ringify.passes.folds.autocast import inline_autocast_regions
+from ringify.passes.folds.constants import drop_empty_concatenated
+from ringify.passes.folds.convs import fold_sequence_convs
+from ringify.passes.folds.flex import fold_flex_attention
+from ringify.passes.folds.functional import functionalize_writes
+from ringify.passes.folds.gqa import fold_repeated_kv
+from ringify.passes.folds.handwritten import fold_handwritten_attention
+from ringify.passes.folds.identity_index import fold_identity_indexing
+from ringify.passes.folds.joints import fold_joint_sequences
+from ringify.passes.folds.loss_shift import fold_sliced_loss
+from ringify.passes.folds.mask_programs import fold_mask_programs
+from ringify.passes.folds.scans import fold_selective_scans
+from ringify.passes.folds.shifts import fold_shifts
+from ringify.passes.folds.synonyms import fold_synonyms
 from ringify.passes.fsdp_units import keep_fsdp_units
-from ringify.passes.functional import functionalize_writes
-from ringify.passes.gqa import fold_repeated_kv
-from ringify.passes.handwritten import fold_handwritten_attention
-from ringify.passes.identity_index import fold_identity_indexing
-from ringify.passes.joints import fold_joint_sequences
-from ringify.passes.loss_shift import fold_sliced_loss
-from ringify.passes.mask_programs import fold_mask_programs
-from ringify.passes.plan import Plan, plan_sequence
-from ringify.passes.report import Report
-from ringify.passes.scans import fold_selective_scans
-from ringify.passes.shard_sequence import shard_sequence
-from ringify.passes.shifts import fold_shifts
-from ringify.passes.synonyms import fold_synonyms
+from ringify.passes.graph.attention_nodes import find_attention
+from ringify.passes.graph.report import Report
+from ringify.passes.sharding.plan import Plan, plan_sequence
+from ringify.passes.sharding.shard_sequence import shard_sequence
 from ringify.passes.tensor_parallel import place_tp_collectives
 from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ringify.passes.nodes import call, evaluate, val
-from ringify.passes.report import TpCollective
+from ringify.passes.graph.nodes import call, evaluate, val
+from ringify.passes.graph.report import TpCollective
 from ringify.runtime.collectives.ring import ring_by_name
 from ringify.runtime.collectives.tensor_parallel import (
     TP_COPY,

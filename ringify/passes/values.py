@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from ringify.passes.nodes import val
+from ringify.passes.graph.nodes import val
 
 log = logging.getLogger("ringify")
 

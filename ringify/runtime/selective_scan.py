@@ -6,7 +6,7 @@ The recurrence, for a, b of shape (B, D, S, N) and c of shape (B, S, N)::
     y[:, :, t] = (h[:, :, t] * c[:, None, t]).sum(-1)            y: (B, D, S)
 
 is what the torch path of HF's Mamba-1 mixers (Mamba, FalconMamba, Jamba, Zamba) computes
-with a Python loop over positions, which ``torch.export`` unrolls; ``passes/scans.py``
+with a Python loop over positions, which ``torch.export`` unrolls; ``passes/folds/scans.py``
 folds the unrolled loop back into ``selective_scan``.
 
 ``ringify::selective_scan`` (``runtime/scan_kernel.py``) computes it without a loop per

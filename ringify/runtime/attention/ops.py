@@ -187,7 +187,7 @@ def _local(ring: Ring, q, attn_mask, key_len, spec: AttentionSpec) -> bool:
 
 
 def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, plan):
-    """``(transport, TileMasks)`` of this call from its plan (``masks/plan.py``): the step's,
+    """``(transport, CallMasks)`` of this call from its plan (``masks/plan.py``): the step's,
     which the graph made once, else one made here (on the ring)."""
     rows, is_causal, layout = q.shape[2], spec.is_causal, spec.layout
     if plan is None:

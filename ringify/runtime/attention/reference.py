@@ -69,7 +69,7 @@ def joint_attention(
     """SDPA of ``query`` over keys and values given in parts along the sequence (a joint
     sequence of text and image tokens), not causal; ``masks``: each key part's columns of a
     mask whose rows broadcast (a padding mask of the text keys). The pass keeps the parts
-    apart so that each is placed on its own (``passes/joints.py``)."""
+    apart so that each is placed on its own (``passes/folds/joints.py``)."""
     key, value = torch.cat(keys, 2), torch.cat(values, 2)
     mask = None if masks is None else torch.cat(masks, -1)
     return torch.nn.functional.scaled_dot_product_attention(

@@ -2,7 +2,7 @@
 
 A region that needs the whole sequence but keeps another dim independent (an SSM scan's
 heads, a convolution's channels) runs on every position of a share of that dim instead of
-gathering it (``passes/resharded.py`` finds such regions):
+gathering it (``passes/sharding/resharded.py`` finds such regions):
 
 - ``to_dim(x, seq_dim, dim, ...)``: this rank's positions of every channel -> every position,
   in global order and cut to ``length``, of this rank's ``1/P`` of ``dim`` (rank r keeps

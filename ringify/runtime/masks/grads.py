@@ -6,7 +6,7 @@ inputs that require a gradient, in reverse over the instructions, by hand: the
 op's body runs below autograd, and no S x S graph is ever recorded. Only float
 values carry a gradient; comparisons, integer and bool casts, and positions stop
 it. The pass keeps a learned mask whose gradient would pass through an op outside
-``DIFFERENTIABLE`` (``ringify/passes/mask_programs.py``). The whole-mask op
+``DIFFERENTIABLE`` (``ringify/passes/folds/mask_programs.py``). The whole-mask op
 ``program_mask`` (an attention that is not a ring) takes its gradient from here too.
 """
 

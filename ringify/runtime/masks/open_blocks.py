@@ -1,8 +1,9 @@
 """How an open tile pair runs: its blocks classified on the host, then as few kernel calls.
 
-A tile pair that a mask program's bounds leave open is cut into blocks of ``MIN_TILE_ROWS``;
-``TileMasks`` evaluates each block's mask once on the host and ``classify`` reads it as
-hidden, fully visible, the kernels' causal triangle or masked. ``coalesced`` then joins
+A tile pair that a mask program's bounds leave open is cut into blocks of ``MIN_TILE_ROWS``
+(``open_pair``), bounded again, and each block's mask that its bounds leave open is
+evaluated once on the host; ``classify`` reads it as hidden, fully visible, the kernels'
+causal triangle or masked. ``coalesced`` then joins
 the blocks into few calls, since each call costs the host the same launches whatever its
 size: the causal triangle of a diagonal pair as one causal call, a mostly visible pair with
 a masked block as one masked call, else each row's runs.
@@ -14,20 +15,80 @@ from typing import NamedTuple
 
 import torch
 
-from ringify.runtime.tiling.tiles import DEVICE_TILE_ROWS, Tile, Visibility
+from ringify.runtime.masks.pair_bounds import settled_pairs
+from ringify.runtime.masks.program import MaskProgram, evaluate
+from ringify.runtime.masks.varlen import RowSpans, VarlenCall
+from ringify.runtime.tiling.tiles import DEVICE_TILE_ROWS, MIN_TILE_ROWS, Tile, Visibility
+
+_HOST = torch.device("cpu")
 
 # The largest mask one call of a whole open pair evaluates (``_whole_pair``): a GPU tile pair.
 MAX_PAIR_MASK = DEVICE_TILE_ROWS * DEVICE_TILE_ROWS
 
 
 class OpenBlock(NamedTuple):
-    """A block of an open pair as the host classified it (``TileMasks._open_blocks``)."""
+    """A block of an open pair as the host classified it (``open_pair``)."""
 
     rows: slice  # local query rows
     cols: slice  # key rows of the held tile (keys no query sees cut off at the end)
     seen: Visibility
     at: tuple[slice, slice]  # global query and key positions
     empty_rows: bool = False  # a masked block with a query row that sees none of its keys
+
+
+class OpenPair(NamedTuple):
+    """An open pair as the host classified it, once per plan: its blocks, those blocks as
+    few calls (``coalesced``), and where asked the pair as FA2 varlen calls (or None)."""
+
+    blocks: list[OpenBlock]
+    coalesced: list[OpenBlock]
+    calls: list[VarlenCall] | None
+
+
+def open_pair(
+    program: MaskProgram, inputs: list[torch.Tensor], key_len: int, q_tile: Tile, k_tile: Tile,
+    keys: int, varlen: bool,
+) -> OpenPair:  # fmt: skip
+    """The pair's blocks of ``MIN_TILE_ROWS`` bounded under ``program`` (its host ``inputs``),
+    those left open evaluated on the host and classified; with ``varlen``, each row's run
+    of visible keys gathered into FA2 varlen calls (``varlen.RowSpans``)."""
+    step = MIN_TILE_ROWS
+    q_blocks = [
+        Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, q_tile.length)),
+             (0, 0), q_tile.start + a)
+        for a in range(0, q_tile.length, step)
+    ]  # fmt: skip
+    k_blocks = [
+        Tile(slice(b, min(b + step, keys)), (0, 0), k_tile.start + b) for b in range(0, keys, step)
+    ]
+    hidden, full = settled_pairs(program, inputs, q_blocks, k_blocks, key_len)
+    hidden, full = hidden.tolist(), full.tolist()  # host tensors: no device read
+    spans = RowSpans(q_tile.length) if varlen else None  # each row's run of keys
+    grid = []
+    for a, qb in enumerate(q_blocks):
+        grid.append([])
+        for b, kb in enumerate(k_blocks):
+            at = (qb.positions(qb.length), kb.positions(kb.length))
+            rows = slice(a * step, a * step + qb.length)  # of the pair
+            if hidden[a][b] or full[a][b]:
+                seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
+                grid[-1].append(OpenBlock(qb.rows, kb.rows, seen, at))
+                if spans is not None and full[a][b]:
+                    spans.add_full(rows, kb.rows)
+                continue
+            mask = evaluate(program, inputs, *at, _HOST)
+            mask = mask.expand(*mask.shape[:-2], qb.length, kb.length)  # a broadcast dim
+            if spans is not None:
+                spans.add_mask(rows, kb.rows.start, mask)
+            seen, kept, empty = classify(mask)
+            # keys that no query of the block sees, at its end (padding): cut off
+            cols = slice(kb.rows.start, kb.rows.start + kept)
+            at = (at[0], slice(at[1].start, at[1].start + kept))
+            grid[-1].append(OpenBlock(qb.rows, cols, seen, at, empty))
+    blocks = [block for row in grid for block in row]
+    nominal = [kb.rows for kb in k_blocks]
+    calls = spans.calls() if spans is not None else None
+    return OpenPair(blocks, coalesced(grid, q_tile, k_tile, nominal), calls)
 
 
 def coalesced(grid: list[list], q_tile: Tile, k_tile: Tile, nominal: list[slice]) -> list:

@@ -38,6 +38,7 @@ from torch._opaque_base import OpaqueBase
 
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
+from ringify.runtime.masks.call_masks import CallMasks
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
@@ -104,11 +105,11 @@ class RingPlan(OpaqueBase):
     def count_call(self) -> None:
         self.calls["kept" if not self.balanced else "balanced"] += 1
 
-    def bound_masks(self, inputs: list[torch.Tensor], device: torch.device) -> TileMasks:
+    def bound_masks(self, inputs: list[torch.Tensor], device: torch.device) -> CallMasks:
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
         call holds them: the step's kept masks reused and added to, its pairs counted here."""
         kept = self.kept_masks(device, self.geometry[2])
-        return self.masks.bound_to(inputs, device, kept, self.tile_pairs)
+        return CallMasks(self.masks, inputs, device, kept, self.tile_pairs)
 
     def tile_counts(self) -> dict[Visibility, int]:
         """How many tile pairs the forward calls on this plan skipped, ran causal, ran with no

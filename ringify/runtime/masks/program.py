@@ -3,7 +3,7 @@
 Models build masks by broadcasting index vectors against each other: ``kv <= q``
 (causal), ``q - kv < w`` (a sliding window), ``pad[b, kv]`` (padding),
 ``doc[b, q] == doc[b, kv]`` (packed documents). The pass
-(``ringify/passes/mask_programs.py``) cuts the mask's subgraph where the S x S part
+(``ringify/passes/folds/mask_programs.py``) cuts the mask's subgraph where the S x S part
 begins. Its *inputs* are tensors whose query or key dim has size 1 (O(S) elements):
 role ``q`` varies along the queries, ``k`` along the keys, ``c`` along neither;
 role ``p`` is a small table read whole (T5's relative-position bias embedding).

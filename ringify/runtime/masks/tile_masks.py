@@ -9,13 +9,16 @@ kernel's causal mask, with no mask, or with its tile of the mask as a bias.
 From the same answers, without evaluating anything, ``last_steps`` says how far
 round the ring each rank's key tiles are needed: beyond that step they are not sent
 (a sliding window's keys go one rank on, not round the whole ring).
+
+All of it is decided on the host, once per plan; ``call_masks.CallMasks`` binds the
+answers to one call on its device.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -27,22 +30,22 @@ from ringify.runtime.masks.calls import (
     joined,
     joined_varlen,
 )
-from ringify.runtime.masks.open_blocks import OpenBlock, classify, coalesced
+from ringify.runtime.masks.open_blocks import OpenPair, open_pair
 from ringify.runtime.masks.pair_bounds import settled_pairs
-from ringify.runtime.masks.program import evaluate, parse
-from ringify.runtime.masks.step_masks import KeptMasks
-from ringify.runtime.masks.varlen import RowSpans, VarlenCall
-from ringify.runtime.tiling.tiles import (
-    MIN_TILE_ROWS,
-    Tile,
-    Visibility,
-    all_tiles,
-    sub_ring_tiles,
-    visibility,
-)
+from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.varlen import VarlenCall
+from ringify.runtime.tiling.tiles import Tile, Visibility, all_tiles, sub_ring_tiles, visibility
 
-_HOST = torch.device("cpu")
-_HIDDEN = Visibility.HIDDEN.value
+
+class Step(NamedTuple):
+    """A step's blocks under a plan (``TileMasks.step_blocks``), the same in every call:
+    its key, its blocks (masked ones with no bias yet), its pairs' count by visibility and
+    whether some block is a varlen call."""
+
+    key: tuple
+    blocks: list[Block]
+    counts: tuple[tuple[int, int], ...]
+    varlen: bool
 
 
 class TileMasks:
@@ -54,7 +57,7 @@ class TileMasks:
     host copies of its inputs (``masks/plan.py`` makes them once per model call), so
     that nothing here reads a device tensor or mixes one with a host tensor. The blocks
     that need their mask evaluate it from the inputs of the call they run in, on its
-    device (``bound_to``): device work, no host read."""
+    device (``call_masks.CallMasks``): device work, no host read."""
 
     def __init__(
         self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, varlen=False
@@ -64,11 +67,9 @@ class TileMasks:
         self.program = parse(program) if program else None
         self.varlen = varlen and self.program is not None  # work out open pairs' varlen calls
         self.inputs = [x.detach() for x in inputs]
-        self._run_inputs, self._device = self.inputs, _HOST  # until ``bound_to`` a call
-        self._kept: KeptMasks | None = None
-        self._open: dict[tuple, list] = {}  # an open pair's blocks and their visibility
-        self._steps: dict[tuple, tuple] = {}  # a step's blocks and pair counts (``pairs``)
-        self._bound: tuple | None = None  # the last ``bound_to``: (its key, it, what it holds)
+        # host answers kept for the plan's later calls: open pairs, steps, keys' last steps
+        self._open: dict[tuple, OpenPair] = {}
+        self._steps: dict[tuple, Step] = {}
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
@@ -78,38 +79,17 @@ class TileMasks:
             self._full = self._full.tolist()
         self._maybe_list = self._maybe.tolist()
         self._last: dict[int, list[int]] = {}
-        # tile pairs of the forward calls, by the value of what they saw (``bound_to`` gives
-        # a step's plan's own)
-        self._counts: Counter = Counter()
 
     def may_see(self, q_tile: Tile, k_tile: Tile) -> bool:
         """Whether the queries of ``q_tile`` may see a key of ``k_tile`` (else: surely not)."""
         return self._maybe_list[self._index[q_tile.key]][self._index[k_tile.key]]
 
     def working_on(self, queries) -> TileMasks:
-        """These masks with ``queries(rank)`` the query tiles of each rank."""
+        """These masks with ``queries(rank)`` the query tiles of each rank: the pairs' tables
+        and open pairs shared, the steps and the keys' last steps decided anew."""
         moved = copy.copy(self)
-        moved._queries, moved._last, moved._steps, moved._bound = queries, {}, {}, None
+        moved._queries, moved._last, moved._steps = queries, {}, {}
         return moved
-
-    def bound_to(
-        self, inputs: list[torch.Tensor], device: torch.device, kept: KeptMasks | None = None,
-        counts: Counter | None = None,
-    ) -> TileMasks:  # fmt: skip
-        """These masks, evaluating the blocks that need their mask from ``inputs`` (the
-        program's inputs as the running call holds them) on ``device``; ``kept``: the
-        step's masks evaluated by an earlier call (``masks/step_masks.py``), to reuse and add to.
-        (An op's body runs below autograd: nothing it computes from ``inputs`` is recorded.)"""
-        # every layer of a step binds the same inputs: the last binding is kept (it holds
-        # them, so their ids stay theirs)
-        key = (*map(id, inputs), device, id(kept), id(counts))
-        if self._bound is None or self._bound[0] != key:
-            bound = copy.copy(self)
-            bound._run_inputs, bound._device, bound._kept = inputs, device, kept
-            bound._counts = self._counts if counts is None else counts
-            bound._bound = None
-            self._bound = (key, bound, kept)
-        return self._bound[1]
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
         n = len(tiles)
@@ -146,58 +126,30 @@ class TileMasks:
             last.append(max(seen, default=-1))
         return last
 
-    def skip(self, mine: list[Tile], held: int) -> None:
-        """Count the pairs of a step at which the held tiles did not come: all hidden."""
-        self._counts[_HIDDEN] += len(mine) * held
-
-    def pairs(
-        self, mine, held, dtype: torch.dtype, count: bool = False, biased: bool = False,
-        joinable: bool = False, varlen: bool = False,
-    ):  # fmt: skip
-        """Every ``Block`` with work. A pair is one block, except a pair of a program its
-        bounds leave open: that is cut into blocks of ``MIN_TILE_ROWS``, bounded again and
-        evaluated block by block, so that most run with no mask or are skipped and no
-        evaluation or bias is larger than a block. ``biased``: every block that is not
-        hidden carries its bias, even a zero one (a learned program's gradient needs it).
-        The step's unmasked whole pairs come last, joined into few calls (``calls.py``;
-        ``joinable``: the held tiles lie side by side in memory). ``varlen``: an open pair whose
-        rows each see one run of keys is instead FA2 varlen calls (``masks/varlen.py``), where
-        the plan worked them out (on an accelerator); a step's varlen calls, and its square
-        causal pairs with them, join as one call's sequences where they run on
-        (``calls.joined_varlen``).
-
-        Under a program the blocks of a step are the same in every call of the plan: they
-        are worked out once and kept; each call adds only its masked blocks' biases, or its
-        varlen calls' sequences on the device (both made by the step's first call)."""
-        if self.mask is not None:  # a mask tensor: the call's own, biases and all
-            counts = Counter()
-            yield from self._pairs(mine, held, dtype, counts, biased, joinable, False)
-            if count:
-                self._counts.update({seen.value: n for seen, n in counts.items()})
-            return
-        varlen = varlen and not biased  # a learned program's gradient needs every bias
+    def step_blocks(self, mine, held, dtype, biased, joinable, varlen) -> Step:
+        """The blocks of a step under a program or none (``blocks``), worked out once and
+        kept: the same in every call of the plan (its masked blocks carry no bias yet)."""
         key = (tuple(t.key for t in mine), tuple(t.key for t in held), biased, joinable, varlen)
         if key not in self._steps:
             counts: Counter = Counter()
-            blocks = list(self._pairs(mine, held, dtype, counts, biased, joinable, varlen))
-            calls = any(b.varlen is not None for b in blocks)
-            self._steps[key] = (blocks, tuple((v.value, n) for v, n in counts.items()), calls)
-        blocks, counts, calls = self._steps[key]
-        if count:
-            for seen, n in counts:
-                self._counts[seen] += n
-        moved = self._varlen_on_device(key, blocks) if calls else {}
-        for i, b in enumerate(blocks):
-            if b.varlen is not None:
-                yield moved[i]
-            elif b.seen is Visibility.MASKED:
-                yield self._biased(b, dtype)
-            else:
-                yield b
+            blocks = list(self.blocks(mine, held, dtype, counts, biased, joinable, varlen))
+            counted = tuple((v.value, n) for v, n in counts.items())
+            self._steps[key] = Step(key, blocks, counted, any(b.varlen is not None for b in blocks))
+        return self._steps[key]
 
-    def _pairs(self, mine, held, dtype, counts: Counter | None, biased, joinable, varlen):
-        """``pairs``, counting each pair's visibility into ``counts`` (if not None); under a
-        program, its masked blocks carry no bias yet."""
+    def blocks(self, mine, held, dtype, counts: Counter, biased, joinable, varlen):
+        """Every ``Block`` with work at a step, each pair's visibility counted into ``counts``.
+        A pair is one block, except a pair of a program its bounds leave open: that is cut
+        into blocks of ``MIN_TILE_ROWS``, bounded again and evaluated block by block, so that
+        most run with no mask or are skipped and no evaluation or bias is larger than a
+        block. ``biased``: every block that is not hidden carries its bias, even a zero one
+        (a learned program's gradient needs it). The step's unmasked whole pairs come last,
+        joined into few calls (``calls.py``; ``joinable``: the held tiles lie side by side in
+        memory). ``varlen``: an open pair whose rows each see one run of keys is instead FA2
+        varlen calls (``masks/varlen.py``), where the plan worked them out (on an
+        accelerator); a step's varlen calls, and its square causal pairs with them, join as
+        one call's sequences where they run on (``calls.joined_varlen``). A mask tensor's
+        blocks carry their biases, made as they are asked for."""
         whole: dict[tuple[int, int], Block] = {}
         varlen_blocks: list[Block] = []
         for i, k_tile in enumerate(held):
@@ -205,35 +157,14 @@ class TileMasks:
             if keys <= 0:
                 continue
             for a, q_tile in enumerate(mine):
-                seen, bias = self._settled_pair(q_tile, k_tile, keys, dtype, biased)
-                calls = (
-                    self._varlen_calls(q_tile, k_tile, keys) if varlen and seen is None else None
-                )
-                if calls is not None:  # open: as FA2 varlen calls
-                    varlen_blocks += _varlen_blocks(i, q_tile, k_tile, calls)
-                    if counts is not None:
-                        counts[Visibility.MASKED if calls else Visibility.HIDDEN] += 1
-                    continue
-                if seen is None:  # open: block by block, each bias freed after its use
-                    seen_blocks = set()
-                    for block in self._blocks(i, q_tile, k_tile, keys, biased):
-                        seen_blocks.add(block.seen)
-                        if _whole(block, q_tile, k_tile):
-                            whole[a, i] = block
-                        elif block.seen is not Visibility.HIDDEN:
-                            yield block
-                    if counts is not None:  # the pair's: its blocks' if they agree, else masked
-                        one = len(seen_blocks) == 1
-                        counts[seen_blocks.pop() if one else Visibility.MASKED] += 1
-                    continue
-                if counts is not None:
-                    counts[seen] += 1
-                if seen is not Visibility.HIDDEN:
-                    at = (q_tile.positions(q_tile.length), k_tile.positions(keys))
-                    block = Block(i, q_tile.rows, slice(0, keys), seen, bias, at)
-                    if _whole(block, q_tile, k_tile):
+                seen, pair = self._pair(i, q_tile, k_tile, keys, dtype, biased, varlen)
+                counts[seen] += 1
+                for block in pair:
+                    if block.varlen is not None:
+                        varlen_blocks.append(block)
+                    elif _whole(block, q_tile, k_tile):
                         whole[a, i] = block
-                    else:
+                    elif block.seen is not Visibility.HIDDEN:
                         yield block
         rows_joined = self._queries is self.home
         if varlen_blocks and all(map(_square_causal, whole.values())):  # join them as sequences
@@ -244,6 +175,23 @@ class TileMasks:
             # HF's padded causal call as one sequence, moved once per step (with a program)
             yield from cut_causal_as_varlen(calls) if varlen and self.program else calls
         yield from joined_varlen(varlen_blocks, held, rows_joined, joinable)
+
+    def _pair(self, held: int, q_tile: Tile, k_tile: Tile, keys: int, dtype, biased, varlen):
+        """``(what the pair counts as, its blocks)``: settled, one block (none if hidden);
+        open, its varlen calls or its blocks (masked where they disagree)."""
+        seen, bias = self._settled_pair(q_tile, k_tile, keys, dtype, biased)
+        if seen is Visibility.HIDDEN:
+            return seen, []
+        if seen is not None:
+            at = (q_tile.positions(q_tile.length), k_tile.positions(keys))
+            return seen, [Block(held, q_tile.rows, slice(0, keys), seen, bias, at)]
+        calls = self._varlen_calls(q_tile, k_tile, keys) if varlen else None
+        if calls is not None:  # open: as FA2 varlen calls
+            seen = Visibility.MASKED if calls else Visibility.HIDDEN
+            return seen, _varlen_blocks(held, q_tile, k_tile, calls)
+        blocks = list(self._blocks(held, q_tile, k_tile, keys, biased))
+        kinds = {b.seen for b in blocks}
+        return kinds.pop() if len(kinds) == 1 else Visibility.MASKED, blocks
 
     def _settled_pair(self, q_tile: Tile, k_tile: Tile, keys: int, dtype: torch.dtype, biased):
         """``(visibility, bias)`` of a pair, or ``(None, None)`` if a program leaves it open."""
@@ -270,40 +218,6 @@ class TileMasks:
                 continue
             yield Block(held, rows, cols, Visibility.MASKED, None, at, empty or biased)
 
-    def _biased(self, block: Block, dtype: torch.dtype) -> Block:
-        """A program's masked block with its mask as a bias in ``dtype`` on the call's device:
-        kept from an earlier call of the step, or evaluated (and kept, within the step's
-        budget)."""
-        at = block.at
-        key = (at[0].start, at[0].stop, at[1].start, at[1].stop, dtype)
-        biased = None if self._kept is None else self._kept.get(key)
-        if biased is None:
-            mask = evaluate(self.program, self._run_inputs, *at, self._device)
-            biased = dataclasses.replace(block, bias=additive_mask(mask, dtype))
-            if self._kept is not None:
-                self._kept.keep(key, biased, biased.bias.numel() * biased.bias.element_size())
-        return biased
-
-    def _varlen_on_device(self, step: tuple, blocks: list[Block]) -> dict[int, Block]:
-        """The step's varlen blocks (by index) with their sequences on the call's device: kept
-        from an earlier call of the step, or copied there, all in one host-to-device copy."""
-        key = ("varlen", step)
-        moved = None if self._kept is None else self._kept.get(key)
-        if moved is None:
-            at = [i for i, b in enumerate(blocks) if b.varlen is not None]
-            if not at:
-                return {}
-            host = [blocks[i].varlen.cu for i in at]
-            device = torch.cat(host, 1).to(self._device, non_blocking=True)
-            cus = device.split([cu.shape[1] for cu in host], 1)
-            moved = {
-                i: dataclasses.replace(b, varlen=dataclasses.replace(b.varlen, cu=cu))
-                for i, b, cu in zip(at, (blocks[i] for i in at), cus, strict=True)
-            }
-            if self._kept is not None:
-                self._kept.keep(key, moved, device.numel() * device.element_size())
-        return moved
-
     def _varlen_calls(self, q_tile: Tile, k_tile: Tile, keys: int) -> list[VarlenCall] | None:
         """An open pair's FA2 varlen calls, where the plan worked them out and they are fewer
         calls than its coalesced blocks or spare a bias; None where its blocks run as well
@@ -313,52 +227,12 @@ class TileMasks:
         masked = any(b.seen is Visibility.MASKED for b in runs)
         return calls if calls is not None and (masked or len(calls) < len(runs)) else None
 
-    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> tuple[list, list, list]:
-        """``(query rows, key rows, visibility, global positions)`` of each block of an open
-        pair, classified on the host once and kept for every later call of the plan: each
-        block, the blocks coalesced, and (where ``varlen``) the pair as FA2 varlen calls or
-        None."""
+    def _open_blocks(self, q_tile: Tile, k_tile: Tile, keys: int) -> OpenPair:
+        """An open pair classified on the host (``open_blocks.open_pair``), once per plan."""
         key = (q_tile.key, q_tile.rows.start, k_tile.key, keys)
-        if key in self._open:
-            return self._open[key]
-        step = MIN_TILE_ROWS
-        q_blocks = [
-            Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, q_tile.length)),
-                 (0, 0), q_tile.start + a)
-            for a in range(0, q_tile.length, step)
-        ]  # fmt: skip
-        k_blocks = [
-            Tile(slice(b, min(b + step, keys)), (0, 0), k_tile.start + b)
-            for b in range(0, keys, step)
-        ]
-        hidden, full = settled_pairs(self.program, self.inputs, q_blocks, k_blocks, self.key_len)
-        hidden, full = hidden.tolist(), full.tolist()  # host tensors: no device read
-        spans = RowSpans(q_tile.length) if self.varlen else None  # each row's run of keys
-        grid = []
-        for a, qb in enumerate(q_blocks):
-            grid.append([])
-            for b, kb in enumerate(k_blocks):
-                at = (qb.positions(qb.length), kb.positions(kb.length))
-                rows = slice(a * step, a * step + qb.length)  # of the pair
-                if hidden[a][b] or full[a][b]:
-                    seen = Visibility.HIDDEN if hidden[a][b] else Visibility.FULL
-                    grid[-1].append(OpenBlock(qb.rows, kb.rows, seen, at))
-                    if spans is not None and full[a][b]:
-                        spans.add_full(rows, kb.rows)
-                    continue
-                mask = evaluate(self.program, self.inputs, *at, _HOST)
-                mask = mask.expand(*mask.shape[:-2], qb.length, kb.length)  # a broadcast dim
-                if spans is not None:
-                    spans.add_mask(rows, kb.rows.start, mask)
-                seen, kept, empty = classify(mask)
-                # keys that no query of the block sees, at its end (padding): cut off
-                cols = slice(kb.rows.start, kb.rows.start + kept)
-                at = (at[0], slice(at[1].start, at[1].start + kept))
-                grid[-1].append(OpenBlock(qb.rows, cols, seen, at, empty))
-        blocks = [block for row in grid for block in row]
-        nominal = [kb.rows for kb in k_blocks]
-        calls = spans.calls() if spans is not None else None
-        self._open[key] = (blocks, coalesced(grid, q_tile, k_tile, nominal), calls)
+        if key not in self._open:
+            args = (self.program, self.inputs, self.key_len, q_tile, k_tile, keys, self.varlen)
+            self._open[key] = open_pair(*args)
         return self._open[key]
 
 

@@ -1,0 +1,154 @@
+"""Attention masks read as programs over O(S) vectors (``ringify/runtime/masks/program.py``).
+
+``fold_mask_programs`` runs on the exported graph before the plan. For each
+attention with a mask it reads the mask's subgraph as a program (``mask_reader.py``):
+the nodes with both a query and a key dim are the program, the tensors feeding them
+its inputs (a query or key dim of size 1: O(S); a table whole). The mask argument
+becomes one ``program_mask``
+node of the program's text and inputs, and the S x S nodes die: nothing of S x S
+size is computed at trace or at run time, nor evaluated to decide what the mask is.
+The ring rewrite hands the text and the inputs to the ring op, which bounds and
+evaluates it tile by tile and returns the gradient of its learned inputs. A mask
+that is not such a program (a tensor the model was given, an op with no tile form or,
+on a learned path, no gradient rule) is kept as it is; the attention's node records
+why.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
+from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.nodes import ASSERTS, call, shape, val
+from ringify.runtime.masks.plan import RING, attention_plan
+from ringify.runtime.masks.program import MaskProgram, parse, program_mask
+
+aten = torch.ops.aten
+MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
+
+
+def fold_mask_programs(graph: fx.Graph, attentions) -> None:
+    """Replace the mask of every attention in ``attentions`` (read ``Attention`` rows) by a
+    ``program_mask`` node where it is a program; note on each attention node why not."""
+    sizes = _symbolic_sizes(graph)
+    for att in attentions:
+        if att.mask is None:
+            continue
+        try:
+            program, inputs = read_program(att.mask)
+            mask_shape = [sizes.get(_expr(s), s) for s in shape(att.mask)]
+            if any(isinstance(s, torch.SymInt) for s in mask_shape):
+                raise NotAProgram("a symbolic size no node of the graph computes")
+        except NotAProgram as e:
+            att.node.meta[MASK_NOTE] = str(e)
+            continue
+        with graph.inserting_before(att.node):
+            folded = graph.call_function(
+                program_mask, (program.text(), inputs, mask_shape, val(att.mask).device)
+            )
+        folded.meta["val"] = val(att.mask)
+        att.node.replace_input_with(att.mask, folded)
+        att.node.meta[MASK_NOTE] = _summary(program)
+    _erase_dead(graph)
+
+
+def _symbolic_sizes(graph: fx.Graph) -> dict:
+    """Symbolic size -> the first node computing it (a graph traced with a dynamic length)."""
+    sizes = {}
+    for node in graph.nodes:
+        if isinstance(val(node), torch.SymInt):
+            sizes.setdefault(_expr(val(node)), node)
+    return sizes
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else None
+
+
+def _summary(program: MaskProgram) -> str:
+    ops = sorted({op.split(".")[0] for op, _, _ in program.code})
+    roles = "".join(sorted(set(program.roles)))
+    return f"program of {len(program.code)} ops ({', '.join(ops)}) on {len(program.roles)} O(S) inputs ({roles})"
+
+
+def _erase_dead(graph: fx.Graph) -> None:
+    """Dead code elimination that also drops export's dtype asserts on dead tensors
+    (they would keep the S x S mask nodes alive)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            checked = node.args[0] if node.target in ASSERTS else None
+            dead_assert = isinstance(checked, fx.Node) and all(
+                u.target in ASSERTS for u in checked.users
+            )
+            if dead_assert or (not node.users and writes_only_a_temporary(node)):
+                graph.erase_node(node)
+                changed = True
+        changed |= graph.eliminate_dead_code()
+
+
+def program_inputs(
+    folded: fx.Node, state: PassState, is_causal: bool, transport: str = RING
+) -> tuple[str, list[fx.Node], fx.Node]:
+    """The ring op's ``(mask_program, mask_inputs, plan)`` for a ``program_mask`` node: its
+    text, its inputs whole on every rank, padded with the sequence (O(S) each), and the
+    ``attention_plan`` node that every ring op under it shares (once per model call)."""
+    # Layers often fold a program of their own from the same inputs (HF slices its mask
+    # per layer): one set of whole inputs and one plan per program text and inputs.
+    program = (folded.args[0], tuple(folded.args[1]))
+    if ("program", program) not in state._cache:
+        state._cache["program", program] = _whole_inputs(folded, state)
+    text, whole = state._cache["program", program]
+    return text, whole, step_plan(state, text, whole, is_causal, folded, transport)
+
+
+def step_plan(
+    state: PassState, text: str, whole: list[fx.Node], is_causal: bool, like: fx.Node,
+    transport: str = RING,
+) -> fx.Node:  # fmt: skip
+    """The ``attention_plan`` node of the ring ops under program ``text`` with inputs
+    ``whole`` ("" and none: of every unmasked call of the geometry) and ``transport``, made
+    once per graph."""
+    key = ("plan", text, tuple(whole), is_causal, transport)
+    if key not in state._cache:
+        # right after its inputs: outside any layer's checkpointed or FSDP span that the
+        # program's node may sit in, so that no recompute makes the plan again
+        geo, order = state.geo, {n: i for i, n in enumerate(state.graph.nodes)}
+        first = next(n for n in state.graph.nodes if n.op == "placeholder")
+        latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
+        with state.graph.inserting_before(state.after(latest)):
+            args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
+            args += (0, True, transport) if transport != RING else ()
+            plan = call(state.graph, attention_plan._opoverload, args, like=like)
+        state.place[plan] = None
+        state._cache[key] = plan
+    return state._cache[key]
+
+
+def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:
+    text, inputs = folded.args[:2]
+    pad = state.geo.padded - state.geo.length
+    whole = []
+    for x, role in zip(inputs, parse(text).roles, strict=True):
+        if state.sharded(x):
+            x = state.gather(x)
+        if state.geo.pads and role in ("q", "k"):
+            spec = [0, pad] if role == "k" else [0, 0, 0, pad]
+            with state.graph.inserting_before(state.after(x)):
+                x = call(state.graph, aten.constant_pad_nd.default, (x, spec, 0))
+            state.place[x] = None
+        if val(x).is_floating_point():  # each rank's ring returns its part of the gradient
+            x = state.copy_to_ring(x)
+        whole.append(x)
+    return text, whole
+
+
+def rewrite_program_mask(node: fx.Node, out, state: PassState) -> None:
+    """A mask program computed whole (its attention is not a ring): its O(S) inputs are
+    gathered."""
+    for a in list(node.all_input_nodes):
+        if state.sharded(a):
+            node.replace_input_with(a, state.gather(a))

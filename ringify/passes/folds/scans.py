@@ -1,0 +1,181 @@
+"""Scans along the sequence: a running sum's rule, and Mamba-1's recurrence, which export
+unrolls over the positions, folded into one node, and its rule.
+
+A ``cumsum`` along the sequence is a scan over the ring (``ring_cumsum``: each chunk's total
+gathered, an exclusive sum of those before it added); off the sequence it stays local.
+
+The torch path of HF's Mamba-1 mixers (Mamba, FalconMamba, Jamba, Zamba) runs its
+selective scan as a Python loop over positions, which ``torch.export`` unrolls into S
+copies of one step::
+
+    h = a[:, :, i] * h + b[:, :, i]                      (h: zeros before the first step)
+    y_i = matmul(h.to(dtype), c[:, i].unsqueeze(-1))[:, :, 0]
+    y = stack([y_0, ..., y_{S-1}], -1)
+
+``fold_selective_scans`` finds that chain, position by position, and replaces it by one
+``selective_scan(a, b, c)`` node (``runtime/selective_scan.py``). The graph no longer grows
+with the length, and along a sharded sequence the scan becomes ``ring_selective_scan``:
+state passing between the ring's chunks. A chain that is not exactly this (its last state
+read elsewhere, say) is left as it is: a region on a share of the channels
+(``passes/sharding/resharded.py``), its ``c``, one row per position shared by every channel, gathered.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+from torch import fx
+
+from ringify.passes.folds.spellings import CASTS
+from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.nodes import erase_unused, norm_dim, replace_by_call, shape, uses, val
+from ringify.passes.graph.placement import Fallback, Seq, sharded_first
+from ringify.passes.graph.report import GatherReason
+from ringify.runtime.collectives.scan import ring_cumsum
+from ringify.runtime.selective_scan import ring_selective_scan, selective_scan
+
+aten = torch.ops.aten
+_ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
+
+
+def fold_selective_scans(graph: fx.Graph) -> int:
+    """Replace every unrolled Mamba-1 scan (a ``stack`` of its per-position outputs)."""
+    folded = 0
+    for node in list(graph.nodes):
+        found = _scan_of(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        replace_by_call(graph, node, selective_scan, found)
+        erase_unused(graph, node)
+        folded += 1
+    return folded
+
+
+class _Step(NamedTuple):
+    """One position of the unrolled loop: ``after = a[:, :, i] * before + b[:, :, i]`` (the
+    product ``decayed``), and its output's ``product`` with ``c[:, i]``."""
+
+    a: fx.Node
+    b: fx.Node
+    c: fx.Node
+    before: fx.Node
+    after: fx.Node
+    decayed: fx.Node
+    product: fx.Node
+
+
+def _scan_of(stack: fx.Node) -> tuple | None:
+    """``selective_scan``'s arguments if ``stack`` stacks an unrolled scan's outputs."""
+    if stack.target is not aten.stack.default or len(shape(stack)) != 3:
+        return None
+    outs, dim = stack.args[0], stack.args[1] if len(stack.args) > 1 else 0
+    if norm_dim(dim, 3) != 2 or len(outs) != shape(stack)[2]:
+        return None
+    steps = [_step(y, i) for i, y in enumerate(outs)]
+    if any(s is None for s in steps):
+        return None
+    first = steps[0]
+    if len(shape(first.a)) != 4 or shape(first.b) != shape(first.a):
+        return None
+    batch, _, length, state = shape(first.a)
+    if shape(first.c) != [batch, length, state]:
+        return None
+    if any(s[:3] != first[:3] for s in steps) or first.before.target not in _ZEROS:
+        return None
+    for before, after in itertools.pairwise(steps):
+        if after.before is not before.after and _alias_of(after.before) is not before.after:
+            return None
+    # each state is read by its own output and the next step alone (a cache would read more)
+    readers = [{s.product, *([after.decayed] if after else [])} for s, after in
+               zip(steps, [*steps[1:], None], strict=True)]  # fmt: skip
+    if any(not _read_only_by(s.after, r) for s, r in zip(steps, readers, strict=True)):
+        return None
+    return first.a, first.b, first.c, val(first.after).dtype, val(stack).dtype
+
+
+def _step(y: fx.Node, i: int) -> _Step | None:
+    """Position ``i``'s step, read back from its output ``y``."""
+    if not isinstance(y, fx.Node) or y.target is not aten.select.int or y.args[2] != 0:
+        return None
+    product = y.args[0]
+    if product.target is not aten.matmul.default or norm_dim(y.args[1], 3) != 2:
+        return None
+    state, column = product.args
+    h = state.args[0] if state.target in CASTS else state
+    c = _position(column.args[0], i) if column.target is aten.unsqueeze.default else None
+    if c is None or c[1] != 1 or norm_dim(column.args[1], 3) != 2 or len(shape(c[0])) != 3:
+        return None
+    if h.target is not aten.add.Tensor or len(h.args) != 2 or h.kwargs.get("alpha", 1) != 1:
+        return None
+    for decayed, added in (h.args, h.args[::-1]):
+        b = _position(added, i)
+        if b is None or b[1] != 2 or decayed.target is not aten.mul.Tensor:
+            continue
+        for factor, before in (decayed.args, decayed.args[::-1]):
+            a = _position(factor, i)
+            if a is not None and a[1] == 2 and isinstance(before, fx.Node):
+                return _Step(a[0], b[0], c[0], before, h, decayed, product)
+    return None
+
+
+def _position(node, i: int) -> tuple[fx.Node, int] | None:
+    """``(x, dim)`` if ``node`` is ``x.select(dim, i)``."""
+    if not isinstance(node, fx.Node) or node.target is not aten.select.int:
+        return None
+    x, dim, index = node.args
+    ndim = len(shape(x))
+    return (x, norm_dim(dim, ndim)) if index % shape(x)[norm_dim(dim, ndim)] == i else None
+
+
+def _alias_of(node: fx.Node) -> fx.Node | None:
+    """The state a same-dtype cast returns (``h.to(h.dtype)`` is ``h``)."""
+    if node.target in CASTS and val(node).dtype == val(node.args[0]).dtype:
+        return node.args[0]
+    return None
+
+
+def _read_only_by(h: fx.Node, readers: set) -> bool:
+    """Whether ``readers`` alone read the state ``h``, directly or through its cast."""
+    for user in uses(h):
+        if user.target in CASTS and user not in readers:
+            if not all(u in readers for u in uses(user)):
+                return False
+        elif user not in readers:
+            return False
+    return True
+
+
+@sharded_first
+def infer_cumsum(node, place, p: Seq, ndim: int):
+    """A running sum: local off the sequence, a scan over the ring along it."""
+    if norm_dim(node.args[1], ndim) != p.dim:
+        return p
+    if not place.geometry.alone(shape(node.args[0])[p.dim], p):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
+    return p
+
+
+def rewrite_cumsum(node, out: Seq, state: PassState) -> None:
+    x, dim = node.args[:2]
+    if norm_dim(dim, len(shape(x))) == out.dim:
+        node.target = ring_cumsum
+        node.args = (x, dim, state.group_name, state.geo.layout)
+
+
+@sharded_first
+def infer_selective_scan(node, place, p: Seq, ndim: int):
+    """Along the sequence (a and b on dim 2, c on dim 1): state passing over the ring."""
+    a, b, c = node.args[:3]
+    if (place[a], place[b], place[c]) != (Seq(2), Seq(2), Seq(1)):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(a scan's inputs sharded off its sequence)")
+    if not place.geometry.alone(shape(a)[2], p):
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
+    return Seq(2)
+
+
+def rewrite_selective_scan(node: fx.Node, out: Seq, state: PassState) -> None:
+    geo = state.geo
+    node.target = ring_selective_scan
+    node.args = (*node.args, geo.padded, geo.length, state.group_name, geo.layout)

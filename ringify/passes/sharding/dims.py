@@ -1,0 +1,124 @@
+"""Rules of the ops that move, merge or join dims: views, transposes, permutes, squeezes,
+expands, ``cat`` and ``stack``. Each keeps the sequence where it lands (``placement.py``'s
+``view_placement`` for views) and rewrites only size arguments to a rank's."""
+
+from __future__ import annotations
+
+import torch
+
+from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.nodes import norm_dim, norm_dims, shape, val
+from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first, view_placement
+from ringify.passes.graph.report import GatherReason
+
+aten = torch.ops.aten
+
+VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
+    aten.flatten.using_ints,
+})  # fmt: skip
+
+
+def rewrite_local_size(node, out: Seq, state: PassState) -> None:
+    """A view or expand: its size argument becomes the local shape."""
+    local = state.local_shape(node, out)
+    if node.target in VIEWS:
+        # reshape, not view: the ring ops' outputs need not have the strides the
+        # traced kernels had (a .contiguous() the trace dropped as a no-op).
+        node.target = aten.reshape.default
+        node.args, node.kwargs = (node.args[0], local), {}
+    else:
+        node.args = (node.args[0], local, *node.args[2:])
+
+
+def infer_cat(node, place: Placements):
+    tensors = node.args[0]
+    placements = {place[a] for a in tensors if place.sharded(a)}
+    if len(placements) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    seq = placements.pop()
+    if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
+        return _cat_of_sequences(tensors, seq, place)
+    return place.line_up(node, tensors, seq)
+
+
+def _cat_of_sequences(tensors, seq: Seq, place: Placements):
+    """Whole sequences put end to end (every layer's router logits, for an MoE's aux loss):
+    each rank's positions of each, end to end, are its positions of the result."""
+    per_position = place.geometry.in_units(seq).length * seq.inner
+    if all(place[a] == seq and shape(a)[seq.dim] % per_position == 0 for a in tensors):
+        return seq
+    return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
+
+
+def infer_stack(node, place: Placements):
+    """``stack`` of tensors sharded alike: a new dim at ``dim`` (RoPE's interleaved halves)."""
+    tensors = node.args[0]
+    placements = {place[a] for a in tensors if place.sharded(a)}
+    if len(placements) != 1:
+        return Fallback(GatherReason.MIXED_DIMS)
+    seq = placements.pop()
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0])) + 1)
+    if not all(place[a] == seq for a in tensors):
+        return Fallback(GatherReason.MISALIGNED)
+    return seq.at(seq.dim + (dim <= seq.dim))
+
+
+@sharded_first
+def infer_view(node, place, p: Seq, ndim: int):
+    return view_placement(shape(node.args[0]), p, list(val(node).shape), place.geometry)
+
+
+@sharded_first
+def infer_transpose(node, place, p: Seq, ndim: int):
+    a, b = (norm_dim(d, ndim) for d in node.args[1:3])
+    return p.at({a: b, b: a}.get(p.dim, p.dim))
+
+
+@sharded_first
+def infer_t(node, place, p: Seq, ndim: int):
+    return p.at(ndim - 1 - p.dim)
+
+
+@sharded_first
+def infer_permute(node, place, p: Seq, ndim: int):
+    return p.at(norm_dims(node.args[1], ndim).index(p.dim))
+
+
+@sharded_first
+def infer_unsqueeze(node, place, p: Seq, ndim: int):
+    k = norm_dim(node.args[1], ndim + 1)
+    return p.at(p.dim + (k <= p.dim))
+
+
+@sharded_first
+def infer_squeeze(node, place, p: Seq, ndim: int):
+    x = node.args[0]
+    named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
+    dropped = [d for d in named if shape(x)[d] == 1]
+    return p.at(p.dim - sum(d < p.dim for d in dropped))
+
+
+@sharded_first
+def infer_expand(node, place, p: Seq, ndim: int):
+    return p.at(p.dim + val(node).dim() - ndim)
+
+
+@sharded_first
+def infer_complex_view(node, place, p: Seq, ndim: int):
+    """``view_as_complex`` (its last dim, of pairs, becomes the dtype) and ``view_as_real``
+    (a last dim of 2 added): the sequence stays on its dim, which is not the last."""
+    if node.target is aten.view_as_complex.default and p.dim == ndim - 1:
+        return Fallback(GatherReason.FEATURE_DIM)
+    return p
+
+
+@sharded_first
+def infer_repeat(node, place, p: Seq, ndim: int):
+    """``repeat(x, reps)``: copies along other dims keep each rank's positions; along the
+    sequence (reps > 1 there) they would interleave the ranks' parts."""
+    reps = node.args[1]
+    lead = len(reps) - ndim  # new leading dims
+    if reps[p.dim + lead] != 1:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(repeated along the sequence)")
+    return p.at(p.dim + lead)
