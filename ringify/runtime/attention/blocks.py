@@ -39,6 +39,7 @@ def block_forward(
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
     softcap: float = 0.0,
+    query_nans: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
@@ -46,6 +47,8 @@ def block_forward(
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
     ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
     ``softcap`` > 0: the scores are capped before the bias (``capped.py``).
+    ``query_nans``: q's rows holding a NaN (B, H, s), where the caller keeps them for every
+    block of the same rows (``QueryNaNs``); else the CPU kernel's check scans q here.
     """
     if softcap:
         return capped_forward(
@@ -66,10 +69,10 @@ def block_forward(
         # lse 0), where SDPA gives NaN: the NaN that signals divergence would be
         # hidden. Such a row has lse exactly 0 and a NaN in its q or a key it sees.
         # (Scanned every time: asking first whether any lse is 0 is a host read.)
-        nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal)
-        return out.masked_fill(nan_rows.unsqueeze(-1), float("nan")), lse.masked_fill(
-            nan_rows, float("nan")
-        )
+        # The kernel's outputs are new: marked in place, no copy of the block's output.
+        nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal, query_nans)
+        out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
+        return out, lse.masked_fill_(nan_rows, float("nan"))
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # FA2 takes GQA's K/V heads as they are
         return flash_forward(q_BHsD, k_BKtD, v_BKtD, is_causal=is_causal, scale=scale)
     k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
@@ -313,9 +316,24 @@ def merge_block(
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 
 
-def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool) -> torch.Tensor:
+class QueryNaNs:
+    """The rows of a call's queries that hold a NaN, per block of rows, each worked out once:
+    every key tile a call visits is attended from the same query rows (``block_forward``)."""
+
+    def __init__(self, q) -> None:
+        self._q, self._rows = q, {}  # q: a tensor or ``ShardRows``, rows on dim 2
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        key = (rows.start, rows.stop)
+        if key not in self._rows:
+            self._rows[key] = self._q[rows].isnan().any(-1)
+        return self._rows[key]
+
+
+def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool, q_nan=None) -> torch.Tensor:
     """(B, H, s): the rows whose scores include a NaN (in the row's q or a key it sees)."""
-    q_nan, k_nan = q_BHsD.isnan().any(-1), k_BKtD.isnan().any(-1)
+    q_nan = q_BHsD.isnan().any(-1) if q_nan is None else q_nan
+    k_nan = k_BKtD.isnan().any(-1)
     k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
