@@ -85,6 +85,7 @@ def ringify_stubs(sent: list[float]):
         "attention.accumulator",
         "collectives.courier",
         "masks.tile_masks",
+        "masks.call_masks",
     ):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:

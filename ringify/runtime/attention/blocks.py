@@ -20,6 +20,9 @@ Kernel choice follows the device of the inputs:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +42,7 @@ def block_forward(
     bias: torch.Tensor | None = None,
     empty_rows: bool = True,
     softcap: float = 0.0,
-    query_nans: torch.Tensor | None = None,
+    query_nans: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
@@ -47,8 +50,9 @@ def block_forward(
     A row it masks entirely gets out = 0 and lse = -inf, so that merging it is a no-op;
     ``empty_rows=False`` says that the caller knows no row is (nothing to correct).
     ``softcap`` > 0: the scores are capped before the bias (``capped.py``).
-    ``query_nans``: q's rows holding a NaN (B, H, s), where the caller keeps them for every
-    block of the same rows (``QueryNaNs``); else the CPU kernel's check scans q here.
+    ``query_nans``: gives q's rows holding a NaN (B, H, s), which the caller keeps for every
+    block of the same rows (``QueryNaNs.of``); asked by the CPU kernel's check alone, which
+    else scans q here.
     """
     if softcap:
         return capped_forward(
@@ -70,7 +74,8 @@ def block_forward(
         # hidden. Such a row has lse exactly 0 and a NaN in its q or a key it sees.
         # (Scanned every time: asking first whether any lse is 0 is a host read.)
         # The kernel's outputs are new: marked in place, no copy of the block's output.
-        nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal, query_nans)
+        q_nan = None if query_nans is None else query_nans()
+        nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal, q_nan)
         out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
         return out, lse.masked_fill_(nan_rows, float("nan"))
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # FA2 takes GQA's K/V heads as they are
@@ -323,10 +328,13 @@ class QueryNaNs:
     def __init__(self, q) -> None:
         self._q, self._rows = q, {}  # q: a tensor or ``ShardRows``, rows on dim 2
 
-    def __getitem__(self, rows: slice) -> torch.Tensor:
-        key = (rows.start, rows.stop)
+    def of(self, rows: slice) -> Callable[[], torch.Tensor]:
+        """What gives the NaN rows of ``rows`` (worked out when first asked)."""
+        return functools.partial(self._nans, (rows.start, rows.stop))
+
+    def _nans(self, key: tuple[int, int]) -> torch.Tensor:
         if key not in self._rows:
-            self._rows[key] = self._q[rows].isnan().any(-1)
+            self._rows[key] = self._q[slice(*key)].isnan().any(-1)
         return self._rows[key]
 
 
