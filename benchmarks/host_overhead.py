@@ -112,7 +112,9 @@ def _step(case: str, seq: int, fold: bool):
 
         return step
     model, kwargs = _model_and_inputs(case, seq)
-    with contextlib.nullcontext() if fold else mock.patch("ringify.passes.pipeline.fold_repeated_kv"):
+    with (
+        contextlib.nullcontext() if fold else mock.patch("ringify.passes.pipeline.fold_repeated_kv")
+    ):
         ringified = ringify(model, ring_size=world)
         ringified(**kwargs).loss.backward()  # trace, plan
 
