@@ -99,17 +99,15 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     elif dilation is None:
         plan = step_plan(state, "", [], att.is_causal, att.q, transport)
     scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
-    if dilation is None:
-        spec = AttentionSpec(state.group_name, scale, causal, geo.layout, att.softcap, program)
-    else:
-        spec = AttentionSpec.dilated(state.group_name, scale, causal, dilation)
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)
         if dilation is None:
+            spec = AttentionSpec(state.group_name, scale, causal, geo.layout, att.softcap, program)
             args = (q, k, v, mask, inputs, geo.length, spec, plan, _sinks(att, state))
             ring = call(g, ringify_ops.ring_attention.default, args)
         else:
             _refuse_extras(att, "dilated attention")
+            spec = AttentionSpec.dilated(state.group_name, scale, causal, dilation)
             ring = _dilated(att, q, k, v, mask or att.mask, spec, state)
         ring_out = _value_columns(call(g, operator.getitem, (ring, 0)), att, state, Seq(2))
         lse = call(g, operator.getitem, (ring, 1))

@@ -85,7 +85,7 @@ def _forward(
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
     bias_in, varlen = bias_dtype(q), serves_varlen(q) and not softcap  # FA2 through ATen: no cap
-    nans = QueryNaNs(q_at)  # for the CPU kernel's NaN check
+    nans = QueryNaNs(q_at) if q.device.type == "cpu" else None  # the CPU kernel's NaN check
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in transport.visits(*transport.keys_in(k, v)):
@@ -101,7 +101,7 @@ def _forward(
                 out_blk, lse_blk = block_forward(
                     q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                     scale=scale, bias=b.bias, empty_rows=b.empty_rows, softcap=softcap,
-                    query_nans=nans.of(b.rows),
+                    query_nans=None if nans is None else nans.of(b.rows),
                 )  # fmt: skip
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()

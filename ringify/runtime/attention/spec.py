@@ -42,10 +42,8 @@ class AttentionSpec:
     @classmethod
     def dilated(cls, group_name: str, scale: float, is_causal: bool, dilation: Dilation):
         """The spec of LongNet's dilated attention with ``dilation``'s pattern."""
-        pattern = (dilation.segment_lengths, dilation.dilation_rates)
-        return cls(
-            group_name, scale, is_causal, segment_lengths=pattern[0], dilation_rates=pattern[1]
-        )
+        w, r = dilation.segment_lengths, dilation.dilation_rates
+        return cls(group_name, scale, is_causal, segment_lengths=w, dilation_rates=r)
 
     @property
     def dilation(self) -> Dilation | None:
@@ -56,7 +54,7 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
         object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
-        self.dilation  # noqa: B018  (validates the pattern)
+        dilation = self.dilation  # (validates the pattern)
         check_layout(self.layout)
         if not math.isfinite(self.scale):
             raise ValueError(f"the attention scale must be finite, got {self.scale}")
@@ -65,7 +63,7 @@ class AttentionSpec:
                 f"softcap and tiles_per_chunk must be >= 0 (0: none, the op's choice); got "
                 f"{self.softcap} and {self.tiles_per_chunk}"
             )
-        if self.dilation is not None and (self.mask_program or self.layout != "contiguous"):
+        if dilation is not None and (self.mask_program or self.layout != "contiguous"):
             raise ValueError("dilated attention takes no mask program and the contiguous layout")
 
     def __fx_repr__(self) -> tuple[str, dict[str, type]]:
