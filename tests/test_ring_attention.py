@@ -23,11 +23,11 @@ from ringify.testing.tolerance import relative_difference, truth_tolerance
 EXACT = 1e-10
 
 
-def run_ring(ranks, world, inputs, layout, kwargs):
+def run_ring(ranks, world, inputs, layout, kwargs, tiles=None):
     if world == 1:
-        per_rank = [ring_forward_backward(*inputs, layout, kwargs)]
+        per_rank = [ring_forward_backward(*inputs, layout, kwargs, tiles)]
     else:
-        per_rank = ranks(world).run(ring_forward_backward, *inputs, layout, kwargs)
+        per_rank = ranks(world).run(ring_forward_backward, *inputs, layout, kwargs, tiles)
     return [unshard([r[i] for r in per_rank], 2, layout) for i in range(4)]
 
 
@@ -266,11 +266,12 @@ def test_every_memory_order_matches_sdpa(ranks, world, layout, is_causal):
         assert_matches(got, want)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(("world", "tiles"), [(1, None), (2, None), (4, None), (2, 2), (4, 2)])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_nan_and_inf_propagate_as_in_sdpa(ranks, world, layout, is_causal):
-    """A NaN in q or k gives NaN rows, and an inf in v gives inf, where SDPA does.
+def test_nan_and_inf_propagate_as_in_sdpa(ranks, world, layout, is_causal, tiles):
+    """A NaN in q or k gives NaN rows, and an inf in v gives inf, where SDPA does; with two
+    tiles a chunk too, so that a NaN row's first block is the accumulator, merged into later.
 
     SDPA also gives NaN where a row cannot see the inf (0 * inf in its dense product,
     over whatever its kernel's block covers); the ring skips what a row cannot see, so
@@ -284,7 +285,7 @@ def test_nan_and_inf_propagate_as_in_sdpa(ranks, world, layout, is_causal):
     k[1, 1, 0, 2] = float("nan")  # the first key: the only one the first causal row sees
     inputs = (q, k, v, dout)
     kwargs = {"is_causal": is_causal}
-    got = run_ring(ranks, world, inputs, layout, kwargs)
+    got = run_ring(ranks, world, inputs, layout, kwargs, tiles)
     want = reference(*inputs, kwargs)
     assert want[0][0, 1, 3].isnan().all() and got[0][0, 1, 3].isnan().all()
     assert want[0][1, 1].isnan().all() and got[0][1, 1].isnan().all()
@@ -295,6 +296,24 @@ def test_nan_and_inf_propagate_as_in_sdpa(ranks, world, layout, is_causal):
         finite = w.isfinite()
         err = (g[finite] - w[finite]).abs().max() if finite.any() else 0.0
         assert err <= EXACT, name
+
+
+@pytest.mark.parametrize(("world", "tiles"), [(2, None), (2, 2), (4, None)])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_a_row_of_nan_scores_is_nan_in_float32(ranks, world, layout, tiles):
+    """The CPU kernel gives a float32 causal row whose every score is NaN out = 0 and lse = 0;
+    the ring marks it NaN as SDPA has it, also where that row's only block is taken as the
+    call's whole result (one tile, the first rank's shard) and where it is merged (two)."""
+    seq = 8 * world
+    q, k, v, dout = make_inputs(1, 2, 2, seq, 8, torch.float32)
+    k[0, 1, 0, 2] = float("nan")  # the only key the first causal row sees
+    inputs = (q, k, v, dout)
+    kwargs = {"is_causal": True}
+    got = run_ring(ranks, world, inputs, layout, kwargs, tiles)
+    want = reference(*inputs, kwargs)
+    assert want[0][0, 1, 0].isnan().all()  # the case is not vacuous
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g.isnan(), w.isnan()), name
 
 
 def mask_gradient(q, k, v, dout, mask, layout, tiles):

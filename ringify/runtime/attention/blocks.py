@@ -43,6 +43,7 @@ def block_forward(
     empty_rows: bool = True,
     softcap: float = 0.0,
     query_nans: Callable[[], torch.Tensor] | None = None,
+    nan_out: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_BHsD, lse_BHs)`` of softmax(q k^T * scale + bias) v; causal masks are top-left aligned.
 
@@ -52,7 +53,9 @@ def block_forward(
     ``softcap`` > 0: the scores are capped before the bias (``capped.py``).
     ``query_nans``: gives q's rows holding a NaN (B, H, s), which the caller keeps for every
     block of the same rows (``QueryNaNs.of``); asked by the CPU kernel's check alone, which
-    else scans q here.
+    else scans q here. ``nan_out=False``: that check marks a row's lse alone, not its output
+    (a pass over the block's output); a caller that merges the blocks (``merge_block`` spreads
+    a NaN lse to the row) marks the merged rows once (``mark_nan_rows``).
     """
     if softcap:
         return capped_forward(
@@ -76,7 +79,8 @@ def block_forward(
         # The kernel's outputs are new: marked in place, no copy of the block's output.
         q_nan = None if query_nans is None else query_nans()
         nan_rows = (lse == 0) & _rows_seeing_nan(q_BHsD, k_BKtD, is_causal, q_nan)
-        out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
+        if nan_out:
+            out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
         return out, lse.masked_fill_(nan_rows, float("nan"))
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # FA2 takes GQA's K/V heads as they are
         return flash_forward(q_BHsD, k_BKtD, v_BKtD, is_causal=is_causal, scale=scale)
@@ -319,6 +323,12 @@ def merge_block(
     take = torch.sigmoid(lse_BHs - lse_acc_BHs).masked_fill_(both_empty, 0.0).unsqueeze(-1)
     out_acc_BHsD.mul_(keep).addcmul_(out_BHsD.to(acc), take)
     torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
+
+
+def mark_nan_rows(out_BHsD: torch.Tensor, lse_BHs: torch.Tensor) -> torch.Tensor:
+    """``out`` with NaN in every row whose lse is NaN (blocks run with ``nan_out=False``), in
+    place: one pass over a call's merged output instead of one per block."""
+    return out_BHsD.masked_fill_(lse_BHs.isnan().unsqueeze(-1), float("nan"))
 
 
 class QueryNaNs:

@@ -39,6 +39,7 @@ from ringify.runtime.attention.blocks import (
     bias_backward,
     block_backward,
     block_forward,
+    mark_nan_rows,
 )
 from ringify.runtime.attention.flash import serves_varlen, varlen_backward, varlen_forward
 from ringify.runtime.attention.outputs import (
@@ -101,10 +102,12 @@ def _forward(
                 out_blk, lse_blk = block_forward(
                     q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
                     scale=scale, bias=b.bias, empty_rows=b.empty_rows, softcap=softcap,
-                    query_nans=None if nans is None else nans.of(b.rows),
+                    query_nans=None if nans is None else nans.of(b.rows), nan_out=False,
                 )  # fmt: skip
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()
+    if nans is not None:  # the CPU kernel's NaN rows, marked in their lse alone
+        mark_nan_rows(out_acc, lse_acc)
     del q_at  # free the moved-in rows before the results move home
     # float32 (no launch); with sinks the results move home in the accumulation dtype first
     out = out_acc if sinks is not None or out_acc.dtype == q.dtype else out_acc.to(q.dtype)
