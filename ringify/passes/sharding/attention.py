@@ -28,7 +28,7 @@ from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
 from ringify.passes.sharding.strategy import choose_transport, described, step_bytes
 from ringify.runtime.attention.memory import memory_attention_op
-from ringify.runtime.attention.spec import AttentionSpec
+from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 from ringify.runtime.masks.plan import RING
 from ringify.runtime.masks.program import program_mask
 
@@ -98,7 +98,7 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         mask, kind = local_mask(att.mask, state), MaskKind.KEPT
     elif dilation is None:
         plan = step_plan(state, "", [], att.is_causal, att.q, transport)
-    scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+    scale = sdpa_scale(att.scale, q_shape[-1])
     with g.inserting_before(node):
         q, k, v = _equal_head_dims(att, state)
         if dilation is None:
@@ -156,7 +156,7 @@ def _rewrite_memory(att: Attention, state: PassState) -> None:
         fill = False if val(mask).dtype == torch.bool else float("-inf")
         mask = state.slice(mask, Seq(len(shape(mask)) - 1), fill)
     q_shape = shape(att.q)
-    scale = float(att.scale if att.scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+    scale = sdpa_scale(att.scale, q_shape[-1])
     with g.inserting_before(att.node):
         q, k, v = _equal_head_dims(att, state)
         spec = AttentionSpec(state.group_name, scale, layout=geo.layout)

@@ -31,12 +31,17 @@ def rewrite_local_size(node, out: Seq, state: PassState) -> None:
         node.args = (node.args[0], local, *node.args[2:])
 
 
+def _one_placement(tensors, place: Placements) -> Seq | Fallback:
+    """The one placement of a cat's or stack's sharded inputs (gathered if they differ)."""
+    placements = {place[a] for a in tensors if place.sharded(a)}
+    return placements.pop() if len(placements) == 1 else Fallback(GatherReason.MIXED_DIMS)
+
+
 def infer_cat(node, place: Placements):
     tensors = node.args[0]
-    placements = {place[a] for a in tensors if place.sharded(a)}
-    if len(placements) != 1:
-        return Fallback(GatherReason.MIXED_DIMS)
-    seq = placements.pop()
+    seq = _one_placement(tensors, place)
+    if isinstance(seq, Fallback):
+        return seq
     if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
         return _cat_of_sequences(tensors, seq, place)
     return place.line_up(node, tensors, seq)
@@ -54,10 +59,9 @@ def _cat_of_sequences(tensors, seq: Seq, place: Placements):
 def infer_stack(node, place: Placements):
     """``stack`` of tensors sharded alike: a new dim at ``dim`` (RoPE's interleaved halves)."""
     tensors = node.args[0]
-    placements = {place[a] for a in tensors if place.sharded(a)}
-    if len(placements) != 1:
-        return Fallback(GatherReason.MIXED_DIMS)
-    seq = placements.pop()
+    seq = _one_placement(tensors, place)
+    if isinstance(seq, Fallback):
+        return seq
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0])) + 1)
     if not all(place[a] == seq for a in tensors):
         return Fallback(GatherReason.MISALIGNED)

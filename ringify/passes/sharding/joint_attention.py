@@ -10,7 +10,6 @@ rank's queries. More than one sharded part is gathered.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -24,7 +23,7 @@ from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason
 from ringify.passes.sharding.attention import local_mask, reported
 from ringify.runtime.attention.joint import joint_attention_op
-from ringify.runtime.attention.spec import AttentionSpec
+from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 
 aten = torch.ops.aten
 
@@ -61,7 +60,7 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
         return
     (i,) = sharded
     g, geo = state.graph, state.geo
-    scale = float(scale if scale is not None else 1.0 / math.sqrt(shape(q)[-1]))
+    scale = sdpa_scale(scale, shape(q)[-1])
     queries_sharded = state.sharded(q)
     with g.inserting_before(node):
         extra = []

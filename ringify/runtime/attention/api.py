@@ -7,8 +7,6 @@ with a ``Dilation``, ``ringify::dilated_attention``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -16,7 +14,7 @@ from ringify.runtime.attention.dilated_ops import dilated_attention_op
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_op
 from ringify.runtime.attention.outputs import DTYPES
-from ringify.runtime.attention.spec import AttentionSpec
+from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 from ringify.runtime.collectives.agreement import check_ranks_agree
 from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import check_backend_serves, resolve_ring
@@ -84,7 +82,7 @@ def ring_attention(
         _check_ranks_agree(
             ring, q, k, v, attn_mask, is_causal, scale, enable_gqa, layout, dilation, error
         )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = sdpa_scale(scale, q.shape[-1])
     rows, value_dim = q.shape[2], v.shape[-1]
     q, k, v = equal_head_dims(q, k, v)
     if dilation is not None:

@@ -14,9 +14,9 @@ as SDPA takes it, ``sinks`` broadcastable to (B, H, 1, 1).
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ringify.runtime.attention.spec import sdpa_scale
 
 
 def attention(
@@ -38,7 +38,7 @@ def attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scale = sdpa_scale(scale, query.shape[-1])
     scores = (query @ key.transpose(-1, -2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap

@@ -19,6 +19,11 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.layout import check_layout
 
 
+def sdpa_scale(scale: float | None, head_dim: int) -> float:
+    """SDPA's softmax scale: ``scale`` where given, else 1 / sqrt(head_dim)."""
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """An attention call's flags: its ring (``group_name``), softmax ``scale``, causality,
