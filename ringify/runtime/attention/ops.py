@@ -41,7 +41,12 @@ from ringify.runtime.attention.blocks import (
     block_forward,
     mark_nan_rows,
 )
-from ringify.runtime.attention.flash import serves_varlen, varlen_backward, varlen_forward
+from ringify.runtime.attention.flash import (
+    serves_varlen,
+    unit_last_stride,
+    varlen_backward,
+    varlen_forward,
+)
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
@@ -137,7 +142,7 @@ def _backward(
     """``out`` and ``lse`` are the op's, sinks included: the blocks' probabilities are the
     final ones."""
     ring = ring_by_name(spec.group_name)
-    grad_out = grad_out.contiguous()
+    grad_out = unit_last_stride(grad_out)[0]  # the kernels read D as contiguous memory
     no_mask_grad = q.new_empty(0)
     dsinks = q.new_empty(0) if sinks is None else sink_grad(grad_out, out, lse, sinks)
     wanted = input_grads or [False] * len(mask_inputs)
