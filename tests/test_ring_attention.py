@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
+from ringify.runtime.attention.outputs import is_in_dim_order_of
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
 from ringify.testing.attention import (
     make_inputs,
+    model_layout,
     reference,
     ring_forward_backward,
 )
@@ -264,6 +266,35 @@ def test_every_memory_order_matches_sdpa(ranks, world, layout, is_causal):
     for case in range(len(PERMUTATIONS)):
         got = [unshard([r[case][i] for r in per_rank], 2, layout) for i in range(4)]
         assert_matches(got, want)
+
+
+def gradient_layouts(q, k, v, dout, is_causal, tiles):
+    """On every rank: whether the backward op's dq, dk and dv lie in the dim orders of q, k and
+    v given in a model's layout ((B, S, H, D) in memory), and their values."""
+    import torch.distributed as dist
+
+    q, k, v, dout = (model_layout(shard(t, 2, layout="zigzag")) for t in (q, k, v, dout))
+    name, world = dist.group.WORLD.group_name, dist.get_world_size()
+    spec = AttentionSpec(name, 0.3, is_causal, "zigzag", tiles_per_chunk=tiles)
+    args = (None, [], q.shape[2] * world, spec)
+    out, lse = torch.ops.ringify.ring_attention(q, k, v, *args)
+    grads = torch.ops.ringify.ring_attention_backward(dout, q, k, v, out, lse, *args)[:3]
+    return [is_in_dim_order_of(x, g) for x, g in zip((q, k, v), grads, strict=True)], grads
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gradients_come_back_in_their_inputs_layout(ranks, world, tiles, is_causal):
+    """As SDPA's backward: a model's q, k and v are views of its projections, and gradients laid
+    out as they are go back through the model's transpose and reshape without a copy."""
+    inputs = make_inputs(1, 4, 2, 8 * world, 8, torch.float64)
+    per_rank = ranks(world).run(gradient_layouts, *inputs, is_causal, tiles)
+    assert all(all(layouts) for layouts, _ in per_rank)
+    want = reference(*inputs, {"is_causal": is_causal, "scale": 0.3, "enable_gqa": True})
+    for i, name in enumerate(("dq", "dk", "dv")):
+        got = unshard([grads[i] for _, grads in per_rank], 2, "zigzag")
+        assert (got - want[i + 1]).abs().max() <= EXACT, name
 
 
 @pytest.mark.parametrize(("world", "tiles"), [(1, None), (2, None), (4, None), (2, 2), (4, 2)])

@@ -53,28 +53,39 @@ class RowSum:
     call's dQ, a slot's dK/dV on its way round the ring (``start``: the total arriving, added
     to in place), or its dK/dV arriving home. With no ``start``, the first block that covers
     every row is taken as the sum (0 + x is x), so that no zeroed buffer is filled and
-    added to."""
+    added to. ``like``: the sum lies in that tensor's dim order (a call's dQ in q's, which the
+    kernels' dQ blocks have), else dense."""
 
     def __init__(
-        self, shape, dtype: torch.dtype, device: torch.device, start: torch.Tensor | None = None
-    ):
-        self._shape, self._dtype, self._device = shape, dtype, device
+        self, shape, dtype: torch.dtype, device: torch.device, start: torch.Tensor | None = None,
+        like: torch.Tensor | None = None,
+    ):  # fmt: skip
+        self._shape, self._dtype, self._device, self._like = shape, dtype, device, like
         self._sum = None if start is None else ShardRows(start)
 
     def add(self, rows: slice, grad: torch.Tensor) -> None:
         """Add ``grad`` into rows ``rows``."""
         if self._sum is None and rows.start == 0 and rows.stop == self._shape[2]:
-            self._sum = ShardRows(dense(grad, self._dtype))
+            like = self._like
+            taken = (
+                dense(grad, self._dtype)
+                if like is None
+                else in_dim_order_of(like, grad, self._dtype)
+            )
+            self._sum = ShardRows(taken)
             return
         if self._sum is None:
-            self._sum = ShardRows(torch.zeros(self._shape, dtype=self._dtype, device=self._device))
+            self._sum = ShardRows(self._zeros())
         self._sum[rows].add_(grad)
 
     def result(self) -> torch.Tensor:
         """The sum (zero where nothing was added)."""
-        if self._sum is None:
+        return self._zeros() if self._sum is None else self._sum.tensor
+
+    def _zeros(self) -> torch.Tensor:
+        if self._like is None:
             return torch.zeros(self._shape, dtype=self._dtype, device=self._device)
-        return self._sum.tensor
+        return empty_in_dim_order_of(self._like, self._dtype).zero_()
 
 
 def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ringify.runtime.attention.ops import ring_attention_backward_op, ring_atten
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     empty_in_dim_order_of,
+    gradients_of,
     in_dim_order_of,
 )
 from ringify.runtime.attention.protocol import attention_ops
@@ -93,8 +94,7 @@ def _backward(
             block = ring_attention_backward_op(*pieces, None, [], pieces[1].shape[2] * span, sub)
             for total, g in zip(grads, block[:3], strict=True):
                 _kept(total, rate, o, 0, c).add_(g)
-    grads = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
-    return *grads, q.new_empty(0), [], q.new_empty(0)
+    return *gradients_of((q, k, v), grads), q.new_empty(0), [], q.new_empty(0)
 
 
 def _sub_ring(spec: AttentionSpec, ring, span: int) -> AttentionSpec:

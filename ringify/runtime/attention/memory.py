@@ -24,7 +24,11 @@ from ringify.runtime.attention.blocks import (
     block_backward,
     block_forward,
 )
-from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
+from ringify.runtime.attention.outputs import (
+    accumulation_dtype,
+    empty_attention_outputs,
+    gradients_of,
+)
 from ringify.runtime.attention.protocol import attention_ops
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import shard_for_rank
@@ -100,7 +104,7 @@ def _backward(
         broadcast = [d for d in range(4) if shape[d] == 1 < dbias.shape[d]]
         dbias = dbias.sum(broadcast, keepdim=True) if broadcast else dbias
         dmask = dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
-    return dq, dk.contiguous(), dv.contiguous(), dmask, [], q.new_empty(0)
+    return *gradients_of((q, k, v), (dq, dk, dv)), dmask, [], q.new_empty(0)
 
 
 memory_attention_op, memory_attention_backward_op = attention_ops(

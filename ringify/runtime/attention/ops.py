@@ -50,6 +50,7 @@ from ringify.runtime.attention.flash import (
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     bias_dtype,
+    gradients_of,
     in_dim_order_of,
 )
 from ringify.runtime.attention.protocol import attention_ops
@@ -151,25 +152,25 @@ def _backward(
             grad_out, q, k, v, out, lse, is_causal=spec.is_causal, scale=spec.scale,
             softcap=spec.softcap,
         )  # fmt: skip
-        grads = (g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
-        return *grads, no_mask_grad, [], dsinks
+        return *gradients_of((q, k, v), (dq, dk, dv)), no_mask_grad, [], dsinks
 
     acc = accumulation_dtype(q.dtype)
     transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan)
     saved = transport.queries_in([grad_out, q, out, lse])
-    k, v = transport.keys_in(k, v)
+    k_at, v_at = transport.keys_in(k, v)
     mine = transport.mine
-    dq_sum = RowSum(saved[1].tensor.shape, acc, q.device)
-    dk_sum, dv_sum = (RowSum(t.shape, t.dtype, t.device) for t in (k, v))
+    q_at = saved[1].tensor
+    dq_sum = RowSum(q_at.shape, acc, q.device, like=q_at)  # the kernels' dQ: q's dim order
+    dk_sum, dv_sum = (RowSum(t.shape, t.dtype, t.device) for t in (k_at, v_at))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     dinputs = [
         torch.zeros(x.shape, dtype=acc, device=x.device) if want else None
         for x, want in zip(mask_inputs, wanted, strict=True)
     ]
     learned = (masks.program, mask_inputs, dinputs) if any(wanted) else None
-    for own, step, src, held, kv in transport.visits(k, v):
+    for own, step, src, held, kv in transport.visits(k_at, v_at):
         if step == 0:  # a sub-ring's trip begins
-            trip = transport.grad_trip(own, k, v, dk_sum, dv_sum, acc)
+            trip = transport.grad_trip(own, k_at, v_at, dk_sum, dv_sum, acc)
         here = None
         if held is not None:  # computed before waiting: the dK/dV in flight stay off the path
             here = _tiles_backward(
@@ -181,12 +182,11 @@ def _backward(
         trip.go_on(step, src, dkv if held is not None else None)
     dmask = no_mask_grad if dmask is None else dmask.to(attn_mask.dtype)
     dinputs = [d.to(x.dtype) for d, x in zip(dinputs, mask_inputs, strict=True) if d is not None]
-    dq_acc = dq_sum.result()
-    dq = dq_acc if dq_acc.dtype == q.dtype else dq_acc.to(q.dtype)
-    del saved  # free the moved-in rows before dq moves home (dK/dV arrived there)
+    dq = in_dim_order_of(q_at, dq_sum.result(), q.dtype)  # itself where it is (no launch)
+    del saved, q_at  # free the moved-in rows before dq moves home (dK/dV arrived there)
     (dq,) = transport.queries_home([dq])
     dk, dv = transport.keys_home(dk_sum.result(), dv_sum.result())
-    return dq, dk, dv, dmask, dinputs, dsinks
+    return *gradients_of((q, k, v), (dq, dk, dv)), dmask, dinputs, dsinks
 
 
 ring_attention_op, ring_attention_backward_op = attention_ops("ring_attention", _forward, _backward)

@@ -1,5 +1,5 @@
 """What a ring call returns and in which dtypes: the accumulation dtype, the bias dtype of a
-block's kernel, and outputs laid out in q's dim order.
+block's kernel, outputs laid out in q's dim order and gradients in their inputs'.
 
 Every attention op states its outputs' shapes and strides from these (its fake kernel is
 ``empty_attention_outputs``), so the graph pass and the running op agree on them.
@@ -87,3 +87,17 @@ def empty_attention_outputs(
     from the fake kernels, states shapes exactly once."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
     return empty_in_dim_order_of(q, q.dtype, value_dim), lse
+
+
+def gradients_of(
+    inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Each gradient in its input's dtype and dim order, as SDPA's backward gives them: a model's
+    q, k and v are views of its projections, (B, S, H, D) in memory, and a gradient laid out so
+    goes back through their transpose and reshape without a copy. Itself where it already is."""
+    return tuple(in_dim_order_of(x, g, x.dtype) for x, g in zip(inputs, grads, strict=True))
+
+
+def empty_gradients_of(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Empty gradients as ``gradients_of`` lays them out (the backward ops' fakes)."""
+    return tuple(empty_in_dim_order_of(x, x.dtype) for x in inputs)

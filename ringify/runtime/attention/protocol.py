@@ -14,8 +14,8 @@ replicated query's merge over a sharded memory) is its forward and backward only
 ``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/plan.py``).
 d attn_mask is empty unless ``mask_grad`` (a learned bias); d mask_inputs holds a gradient
 for each input ``input_grads`` asks for (a learned program), in order; d sinks is empty
-without sinks. ``out`` has q's dim order in memory, ``lse`` and the gradients are
-contiguous (``outputs.py``), which the fake kernels state.
+without sinks. ``out`` has q's dim order in memory, ``lse`` is contiguous, and dq, dk and
+dv have their inputs' dim orders (``outputs.py``), which the fake kernels state.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ringify.runtime.attention.outputs import empty_attention_outputs
+from ringify.runtime.attention.outputs import empty_attention_outputs, empty_gradients_of
 from ringify.runtime.attention.spec import SPEC_TYPE
 from ringify.runtime.masks.plan import PLAN_TYPE
 
@@ -66,7 +66,7 @@ def _backward_fake(
     grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None,
     mask_grad=False, input_grads=None,
 ):  # fmt: skip
-    grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    grads = empty_gradients_of((q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     wanted = input_grads or [False] * len(mask_inputs)
     dinputs = [torch.empty_like(x) for x, w in zip(mask_inputs, wanted, strict=True) if w]
