@@ -28,6 +28,8 @@ from ringify.runtime.attention.ops import ring_attention_backward_op, ring_atten
 from ringify.runtime.attention.outputs import (
     accumulation_dtype,
     empty_attention_outputs,
+    empty_gradients_of,
+    gradients_of,
     in_dim_order_of,
 )
 from ringify.runtime.attention.spec import SPEC_TYPE, AttentionSpec
@@ -105,24 +107,19 @@ def joint_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
     this rank's rows' part."""
-    grad_out, scale = grad_out.contiguous(), spec.scale
+    scale = spec.scale
     op = ring_attention_backward_op if queries_sharded else memory_attention_backward_op
     dq, dk, dv, *_ = op(grad_out, q, k, v, out, lse, mask, [], key_len, spec, plan)
     block = (grad_out, q, k_extra, v_extra, out, lse)
     bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
     dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale, bias=bias)
     grads = (dq + dq_extra, dk, dv, dk_extra, dv_extra)
-    return tuple(
-        g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v, k_extra, v_extra), strict=True)
-    )
+    return gradients_of((q, k, v, k_extra, v_extra), grads)
 
 
 @joint_attention_backward_op.register_fake
 def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
-    return tuple(
-        torch.empty_like(t, memory_format=torch.contiguous_format)
-        for t in (q, k, v, k_extra, v_extra)
-    )
+    return empty_gradients_of((q, k, v, k_extra, v_extra))
 
 
 def _setup_context(ctx, inputs, output):
