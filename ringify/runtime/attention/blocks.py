@@ -338,6 +338,11 @@ class QueryNaNs:
     def __init__(self, q) -> None:
         self._q, self._rows = q, {}  # q: a tensor or ``ShardRows``, rows on dim 2
 
+    @property
+    def asked(self) -> bool:
+        """Whether a block asked for them (the CPU kernel's check ran)."""
+        return bool(self._rows)
+
     def of(self, rows: slice) -> Callable[[], torch.Tensor]:
         """What gives the NaN rows of ``rows`` (worked out when first asked)."""
         return functools.partial(self._nans, (rows.start, rows.stop))

@@ -112,7 +112,7 @@ def _forward(
                 )  # fmt: skip
             merged.merge(b.rows, out_blk, lse_blk)
     out_acc, lse_acc = merged.results()
-    if nans is not None:  # the CPU kernel's NaN rows, marked in their lse alone
+    if nans is not None and nans.asked:  # the CPU kernel's NaN rows, marked in lse alone
         mark_nan_rows(out_acc, lse_acc)
     del q_at  # free the moved-in rows before the results move home
     # float32 (no launch); with sinks the results move home in the accumulation dtype first
@@ -161,7 +161,8 @@ def _backward(
     mine = transport.mine
     q_at = saved[1].tensor
     dq_sum = RowSum(q_at.shape, acc, q.device, like=q_at)  # the kernels' dQ: q's dim order
-    dk_sum, dv_sum = (RowSum(t.shape, t.dtype, t.device) for t in (k_at, v_at))
+    # dK/dV come home in the accumulation dtype: each is converted once, into its input's order
+    dk_sum, dv_sum = (RowSum(t.shape, t.dtype, t.device, like=t) for t in (k_at, v_at))
     dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
     dinputs = [
         torch.zeros(x.shape, dtype=acc, device=x.device) if want else None
