@@ -78,7 +78,8 @@ def _backward(
     ring = ring_by_name(spec.group_name)
     h, c = q.shape[1:3]
     acc = accumulation_dtype(q.dtype)
-    grads = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v)]
+    # summed in the inputs' dim orders: a float32 model-layout q's dq is returned as it is
+    grads = [empty_in_dim_order_of(x, acc).zero_() for x in (q, k, v)]
     causal, scale = spec.is_causal, spec.scale
     for w, rate, o in _pieces(c, h, ring.size, spec.dilation):
         if w <= c:

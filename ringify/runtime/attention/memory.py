@@ -96,7 +96,7 @@ def _backward(
     block = (grad_out, q, k, v, out, lse)
     dq, dk, dv = block_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
     group = spec.group_name
-    dq = dq.contiguous() if group == LOCAL else all_reduce(dq.contiguous(), group)
+    dq = dq if group == LOCAL else all_reduce(dq.contiguous(), group)  # laid out on return
     dmask = q.new_empty(0)
     if mask_grad:
         dbias = bias_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
