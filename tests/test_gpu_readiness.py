@@ -19,7 +19,8 @@ from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
 
-N = 3 * MIN_TILE_ROWS  # one tile of three 1024-row blocks: open pairs cut into blocks
+N = 3 * MIN_TILE_ROWS  # three tiles of one 1024-row block each (TILES)
+TILES = 3  # forced: the CPU's own policy would cut these rows into one tile
 CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)
 KEYS = N - 7  # the last keys are padding
 
@@ -58,7 +59,7 @@ def test_the_ring_loop_reads_nothing_and_mixes_nothing_on_a_device(name):
     program, host, learned = _case(name)
     scale = 0.125
     geometry = ("", "contiguous", KEYS)
-    plan = torch.ops.ringify.attention_plan(program, host, N, False, *geometry)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *geometry, TILES)
     meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
     q, dout = meta(1, 4, N, 64), meta(1, 4, N, 64)
     k, v = meta(1, 2, N, 64), meta(1, 2, N, 64)  # GQA: 2 kv heads
@@ -111,7 +112,7 @@ def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
     ops |= {"log_.default"}  # a bool mask made a bias (``additive_mask``)
     q, k, v, dout = meta_tensors()
     inputs = [x.to("meta") for x in host]
-    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY, TILES)
     with _ProgramOps(ops) as first:
         layer_bodies(program, inputs, plan, q, k, v, dout)
     with _ProgramOps(ops) as later:
@@ -264,7 +265,7 @@ def test_capped_blocks_and_sinks_run_on_a_device(name):
     call; nothing is read or mixed with a host tensor (a meta tensor can be neither); every
     output, the sinks' gradient included, has its shape."""
     program, host, _ = _case(name)
-    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY)
+    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY, TILES)
     q, k, v, dout = meta_tensors()
     sinks = torch.empty(1, 4, 1, 1, dtype=torch.bfloat16, device="meta")
     inputs = [x.to("meta") for x in host]

@@ -30,7 +30,12 @@ from ringify.runtime.collectives.layout import chunks_per_rank, rank_chunks
 # tiles under 1024 rows multiply the pairs per step beyond what the smaller
 # buffers are worth. At 2 ranks, 512-row tiles ran 1.2-1.7x slower than
 # 1024-row ones for 1.1x instead of 1.25-1.4x memory (benchmarks/RESULTS.md).
+# The finest grain of a tile, and of the blocks a mask's bounds are evaluated in.
 MIN_TILE_ROWS = 1024
+# The CPU cuts a chunk into tiles of at least this many rows: at 8K on 2 ranks,
+# 1024-row tiles ran 3-7% slower than PyTorch's ring, 2048-row ones 1-5% slower or
+# level, for 1.0-1.15x their memory, still about 0.6x PyTorch's (benchmarks/RESULTS.md).
+CPU_TILE_ROWS = 2048
 # On an accelerator a tile pair costs the host about the same ~10 launches (~50 µs) at any
 # size, and an H100 runs a 1024 x 1024 block at Llama-8B's heads in ~60 µs forward: at
 # 1024 rows the host would set the pace. There a chunk is cut into as few tiles as keep
@@ -77,12 +82,12 @@ def tile_rows(device_type: str) -> int:
 
 def tiles_per_chunk(rows: int, layout: str, device_type: str = "cpu") -> int:
     """How many tiles (= sub-rings) each chunk of a ``rows``-row shard is cut into: on the
-    CPU as many as keep tiles over ``MIN_TILE_ROWS``, on accelerators as few as keep them
+    CPU as many as keep tiles over ``CPU_TILE_ROWS``, on accelerators as few as keep them
     under ``DEVICE_MAX_TILE_ROWS``; at most ``MAX_TILES_PER_CHUNK``."""
     chunk_rows = rows // chunks_per_rank(layout)
     if on_accelerator(device_type):
         return max(1, min(-(-chunk_rows // DEVICE_MAX_TILE_ROWS), MAX_TILES_PER_CHUNK))
-    return max(1, min(chunk_rows // MIN_TILE_ROWS, MAX_TILES_PER_CHUNK))
+    return max(1, min(chunk_rows // CPU_TILE_ROWS, MAX_TILES_PER_CHUNK))
 
 
 def rank_tiles(rank: int, ring_size: int, rows: int, layout: str, per_chunk: int) -> list[Tile]:
