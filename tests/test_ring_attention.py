@@ -49,6 +49,14 @@ def assert_near_truth(got, unmodified, truth):
         assert err <= tol, f"{name}: error {err:.3g} from the truth > {tol:.3g}"
 
 
+def test_a_float64_reference_that_is_the_truth_leaves_rounding():
+    """On a GPU, SDPA's float64 kernel is the truth itself: its own error is 0, and a float64
+    ring result is then held to rounding (``EXACT``), not to 0 (found on an H100)."""
+    truth = torch.randn(64, dtype=torch.float64)
+    assert truth_tolerance(truth, truth) == EXACT
+    assert truth_tolerance(truth.float(), truth) > EXACT  # float32: its own error, or epsilons
+
+
 def assert_matches_sdpa(got, inputs, kwargs):
     """Against SDPA on the full sequence: exactly in float64, near the truth below it."""
     if inputs[0].dtype == torch.float64:

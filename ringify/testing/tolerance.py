@@ -60,8 +60,10 @@ def exceeding(differences: dict[str, float], tolerances: dict[str, float]) -> di
 def truth_tolerance(reference: torch.Tensor, truth: torch.Tensor) -> float:
     """The tolerance of a low-precision result whose float64 ``truth`` is known: ``FACTOR``
     times the unmodified computation's (``reference``, same dtype) own relative error from
-    it, and never less than ``FACTOR`` epsilons of that dtype."""
-    return max(FACTOR * relative_difference(reference, truth), rounding(reference.dtype))
+    it, and never less than ``FACTOR`` epsilons of that dtype (``EXACT`` in float64, where the
+    reference can be the truth itself: SDPA's float64 kernel on a GPU)."""
+    floor = rounding(reference.dtype) or EXACT
+    return max(FACTOR * relative_difference(reference, truth), floor)
 
 
 def rounding(dtype: torch.dtype) -> float:
