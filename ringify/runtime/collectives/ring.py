@@ -106,7 +106,7 @@ def ranks_per_host(ring: Ring, device: torch.device) -> int:
     with unset_fake_temporarily():
         gathered = torch.empty(ring.size, dtype=torch.int64, device=device)
         mine = torch.tensor([host], dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, mine, group=ring.group)
+        dist.all_gather_single(gathered, mine, group=ring.group)
         hosts = gathered.tolist()
     u = hosts.count(hosts[0])
     blocks = [tuple(hosts[i : i + u]) for i in range(0, ring.size, u)]
