@@ -15,8 +15,8 @@ from ringify.runtime.attention.reference import attention
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
+from ringify.testing.tolerance import EXACT
 
-EXACT = 1e-10
 ROWS = 24  # per rank
 
 

@@ -18,11 +18,10 @@ from ringify.testing.attention import (
     reference,
     ring_forward_backward,
 )
-from ringify.testing.tolerance import relative_difference, truth_tolerance
+from ringify.testing.tolerance import EXACT, relative_difference, truth_tolerance
 
-# float64 results must agree to rounding (1e-10 on O(1) values). Below float64 the
+# float64 results must agree to rounding (EXACT: 1e-10 on O(1) values). Below float64 the
 # rounding depends on the CPU's kernels: see assert_near_truth.
-EXACT = 1e-10
 
 
 def run_ring(ranks, world, inputs, layout, kwargs, tiles=None):

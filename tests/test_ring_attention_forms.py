@@ -14,8 +14,8 @@ from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.tolerance import EXACT
 
-EXACT = 1e-10
 SEQ = 24  # per rank
 
 

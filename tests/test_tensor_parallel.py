@@ -15,8 +15,8 @@ import torch
 
 from ringify import ringify
 from ringify.testing import outcome
+from ringify.testing.tolerance import EXACT, FACTOR
 
-EXACT = 1e-10
 S = 24  # sequence length (global)
 
 
@@ -91,8 +91,6 @@ def _bound(reference, kwargs: dict, logits) -> float:
     order than eager: the unmodified model's own move under Inductor, measured here, sets
     the bound (``ringify.testing.tolerance``)."""
     import copy
-
-    from ringify.testing.tolerance import FACTOR
 
     torch._dynamo.reset()
     model = copy.deepcopy(reference)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ringify.passes.graph.report import AttentionRun
+from ringify.testing.tolerance import EXACT
 
-EXACT = 1e-10
 S = 24  # per rank
 
 
