@@ -110,8 +110,9 @@ class CheckpointRecorder:
                 "the model runs a reentrant torch.utils.checkpoint (use_reentrant=True), which "
                 "torch.export traces under no_grad, so ringify cannot keep it. Use the "
                 "non-reentrant form, which ringify keeps: checkpoint(..., use_reentrant=False); "
-                "HF: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False})."
+                "HF: model.activation_checkpointing_enable({'use_reentrant': False}) (before "
+                "transformers 5.24: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}))."
             )
         return self.error is None
 
