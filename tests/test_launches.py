@@ -4,8 +4,8 @@ needs (``torch.compile(mode="reduce-overhead")`` warms up, then records). The fi
 plan also works out each step's blocks on the host and keeps them on the plan. Held on CPU:
 every op the forward and backward bodies dispatch (kernels, views, P2P sends and receives) is
 recorded with its arguments' shapes, dtypes and strides, for two calls on the same plan with
-different q, k and v, on 2 gloo ranks, for a causal, a packed-document and a sliding-window
-program. None reads a value to the host (``_local_scalar_dense``)."""
+different q, k and v, on 2 gloo ranks, for a causal, a right-padded, a packed-document and a
+sliding-window program. None reads a value to the host (``_local_scalar_dense``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from ringify.testing.attention import document_causal_program, document_inputs, 
 
 ROWS = 48  # per rank, in tiles of 12 (tiles_per_chunk 2 under zigzag)
 CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)
+# right padding: causal, and the key a real token (input 0, along keys)
+PADDED = (*CAUSAL, ("__and__.Tensor", ({"op": 0}, {"in": 0}), "bool"))
 
 
 class Launches(TorchDispatchMode):
@@ -47,6 +49,9 @@ def two_calls(name: str):
     seq = ROWS * dist.get_world_size()
     if name == "packed":
         program, inputs = document_causal_program(), document_inputs([30, seq - 50, 20])
+    elif name == "padded":  # the last tenth of the keys is padding
+        program = MaskProgram(("k",), PADDED).text()
+        inputs = [(torch.arange(seq) < seq - seq // 10).view(1, -1)]
     else:
         program = MaskProgram((), CAUSAL).text() if name == "causal" else window_program(20)
         inputs = []
@@ -67,7 +72,7 @@ def two_calls(name: str):
     return sequences[1:], plan.calls.total()
 
 
-@pytest.mark.parametrize("name", ["causal", "packed", "window"])
+@pytest.mark.parametrize("name", ["causal", "padded", "packed", "window"])
 def test_a_plan_launches_the_same_on_every_call(ranks, name):
     for (first, second), calls in ranks(2).run(two_calls, name):
         assert calls == 6  # three forward, three backward calls, all on the plan given
