@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from ringify import ringify
 from ringify.runtime.checkpointed import Checkpointed
@@ -151,6 +152,43 @@ def test_hf_gradient_checkpointing_is_kept_on_the_ring(ranks, ring_size, compile
         ring_cut = saved["ringified", True] / saved["ringified", False]
         assert model_cut < 0.5, saved
         assert ring_cut <= 1.25 * model_cut, saved
+
+
+def hf_checkpointing_option(option: dict):
+    """(largest difference from the unmodified model, checkpointed modules) of a 4-layer
+    Llama under transformers' ``activation_checkpointing_enable`` with ``option``."""
+    torch.manual_seed(0)
+    model = llama(layers=4).double()
+    ids = torch.randint(1, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    results = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": False}, **option)
+        fn = ringify(model, ring_size=2) if checkpointed else model
+        model.zero_grad(set_to_none=True)
+        out = fn(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits.detach(), *(p.grad for p in params)])
+    err = max((a - b).abs().max().item() for a, b in zip(*results, strict=True))
+    return err, fn.report().checkpointed
+
+
+@pytest.mark.skipif(
+    not hasattr(PreTrainedModel, "activation_checkpointing_enable"),
+    reason="transformers before 5.24: no activation_checkpointing_enable",
+)
+@pytest.mark.parametrize(
+    "option, layers",
+    [({"every_n_layers": 2}, (0, 2)), ({"offload": True}, (0, 1, 2, 3))],
+    ids=["every_2_layers", "offload"],
+)
+def test_hf_activation_checkpointing_options_are_kept(ranks, option, layers):
+    """transformers 5.24's options: checkpoints on every n-th layer only, and the saved
+    activations offloaded (``save_on_cpu``) around each checkpoint."""
+    for err, checkpointed in ranks(2).run(hf_checkpointing_option, option):
+        assert err <= 1e-10, err
+        assert checkpointed == tuple(f"model.layers.{i}" for i in layers)
 
 
 def hf_reentrant():
