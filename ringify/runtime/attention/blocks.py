@@ -349,11 +349,11 @@ class QueryNaNs:
 
     def _nans(self, key: tuple[int, int]) -> torch.Tensor:
         if key not in self._rows:
-            self._rows[key] = rows_holding_nan(self._q[slice(*key)])
+            self._rows[key] = _rows_holding_nan(self._q[slice(*key)])
         return self._rows[key]
 
 
-def rows_holding_nan(x: torch.Tensor) -> torch.Tensor:
+def _rows_holding_nan(x: torch.Tensor) -> torch.Tensor:
     """Whether each row (over the last dim) of ``x`` holds a NaN. ``amax`` propagates NaN, and
     an inf stays an inf: one read of ``x``, where ``isnan().any()`` writes and reads a bool copy
     of it (8x the time on this CPU)."""
@@ -364,8 +364,8 @@ def rows_holding_nan(x: torch.Tensor) -> torch.Tensor:
 
 def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool, q_nan=None) -> torch.Tensor:
     """(B, H, s): the rows whose scores include a NaN (in the row's q or a key it sees)."""
-    q_nan = rows_holding_nan(q_BHsD) if q_nan is None else q_nan
-    k_nan = rows_holding_nan(k_BKtD)
+    q_nan = _rows_holding_nan(q_BHsD) if q_nan is None else q_nan
+    k_nan = _rows_holding_nan(k_BKtD)
     k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
