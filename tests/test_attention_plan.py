@@ -120,3 +120,81 @@ def test_a_plan_is_a_value_that_says_what_it_decided():
     assert window.summary()["tile pairs"] == [3, 4, 4, 4]
     assert "sparsity=0.00" in repr(dense) and "sparsity=0.77" in repr(window)
     assert window.balanced is not None and repr(window).startswith("RingPlan(ring=4")
+
+
+def replayed_plans():
+    """A step recorded into a CUDA graph (its ring calls told they are being captured: this
+    CPU has no graphs), then a step with the same packing and one with another. Returns (the
+    plan node's cudagraph_unsafe tag, the ring node's, by Inductor's own test; the same
+    packing's largest gradient difference from the unmodified model's; the other's error)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    from ringify import ringify
+    from ringify.runtime.masks import plan as plan_module
+    from ringify.testing import hf_models
+
+    torch.manual_seed(0)
+    seq = 16 * dist.get_world_size()
+    model = hf_models.llama(layers=2, max_len=4 * seq).double()
+    ringified = ringify(model, ring_size=dist.get_world_size())
+    ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(0))
+
+    def step(run, lengths):
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids, position_ids=_packed(seq, lengths)).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with mock.patch.dict(plan_module._captured, clear=True):
+        step(ringified, (3, 9))  # a warm-up step, as a CUDA graph tree's
+        with mock.patch("ringify.runtime.attention.ops.capturing", lambda device: True):
+            step(ringified, (3, 9))  # recorded
+        got, want = step(ringified, (3, 9)), step(model, (3, 9))
+        same = max((got[n] - want[n]).abs().max().item() for n in want)
+        try:
+            step(ringified, (3, 12))
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    graph = next(iter(ringified._traced.values())).module
+    nodes = list(graph.graph.nodes)
+    plans = [n for n in nodes if n.target is torch.ops.ringify.attention_plan.default]
+    rings = [n for n in nodes if n.target is torch.ops.ringify.ring_attention.default]
+    unsafe = (
+        [is_cudagraph_unsafe_fx_node(n) for n in plans],
+        {is_cudagraph_unsafe_fx_node(n) for n in rings},
+    )
+    return unsafe, same, error
+
+
+def test_a_cuda_graph_replays_its_plan_only_for_the_mask_it_recorded(ranks):
+    """A CUDA graph replays the ring calls it recorded with their plan, running no Python:
+    Inductor runs the plan op outside the graphs (tagged cudagraph_unsafe), and a later step
+    whose mask has other content raises on every rank, naming the fix; the same mask runs
+    exactly."""
+    for (plans, rings), same, error in ranks(2).run(replayed_plans):
+        assert plans == [True] and rings == {False}
+        assert same <= 1e-10
+        assert error is not None and "differs from the one a CUDA graph recorded" in error
+        assert "max-autotune-no-cudagraphs" in error
+
+
+def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
+    """Made while a CUDA graph records (a ring op given no plan, its program's inputs on the
+    device), a plan would read them on the host: it raises, naming the plan op."""
+    from unittest import mock
+
+    from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import plan as plan_module
+    from ringify.testing.attention import document_causal_program, document_inputs
+
+    ring, inputs = Ring(None, 0, 2), document_inputs([20, 12])
+    args = (ring, 16, None, True, "contiguous", 32, document_causal_program(), inputs, 2, True)
+    assert plan_module.plan_for(*args).key is not None
+    with (
+        mock.patch.object(plan_module, "capturing", lambda device: True),
+        pytest.raises(RuntimeError, match=r"torch\.ops\.ringify\.attention_plan"),
+    ):
+        plan_module.plan_for(*args)

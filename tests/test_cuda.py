@@ -1,4 +1,5 @@
-"""CUDA paths: the flash / memory-efficient / math block kernels, and the ring over NCCL.
+"""CUDA paths: the flash / memory-efficient / math block kernels, the ring over NCCL, and a
+ringified model's steps replayed from CUDA graphs.
 
 Skipped (with the reason) on machines without GPUs; run them wherever CUDA is available.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_plan import _packed
 from test_ring_attention import make_inputs, reference, ring_forward_backward
 
 from ringify.runtime import ring_attention
@@ -65,3 +67,50 @@ def _cuda_rank(inputs, layout, kwargs):
     device = torch.device("cuda", dist.get_rank())
     results = ring_forward_backward(*(t.to(device) for t in inputs), layout, kwargs)
     return [t.cpu() for t in results]
+
+
+@needs_two_gpus
+def test_reduce_overhead_replays_a_plan_for_its_own_mask_only():
+    """``torch.compile(mode="reduce-overhead")`` records a ringified model's steps into CUDA
+    graphs; the plan op runs outside them (``cudagraph_unsafe``). Steps with the recorded
+    packing match the unmodified model (float64), and one with another packing raises on
+    both ranks instead of replaying the recorded plan."""
+    pool = RankPool(2, backend="nccl")
+    try:
+        results = pool.run(_replayed_rank)
+    finally:
+        pool.close()
+    for largest, error in results:
+        assert largest <= 1e-10
+        assert error is not None and "differs from the one a CUDA graph recorded" in error
+
+
+def _replayed_rank():
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.testing import hf_models
+
+    torch.cuda.set_device(dist.get_rank())
+    torch.manual_seed(0)
+    seq = 64
+    model = hf_models.llama(layers=2, max_len=4 * seq).double().cuda()
+    compiled = torch.compile(ringify(model, ring_size=2), mode="reduce-overhead")
+    ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step(run, lengths):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids, position_ids=_packed(seq, lengths).cuda()).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for _ in range(3):  # a warm-up, a recording and a replay
+        got = step(compiled, (16, 24))
+    want = step(model, (16, 24))
+    largest = max((got[n] - want[n]).abs().max().item() for n in want)
+    try:
+        step(compiled, (16, 40))
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return largest, error

@@ -59,7 +59,7 @@ from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.grads import add_program_grads
-from ringify.runtime.masks.plan import RingPlan, plan_for
+from ringify.runtime.masks.plan import RingPlan, capturing, note_captured, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.grad_trip import GradSlots
 from ringify.runtime.tiling.moves import narrow_rows
@@ -212,6 +212,8 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
             f"{plan.geometry[:6]}); make it with attention_plan for this call's ring, rows, "
             "causality, layout and key length"
         )
+    if capturing(q.device):  # a CUDA graph will replay this plan's blocks
+        note_captured(plan)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
     return transport, plan.bound_masks(inputs, q.device)

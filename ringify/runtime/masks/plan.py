@@ -72,7 +72,8 @@ class RingPlan(OpaqueBase):
     """How the calls of one step run: ``home(rank)`` tiles that rank's shard (its K/V tiles
     travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
     ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
-    ``geometry``: the ring, rows and options it was made for. ``transport``: ``RING``, K/V
+    ``geometry``: the ring, rows and options it was made for; ``key``: its site and content
+    (``plan_for``), None where nothing it decides reads a tensor's values. ``transport``: ``RING``, K/V
     tiles travel round the ring; ``ALL_TO_ALL`` (or ``"all-to-all:u"``, the hybrid), an
     all-to-all inside groups of u ranks gives each rank every row of its group's shards for
     its share of the heads, and the plan is that of the ring of the groups (one rank's over
@@ -80,8 +81,10 @@ class RingPlan(OpaqueBase):
     (forward and backward) that ran on it, balanced or not, and the tile pairs they saw."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
-                 balanced: bool | None, geometry: tuple, transport: str = RING) -> None:  # fmt: skip
+                 balanced: bool | None, geometry: tuple, transport: str = RING,
+                 key: tuple | None = None) -> None:  # fmt: skip
         self.home, self.queries, self.masks = home, queries, masks
+        self.key = key  # (site, content) of a plan decided from a program's inputs
         self.balanced, self.geometry, self.transport = balanced, geometry, transport
         self.calls: Counter = Counter()
         self.tile_pairs: Counter = Counter()  # by the value of each pair's ``Visibility``
@@ -178,13 +181,21 @@ def plan_for(
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
         return RingPlan(home, home, masks, None, geometry)
+    if inputs and capturing(inputs[0].device):
+        raise RuntimeError(
+            "a ring attention plan reads its mask program's inputs on the host, which a CUDA "
+            "graph cannot record; make the plan before the captured region "
+            "(torch.ops.ringify.attention_plan, passed to the ring op as plan=), or compile "
+            "without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
+        )
     host = _host_copy(inputs)
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
-    key = (geometry, tiles.on_accelerator(device_type), transport, program)
-    key = _content_key(key, host) if host else key
+    site = (geometry, tiles.on_accelerator(device_type), transport, program)
+    key = _content_key(site, host) if host else site
+    _check_captured(site, key)
     if key not in _layouts:
         _layouts.keep(key, _decided(ring, geometry, program, host, transport))
-    return RingPlan(*_layouts.get(key), geometry, transport)
+    return RingPlan(*_layouts.get(key), geometry, transport, key=(site, key))
 
 
 def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) -> tuple:
@@ -271,6 +282,37 @@ class _Memo:
 
 _layouts = _Memo()
 
+# Per site, the content of the plan a CUDA graph recorded its ring calls with. Process-wide
+# because a graph's replay runs none of ringify's code: the plan op, which runs every step,
+# is the one place a stale replay can be caught. A site is a geometry and a program (a few
+# per model), so it stays small.
+_captured: dict[tuple, object] = {}
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def note_captured(plan: RingPlan) -> None:
+    """A ring call on ``plan`` is being recorded into a CUDA graph: every later plan of its
+    site must have its content (``plan_for`` raises otherwise)."""
+    if plan.key is not None:
+        site, content = plan.key
+        _captured[site] = content
+
+
+def _check_captured(site: tuple, content) -> None:
+    if _captured.get(site, content) != content:
+        raise RuntimeError(
+            "this step's attention mask differs from the one a CUDA graph recorded its ring "
+            f"calls with (rows {site[0][2]} per rank, ring of {site[0][1]}): replayed, they "
+            "would run the recorded mask's blocks. Where masks change from step to step "
+            "(padding, packed documents), compile without CUDA graphs "
+            "(torch.compile(..., mode='max-autotune-no-cudagraphs'), or the default mode), "
+            "or keep the mask the same every step (pad every batch to the same lengths)"
+        )
+
 
 def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
     """``key`` and the inputs' shapes, dtypes and bytes, hashed (the inputs are host copies)."""
@@ -296,7 +338,10 @@ def _host_copy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return host
 
 
-@torch.library.custom_op("ringify::attention_plan", mutates_args=())
+# It reads the host: Inductor runs it outside any CUDA graph (``note_captured``).
+@torch.library.custom_op(
+    "ringify::attention_plan", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def attention_plan(
     mask_program: str,
     mask_inputs: list[torch.Tensor],
