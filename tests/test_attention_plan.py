@@ -198,3 +198,26 @@ def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
         pytest.raises(RuntimeError, match=r"torch\.ops\.ringify\.attention_plan"),
     ):
         plan_module.plan_for(*args)
+
+
+def test_a_site_accepts_every_mask_its_cuda_graphs_recorded():
+    """Two plans of one site (program and geometry) with other inputs, both recorded (two
+    attentions of a step): each is accepted again; a third packing raises."""
+    from unittest import mock
+
+    from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import plan as plan_module
+    from ringify.testing.attention import document_causal_program, document_inputs
+
+    ring, program = Ring(None, 0, 2), document_causal_program()
+
+    def plan(lengths):
+        args = (ring, 16, None, True, "contiguous", 32, program, document_inputs(lengths))
+        return plan_module.plan_for(*args, 2, True)
+
+    with mock.patch.dict(plan_module._captured, clear=True):
+        for recorded in [plan([20, 12]), plan([10, 22])]:
+            plan_module.note_captured(recorded)
+        assert plan([20, 12]).key != plan([10, 22]).key
+        with pytest.raises(RuntimeError, match="differs from the one a CUDA graph recorded"):
+            plan([16, 16])

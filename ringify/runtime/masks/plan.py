@@ -282,11 +282,11 @@ class _Memo:
 
 _layouts = _Memo()
 
-# Per site, the content of the plan a CUDA graph recorded its ring calls with. Process-wide
-# because a graph's replay runs none of ringify's code: the plan op, which runs every step,
-# is the one place a stale replay can be caught. A site is a geometry and a program (a few
-# per model), so it stays small.
-_captured: dict[tuple, object] = {}
+# Per site, the contents of the plans CUDA graphs recorded ring calls with (a set: a model
+# may hold two programs of one site with other inputs). Process-wide because a graph's
+# replay runs none of ringify's code: the plan op, which runs every step, is the one place
+# a stale replay can be caught. A site is a geometry and a program: a few per model.
+_captured: dict[tuple, set] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -296,14 +296,14 @@ def capturing(device: torch.device) -> bool:
 
 def note_captured(plan: RingPlan) -> None:
     """A ring call on ``plan`` is being recorded into a CUDA graph: every later plan of its
-    site must have its content (``plan_for`` raises otherwise)."""
+    site must have the content of one so recorded (``plan_for`` raises otherwise)."""
     if plan.key is not None:
         site, content = plan.key
-        _captured[site] = content
+        _captured.setdefault(site, set()).add(content)
 
 
 def _check_captured(site: tuple, content) -> None:
-    if _captured.get(site, content) != content:
+    if site in _captured and content not in _captured[site]:
         raise RuntimeError(
             "this step's attention mask differs from the one a CUDA graph recorded its ring "
             f"calls with (rows {site[0][2]} per rank, ring of {site[0][1]}): replayed, they "
