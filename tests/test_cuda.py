@@ -14,7 +14,7 @@ from test_ring_attention import make_inputs, reference, ring_forward_backward
 from ringify.runtime import ring_attention
 from ringify.runtime.collectives.layout import unshard
 from ringify.testing import RankPool
-from ringify.testing.tolerance import relative_difference, truth_tolerance
+from ringify.testing.tolerance import EXACT, FACTOR, relative_difference, truth_tolerance
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(
@@ -69,23 +69,25 @@ def _cuda_rank(inputs, layout, kwargs):
     return [t.cpu() for t in results]
 
 
-@needs_two_gpus
-def test_reduce_overhead_replays_a_plan_for_its_own_mask_only():
+@needs_cuda
+@pytest.mark.parametrize("ring", [1, pytest.param(2, marks=needs_two_gpus)])
+def test_reduce_overhead_replays_a_plan_for_its_own_mask_only(ring):
     """``torch.compile(mode="reduce-overhead")`` records a ringified model's steps into CUDA
     graphs; the plan op runs outside them (``cudagraph_unsafe``). Steps with the recorded
     packing match the unmodified model (float64), and one with another packing raises on
-    both ranks instead of replaying the recorded plan."""
-    pool = RankPool(2, backend="nccl")
+    every rank instead of replaying the recorded plan. A ring of 1 (one GPU) runs the same
+    plan op and ring ops, with nothing to send."""
+    pool = RankPool(ring, backend="nccl")
     try:
-        results = pool.run(_replayed_rank)
+        results = pool.run(_replayed_rank, ring)
     finally:
         pool.close()
-    for largest, error in results:
-        assert largest <= 1e-10
+    for over_tolerance, error in results:
+        assert over_tolerance <= 1.0
         assert error is not None and "differs from the one a CUDA graph recorded" in error
 
 
-def _replayed_rank():
+def _replayed_rank(ring: int):
     import torch.distributed as dist
 
     from ringify import ringify
@@ -95,7 +97,7 @@ def _replayed_rank():
     torch.manual_seed(0)
     seq = 64
     model = hf_models.llama(layers=2, max_len=4 * seq).double().cuda()
-    compiled = torch.compile(ringify(model, ring_size=2), mode="reduce-overhead")
+    compiled = torch.compile(ringify(model, ring_size=ring), mode="reduce-overhead")
     ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(0)).cuda()
 
     def step(run, lengths):
@@ -107,10 +109,15 @@ def _replayed_rank():
     for _ in range(3):  # a warm-up, a recording and a replay
         got = step(compiled, (16, 24))
     want = step(model, (16, 24))
-    largest = max((got[n] - want[n]).abs().max().item() for n in want)
+
+    def largest(a, b):
+        return max((a[n] - b[n]).abs().max().item() for n in b)
+
+    # HF's loss runs in float32: compiled, it rounds otherwise (measured, as test_ringify)
+    tolerance = max(EXACT, FACTOR * largest(step(torch.compile(model), (16, 24)), want))
     try:
         step(compiled, (16, 40))
         error = None
     except RuntimeError as e:
         error = str(e)
-    return largest, error
+    return largest(got, want) / tolerance, error
