@@ -126,7 +126,8 @@ def replayed_plans():
     """A step recorded into a CUDA graph (its ring calls told they are being captured: this
     CPU has no graphs), then a step with the same packing and one with another. Returns (the
     plan node's cudagraph_unsafe tag, the ring node's, by Inductor's own test; the same
-    packing's largest gradient difference from the unmodified model's; the other's error)."""
+    packing's largest gradient difference from the unmodified model's, recorded and not; the
+    other's error)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -150,9 +151,9 @@ def replayed_plans():
     with mock.patch.dict(plan_module._captured, clear=True):
         step(ringified, (3, 9))  # a warm-up step, as a CUDA graph tree's
         with mock.patch("ringify.runtime.attention.ops.capturing", lambda device: True):
-            step(ringified, (3, 9))  # recorded
+            recorded = step(ringified, (3, 9))
         got, want = step(ringified, (3, 9)), step(model, (3, 9))
-        same = max((got[n] - want[n]).abs().max().item() for n in want)
+        same = max((g[n] - want[n]).abs().max().item() for g in (recorded, got) for n in want)
         try:
             step(ringified, (3, 12))
             error = None

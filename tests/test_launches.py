@@ -42,8 +42,10 @@ class Launches(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def two_calls(name: str):
-    """The launch sequences of two forward-and-backward calls on one plan, after a first."""
+def three_calls(name: str, new_plan_after_first: bool = False):
+    """The launch sequences of three forward-and-backward calls on one plan (or on a second
+    plan of the same mask after the first call: its host answers made, nothing kept), and
+    how many ring calls ran on the last plan."""
     import torch.distributed as dist
 
     seq = ROWS * dist.get_world_size()
@@ -59,6 +61,8 @@ def two_calls(name: str):
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, *geometry, 2)
     sequences = []
     for seed in (0, 1, 2):
+        if seed == 1 and new_plan_after_first:
+            plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, *geometry, 2)
         g = torch.Generator().manual_seed(seed + 10 * dist.get_rank())
         q, k, v, dout = (torch.randn(2, 4, ROWS, 8, generator=g) for _ in range(4))
         k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
@@ -69,14 +73,46 @@ def two_calls(name: str):
             out, lse = ring_attention_op._init_fn(q, k, v, *args)
             ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
         sequences.append(launches.calls)
-    return sequences[1:], plan.calls.total()
+    return sequences, plan.calls.total()
 
 
 @pytest.mark.parametrize("name", ["causal", "padded", "packed", "window"])
 def test_a_plan_launches_the_same_on_every_call(ranks, name):
-    for (first, second), calls in ranks(2).run(two_calls, name):
+    for (_, first, second), calls in ranks(2).run(three_calls, name):
         assert calls == 6  # three forward, three backward calls, all on the plan given
         assert first == second
         ops = {op for op, _ in first}
         assert any("send" in op for op in ops) and any("recv" in op for op in ops), ops
         assert not any("_local_scalar_dense" in op for op in ops)
+
+
+def recorded_calls(name: str):
+    """``three_calls``, each recorded into a CUDA graph (the ops told so: this CPU has none),
+    with a GPU's tiles, kept masks and FA2 varlen calls (which this CPU cannot run)."""
+    from unittest import mock
+
+    from ringify.runtime.attention import ops
+    from ringify.runtime.masks import plan as plan_module
+    from ringify.runtime.tiling import tiles
+
+    with (
+        mock.patch.object(ops, "capturing", lambda device: True),
+        mock.patch.object(ops, "serves_varlen", lambda q: True),
+        mock.patch.object(tiles, "on_accelerator", lambda device_type: True),
+        mock.patch.dict(plan_module._captured, clear=True),
+    ):
+        return three_calls(name, new_plan_after_first=True)
+
+
+@pytest.mark.parametrize("name", ["padded", "packed"])
+def test_a_recorded_call_launches_the_same_from_the_first(ranks, name):
+    """A call being recorded keeps no mask for the next (a graph's memory is its own), so a
+    plan's first call launches what its next does (once the host has worked out the steps:
+    the first plan's call); and it runs no FA2 varlen call, whose sequences a host-to-device
+    copy would bring."""
+    for (_, first, second), calls in ranks(2).run(recorded_calls, name):
+        assert calls == 4
+        assert first == second
+        ops = {op for op, _ in first}
+        varlen = ("aten._flash_attention_forward", "aten._flash_attention_backward")
+        assert not any(op.startswith(varlen) or "_local_scalar_dense" in op for op in ops)

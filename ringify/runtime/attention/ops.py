@@ -212,11 +212,12 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
             f"{plan.geometry[:6]}); make it with attention_plan for this call's ring, rows, "
             "causality, layout and key length"
         )
-    if capturing(q.device):  # a CUDA graph will replay this plan's blocks
+    recording = capturing(q.device)  # a CUDA graph will replay this plan's blocks
+    if recording:
         note_captured(plan)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    return transport, plan.bound_masks(inputs, q.device)
+    return transport, plan.bound_masks(inputs, q.device, recording)
 
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc):

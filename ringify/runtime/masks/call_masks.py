@@ -26,14 +26,15 @@ from ringify.runtime.tiling.tiles import Tile, Visibility
 class CallMasks:
     """``masks``' blocks for a call on ``device`` whose program inputs are ``inputs``; the
     pairs it sees counted into ``counts`` (by each ``Visibility``'s value). (An op's body
-    runs below autograd: nothing computed here from ``inputs`` is recorded.)"""
+    runs below autograd: nothing computed here from ``inputs`` is recorded.) ``varlen``:
+    whether open pairs may run as FA2 varlen calls (not in a CUDA graph's recording)."""
 
     def __init__(
         self, masks: TileMasks, inputs: list[torch.Tensor], device: torch.device,
-        kept: KeptMasks | None, counts: Counter,
+        kept: KeptMasks | None, counts: Counter, varlen: bool = True,
     ) -> None:  # fmt: skip
         self.masks, self.inputs, self.device = masks, inputs, device
-        self.kept, self.counts = kept, counts
+        self.kept, self.counts, self.varlen = kept, counts, varlen
 
     @property
     def program(self) -> MaskProgram | None:
@@ -51,7 +52,7 @@ class CallMasks:
         with their biases (the call's own, made as they are used); a program's from the
         step's blocks, the masked ones with their bias and the varlen calls with their
         sequences on the device. ``count``: the pairs are counted (a forward call)."""
-        masks = self.masks
+        masks, varlen = self.masks, varlen and self.varlen
         if masks.mask is not None:  # a mask tensor: the call's own, biases and all
             counts: Counter = Counter()
             yield from masks.blocks(mine, held, dtype, counts, biased, joinable, False)

@@ -108,11 +108,16 @@ class RingPlan(OpaqueBase):
     def count_call(self) -> None:
         self.calls["kept" if not self.balanced else "balanced"] += 1
 
-    def bound_masks(self, inputs: list[torch.Tensor], device: torch.device) -> CallMasks:
+    def bound_masks(
+        self, inputs: list[torch.Tensor], device: torch.device, recording: bool = False
+    ) -> CallMasks:
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
-        call holds them: the step's kept masks reused and added to, its pairs counted here."""
-        kept = self.kept_masks(device, self.geometry[2])
-        return CallMasks(self.masks, inputs, device, kept, self.tile_pairs)
+        call holds them: the step's kept masks reused and added to, its pairs counted here.
+        ``recording``: the call is being recorded into a CUDA graph, so it keeps no mask for
+        later calls (a graph's memory is its own) and makes no FA2 varlen call (their
+        sequences come from the host, a copy a graph cannot record)."""
+        kept = None if recording else self.kept_masks(device, self.geometry[2])
+        return CallMasks(self.masks, inputs, device, kept, self.tile_pairs, not recording)
 
     def tile_counts(self) -> dict[Visibility, int]:
         """How many tile pairs the forward calls on this plan skipped, ran causal, ran with no
