@@ -61,8 +61,16 @@ def ring_shift(
     if shift > 0 and padded != length:  # the last real positions take the fill, not padding
         positions = take_shard_op(torch.arange(padded, device=x.device), 0, group_name, layout)
         beyond = (positions + k >= length).view([-1] + [1] * (x.dim() - dim - 1))
-        out = torch.where(beyond, torch.as_tensor(fill, dtype=x.dtype, device=x.device), out)
+        out = torch.where(beyond, _fill_value(x, fill), out)
     return out
+
+
+def _fill_value(x: torch.Tensor, fill) -> torch.Tensor:
+    """``fill`` as a 0-d tensor of x's dtype on x's device; a number is filled in there (a
+    kernel), not copied from the host (a copy per call, which a CUDA graph cannot record)."""
+    if isinstance(fill, torch.Tensor):
+        return fill.to(device=x.device, dtype=x.dtype)
+    return torch.full((), fill, dtype=x.dtype, device=x.device)
 
 
 def _fill_block(x: torch.Tensor, dim: int, k: int, fill) -> torch.Tensor:
