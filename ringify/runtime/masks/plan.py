@@ -287,11 +287,11 @@ class _Memo:
 
 _layouts = _Memo()
 
-# Per site, the contents of the plans CUDA graphs recorded ring calls with (a set: a model
-# may hold two programs of one site with other inputs). Process-wide because a graph's
-# replay runs none of ringify's code: the plan op, which runs every step, is the one place
-# a stale replay can be caught. A site is a geometry and a program: a few per model.
-_captured: dict[tuple, set] = {}
+# Per site, the content of the plan CUDA graphs recorded ring calls with. Process-wide
+# because a graph's replay runs none of ringify's code: the plan op, which runs every step,
+# is the one place a stale replay can be caught. A site is a geometry and a program: a few
+# per model.
+_captured: dict[tuple, object] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -301,14 +301,23 @@ def capturing(device: torch.device) -> bool:
 
 def note_captured(plan: RingPlan) -> None:
     """A ring call on ``plan`` is being recorded into a CUDA graph: every later plan of its
-    site must have the content of one so recorded (``plan_for`` raises otherwise)."""
-    if plan.key is not None:
-        site, content = plan.key
-        _captured.setdefault(site, set()).add(content)
+    site must have its content (``plan_for`` raises otherwise). Two attentions of one site
+    with other contents are refused: a later step could bring each the other's mask, and
+    both would pass."""
+    if plan.key is None:
+        return
+    site, content = plan.key
+    if _captured.setdefault(site, content) != content:
+        raise RuntimeError(
+            "two attentions with one mask program and geometry but masks of other values "
+            f"(rows {site[0][2]} per rank, ring of {site[0][1]}) are being recorded into CUDA "
+            "graphs, whose replays cannot tell which mask a step brings each; compile "
+            "without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
+        )
 
 
 def _check_captured(site: tuple, content) -> None:
-    if site in _captured and content not in _captured[site]:
+    if _captured.get(site, content) != content:
         raise RuntimeError(
             "this step's attention mask differs from the one a CUDA graph recorded its ring "
             f"calls with (rows {site[0][2]} per rank, ring of {site[0][1]}): replayed, they "
