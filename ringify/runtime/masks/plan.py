@@ -72,19 +72,19 @@ class RingPlan(OpaqueBase):
     """How the calls of one step run: ``home(rank)`` tiles that rank's shard (its K/V tiles
     travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
     ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
-    ``geometry``: the ring, rows and options it was made for; ``key``: its site and content
-    (``plan_for``), None where nothing it decides reads a tensor's values. ``transport``: ``RING``, K/V
-    tiles travel round the ring; ``ALL_TO_ALL`` (or ``"all-to-all:u"``, the hybrid), an
-    all-to-all inside groups of u ranks gives each rank every row of its group's shards for
-    its share of the heads, and the plan is that of the ring of the groups (one rank's over
-    the whole sequence where u is the ring). ``calls`` and ``tile_pairs``: the ring calls
+    ``geometry``: the ring, rows and options it was made for. ``key``: its site and the
+    content of its program's inputs (``plan_for``), None where it reads no tensor's values.
+    ``transport``: ``RING``, K/V tiles travel round the ring; ``ALL_TO_ALL`` (or
+    ``"all-to-all:u"``, the hybrid), an all-to-all inside groups of u ranks gives each rank
+    every row of its group's shards for its share of the heads, and the plan is that of the
+    ring of the groups (one rank's over the whole sequence where u is the ring). ``calls`` and ``tile_pairs``: the ring calls
     (forward and backward) that ran on it, balanced or not, and the tile pairs they saw."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
                  balanced: bool | None, geometry: tuple, transport: str = RING,
                  key: tuple | None = None) -> None:  # fmt: skip
         self.home, self.queries, self.masks = home, queries, masks
-        self.key = key  # (site, content) of a plan decided from a program's inputs
+        self.key = key
         self.balanced, self.geometry, self.transport = balanced, geometry, transport
         self.calls: Counter = Counter()
         self.tile_pairs: Counter = Counter()  # by the value of each pair's ``Visibility``
@@ -197,10 +197,11 @@ def plan_for(
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
     site = (geometry, tiles.on_accelerator(device_type), transport, program)
     key = _content_key(site, host) if host else site
-    _check_captured(site, key)
+    if host:
+        _check_captured(site, key)
     if key not in _layouts:
         _layouts.keep(key, _decided(ring, geometry, program, host, transport))
-    return RingPlan(*_layouts.get(key), geometry, transport, key=(site, key))
+    return RingPlan(*_layouts.get(key), geometry, transport, key=(site, key) if host else None)
 
 
 def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) -> tuple:
