@@ -66,6 +66,8 @@ def heads_group(transport: str, ring_size: int) -> int:
 
 
 MAX_LAYOUTS = 32  # host-side answers memoised: a model has a few programs, a step one each
+# The fix the errors about CUDA graphs name.
+_NO_GRAPHS = "compile without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
 
 
 class RingPlan(OpaqueBase):
@@ -77,8 +79,9 @@ class RingPlan(OpaqueBase):
     ``transport``: ``RING``, K/V tiles travel round the ring; ``ALL_TO_ALL`` (or
     ``"all-to-all:u"``, the hybrid), an all-to-all inside groups of u ranks gives each rank
     every row of its group's shards for its share of the heads, and the plan is that of the
-    ring of the groups (one rank's over the whole sequence where u is the ring). ``calls`` and ``tile_pairs``: the ring calls
-    (forward and backward) that ran on it, balanced or not, and the tile pairs they saw."""
+    ring of the groups (one rank's over the whole sequence where u is the ring). ``calls``
+    and ``tile_pairs``: the ring calls (forward and backward) that ran on it, balanced or
+    not, and the tile pairs they saw."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
                  balanced: bool | None, geometry: tuple, transport: str = RING,
@@ -190,14 +193,14 @@ def plan_for(
         raise RuntimeError(
             "a ring attention plan reads its mask program's inputs on the host, which a CUDA "
             "graph cannot record; make the plan before the captured region "
-            "(torch.ops.ringify.attention_plan, passed to the ring op as plan=), or compile "
-            "without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
+            "(torch.ops.ringify.attention_plan, passed to the ring op as plan=), or "
+            f"{_NO_GRAPHS}"
         )
     host = _host_copy(inputs)
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
-    site = (geometry, tiles.on_accelerator(device_type), transport, program)
-    key = _content_key(site, host) if host else site
-    if host:
+    site = key = (geometry, tiles.on_accelerator(device_type), transport, program)
+    if host:  # decided from the inputs' values, which a recorded graph's replay must have
+        key = _content_key(site, host)
         _check_captured(site, key)
     if key not in _layouts:
         _layouts.keep(key, _decided(ring, geometry, program, host, transport))
@@ -311,9 +314,8 @@ def note_captured(plan: RingPlan) -> None:
     if _captured.setdefault(site, content) != content:
         raise RuntimeError(
             "two attentions with one mask program and geometry but masks of other values "
-            f"(rows {site[0][2]} per rank, ring of {site[0][1]}) are being recorded into CUDA "
-            "graphs, whose replays cannot tell which mask a step brings each; compile "
-            "without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
+            f"({_where(site)}) are being recorded into CUDA graphs, whose replays cannot tell "
+            f"which mask a step brings each; {_NO_GRAPHS}"
         )
 
 
@@ -321,12 +323,16 @@ def _check_captured(site: tuple, content) -> None:
     if _captured.get(site, content) != content:
         raise RuntimeError(
             "this step's attention mask differs from the one a CUDA graph recorded its ring "
-            f"calls with (rows {site[0][2]} per rank, ring of {site[0][1]}): replayed, they "
-            "would run the recorded mask's blocks. Where masks change from step to step "
-            "(padding, packed documents), compile without CUDA graphs "
-            "(torch.compile(..., mode='max-autotune-no-cudagraphs'), or the default mode), "
-            "or keep the mask the same every step (pad every batch to the same lengths)"
+            f"calls with ({_where(site)}): replayed, they would run the recorded mask's "
+            "blocks. Where masks change from step to step (padding, packed documents), "
+            f"{_NO_GRAPHS}, or keep the mask the same every step (pad every batch to the "
+            "same lengths)"
         )
+
+
+def _where(site: tuple) -> str:
+    geometry = site[0]  # (ring name, ring size, rows, ...)
+    return f"rows {geometry[2]} per rank, ring of {geometry[1]}"
 
 
 def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
