@@ -121,10 +121,16 @@ def measure(case: str, seq: int, ring: int) -> list:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ringify.runtime.collectives import courier
+    from ringify.runtime.masks import captures
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ring)
     try:
-        with mock.patch.object(courier, "start_exchange", _loopback):
+        # each case records its own graphs: the record of recorded plans is the case's own
+        # (padded and packed share a site; in one process, one's recording refuses the other)
+        with (
+            mock.patch.object(courier, "start_exchange", _loopback),
+            mock.patch.dict(captures._captured, clear=True),
+        ):
             calls = op_replay.captured_calls(_step(case, seq, ring))
             times, diff = _eager_and_graph(calls)
     finally:

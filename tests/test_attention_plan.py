@@ -134,7 +134,7 @@ def replayed_plans():
     from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 
     from ringify import ringify
-    from ringify.runtime.masks import plan as plan_module
+    from ringify.runtime.masks import captures
     from ringify.testing import hf_models
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def replayed_plans():
         run(input_ids=ids, labels=ids, position_ids=_packed(seq, lengths)).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    with mock.patch.dict(plan_module._captured, clear=True):
+    with mock.patch.dict(captures._captured, clear=True):
         step(ringified, (3, 9))  # a warm-up step, as a CUDA graph tree's
         with mock.patch("ringify.runtime.attention.ops.capturing", lambda device: True):
             recorded = step(ringified, (3, 9))
@@ -188,6 +188,7 @@ def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
     from unittest import mock
 
     from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import host_inputs
     from ringify.runtime.masks import plan as plan_module
     from ringify.testing.attention import document_causal_program, document_inputs
 
@@ -195,7 +196,7 @@ def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
     args = (ring, 16, None, True, "contiguous", 32, document_causal_program(), inputs, 2, True)
     assert plan_module.plan_for(*args).key is not None
     with (
-        mock.patch.object(plan_module, "capturing", lambda device: True),
+        mock.patch.object(host_inputs, "capturing", lambda device: True),
         pytest.raises(RuntimeError, match=r"torch\.ops\.ringify\.attention_plan"),
     ):
         plan_module.plan_for(*args)
@@ -208,6 +209,7 @@ def test_two_masks_of_one_site_are_not_recorded():
     from unittest import mock
 
     from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import captures
     from ringify.runtime.masks import plan as plan_module
     from ringify.testing.attention import document_causal_program, document_inputs
 
@@ -217,9 +219,32 @@ def test_two_masks_of_one_site_are_not_recorded():
         args = (ring, 16, None, True, "contiguous", 32, program, document_inputs(lengths))
         return plan_module.plan_for(*args, 2, True)
 
-    with mock.patch.dict(plan_module._captured, clear=True):
+    with mock.patch.dict(captures._captured, clear=True):
         first, second = plan([20, 12]), plan([10, 22])
-        plan_module.note_captured(first)
-        plan_module.note_captured(first)
+        captures.note_captured(first.key)
+        captures.note_captured(first.key)
         with pytest.raises(RuntimeError, match="cannot tell which mask a step brings"):
-            plan_module.note_captured(second)
+            captures.note_captured(second.key)
+
+
+def test_a_call_is_in_cuda_graphs_memory_while_graph_trees_run_a_step():
+    """``in_graph_pool``: on a GPU, true while CUDA graph trees warm up, record or replay a
+    step (their manager's path state is not NONE), false before any tree and after a step's
+    memory is freed; never true on the CPU."""
+    from unittest import mock
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from ringify.runtime.masks import captures
+
+    manager = mock.Mock(path_state=trees.ExecutionState.WARMUP)
+    cuda = torch.device("cuda", 0)
+    with (
+        mock.patch("torch.cuda.is_current_stream_capturing", lambda: False),
+        mock.patch.object(trees, "get_manager", lambda index, create_if_none_exists: manager),
+    ):
+        assert captures.in_graph_pool(cuda) and not captures.in_graph_pool(torch.device("cpu"))
+        manager.path_state = trees.ExecutionState.NONE
+        assert not captures.in_graph_pool(cuda)
+        with mock.patch.object(trees, "get_manager", lambda *args, **kwargs: None):
+            assert not captures.in_graph_pool(cuda)

@@ -180,13 +180,13 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     from plans_made import made_plans
 
     from ringify import ringify
-    from ringify.runtime.masks import plan as attention_plan
+    from ringify.runtime.masks import host_inputs
 
     model, inputs = _llama_case(case, N)
     ringified = ringify(model, ring_size=1)
-    copies, copy = [], attention_plan._host_copy
+    copies, copy = [], host_inputs.host_copy
     with mock.patch.object(
-        attention_plan, "_host_copy", lambda x: copies.append(copy(x)) or copies[-1]
+        host_inputs, "host_copy", lambda x: copies.append(copy(x)) or copies[-1]
     ):
         ringified(**inputs).loss.backward()  # on the host: the plans' inputs, recorded
     ringified.to(device="meta", dtype=torch.bfloat16)
@@ -195,7 +195,7 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     replayed = iter(copies)
     with (
         made_plans() as made,
-        mock.patch.object(attention_plan, "_host_copy", lambda x: next(replayed)),
+        mock.patch.object(host_inputs, "host_copy", lambda x: next(replayed)),
         FlashCalls() as log,
         VarlenCalls() as varlen,
         _RingifyBodies() as bodies,
@@ -217,6 +217,25 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     assert set(log.heads) <= {(4, 2)}
     for strides, same_dtype in log.biases:
         assert strides[1] == 0 and strides[2] % 8 == 0 and same_dtype, log.biases
+    assert _plan_arguments(ringified) == ({"cpu"}, {"meta"})
+
+
+def _plan_arguments(ringified) -> tuple[set[str], set[str]]:
+    """The devices of the plan ops' tensor arguments, and of the tensors they were copied
+    from, in the graph traced for the device. Inductor gives the plan (an opaque output) the
+    device of its op's tensors, and on a GPU a plan on the GPU fails its check of a compiled
+    graph's outputs (``_check_triton_bf16_support`` asks each its dtype): host tensors only."""
+    graph = list(ringified._traced.values())[-1].module.graph
+    plans = [n for n in graph.nodes if n.target is torch.ops.ringify.attention_plan.default]
+    assert plans
+    args = [a for n in plans for a in n.all_input_nodes if isinstance(a.meta["val"], torch.Tensor)]
+    copied = [
+        x.meta["val"].device.type
+        for n in graph.nodes
+        if n.target is torch.ops.ringify.host_inputs.default
+        for x in n.all_input_nodes
+    ]
+    return {a.meta["val"].device.type for a in args}, set(copied)
 
 
 class _FromHostData(TorchFunctionMode):

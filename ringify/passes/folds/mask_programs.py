@@ -16,12 +16,15 @@ why.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
+from ringify.runtime.masks.host_inputs import host_inputs
 from ringify.runtime.masks.plan import RING, attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
 
@@ -120,12 +123,26 @@ def step_plan(
         first = next(n for n in state.graph.nodes if n.op == "placeholder")
         latest = max(whole, key=order.__getitem__, default=first)  # no inputs: at the top
         with state.graph.inserting_before(state.after(latest)):
-            args = (text, whole, geo.local, is_causal, state.group_name, geo.layout, geo.length)
-            args += (0, True, transport) if transport != RING else ()
-            plan = call(state.graph, attention_plan._opoverload, args, like=like)
+            host = _on_host(state, whole)
+            args = (text, host, geo.local, is_causal, state.group_name, geo.layout, geo.length)
+            device = val(whole[0]).device.type if whole else ""
+            plan = call(state.graph, attention_plan._opoverload, args, {
+                "transport": transport, "device_type": device}, like=like)  # fmt: skip
         state.place[plan] = None
         state._cache[key] = plan
     return state._cache[key]
+
+
+def _on_host(state: PassState, whole: list[fx.Node]) -> list[fx.Node]:
+    """``whole`` copied to the host by one ``host_inputs`` node: the plan op takes host
+    tensors, so that Inductor makes its output (an opaque value) a host value too."""
+    if not whole:
+        return []
+    copied = call(state.graph, host_inputs._opoverload, (whole,))
+    host = [call(state.graph, operator.getitem, (copied, i)) for i in range(len(whole))]
+    for node in (copied, *host):
+        state.place[node] = None
+    return host
 
 
 def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]]:

@@ -58,8 +58,9 @@ from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
+from ringify.runtime.masks.captures import capturing, in_graph_pool, note_captured
 from ringify.runtime.masks.grads import add_program_grads
-from ringify.runtime.masks.plan import RingPlan, capturing, note_captured, plan_for
+from ringify.runtime.masks.plan import RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.grad_trip import GradSlots
 from ringify.runtime.tiling.moves import narrow_rows
@@ -214,10 +215,11 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         )
     recording = capturing(q.device)  # a CUDA graph will replay this plan's blocks
     if recording:
-        note_captured(plan)
+        note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    return transport, plan.bound_masks(inputs, q.device, recording)
+    keep = not in_graph_pool(q.device)  # nothing outlives a call in CUDA graphs' memory
+    return transport, plan.bound_masks(inputs, q.device, recording, keep)
 
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc):

@@ -7,9 +7,10 @@ asks the same question with the same inputs, in its forward and again in its bac
 FlexAttention answers it once per step with one ``BlockMask``, which travels into every
 ``flex_attention`` call as an argument. So does a ``RingPlan``:
 
-- ``ringify::attention_plan`` copies the program's inputs to the host in one copy (the
-  only device-to-host read of a plan) and builds the plan there, where every decision
-  reads host tensors for free and none is mixed with a device tensor;
+- ``ringify::host_inputs`` copies the program's inputs to the host in one copy (the only
+  device-to-host read of a plan, ``host_inputs.py``) and ``ringify::attention_plan`` builds
+  the plan there, where every decision reads host tensors for free and none is mixed with
+  a device tensor;
 - the graph pass emits one such node per distinct program, inputs and geometry, before the
   first layer; its output, the plan itself (a ``torch.library`` opaque object), is an
   argument of every ring op under it, forward and backward (kept for the backward on the
@@ -39,6 +40,8 @@ from torch._opaque_base import OpaqueBase
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
 from ringify.runtime.masks.call_masks import CallMasks
+from ringify.runtime.masks.captures import check_captured
+from ringify.runtime.masks.host_inputs import host_copy
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
@@ -66,8 +69,6 @@ def heads_group(transport: str, ring_size: int) -> int:
 
 
 MAX_LAYOUTS = 32  # host-side answers memoised: a model has a few programs, a step one each
-# The fix the errors about CUDA graphs name.
-_NO_GRAPHS = "compile without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
 
 
 class RingPlan(OpaqueBase):
@@ -112,14 +113,17 @@ class RingPlan(OpaqueBase):
         self.calls["kept" if not self.balanced else "balanced"] += 1
 
     def bound_masks(
-        self, inputs: list[torch.Tensor], device: torch.device, recording: bool = False
-    ) -> CallMasks:
+        self, inputs: list[torch.Tensor], device: torch.device, recording: bool = False,
+        keep: bool = True,
+    ) -> CallMasks:  # fmt: skip
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
         call holds them: the step's kept masks reused and added to, its pairs counted here.
         ``recording``: the call is being recorded into a CUDA graph, so it keeps no mask for
         later calls (a graph's memory is its own) and makes no FA2 varlen call (their
-        sequences come from the host, a copy a graph cannot record)."""
-        kept = None if recording else self.kept_masks(device, self.geometry[2])
+        sequences come from the host, a copy a graph cannot record). ``keep=False``: it
+        neither reuses nor keeps masks (it runs in CUDA graphs' memory pool)."""
+        keeping = keep and not recording
+        kept = self.kept_masks(device, self.geometry[2]) if keeping else None
         return CallMasks(self.masks, inputs, device, kept, self.tile_pairs, not recording)
 
     def tile_counts(self) -> dict[Visibility, int]:
@@ -189,19 +193,12 @@ def plan_for(
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
         return RingPlan(home, home, masks, None, geometry)
-    if inputs and capturing(inputs[0].device):
-        raise RuntimeError(
-            "a ring attention plan reads its mask program's inputs on the host, which a CUDA "
-            "graph cannot record; make the plan before the captured region "
-            "(torch.ops.ringify.attention_plan, passed to the ring op as plan=), or "
-            f"{_NO_GRAPHS}"
-        )
-    host = _host_copy(inputs)
+    host = host_copy(inputs)  # the plan op's are host copies already: a small clone
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
     site = key = (geometry, tiles.on_accelerator(device_type), transport, program)
     if host:  # decided from the inputs' values, which a recorded graph's replay must have
         key = _content_key(site, host)
-        _check_captured(site, key)
+        check_captured(site, key)
     if key not in _layouts:
         _layouts.keep(key, _decided(ring, geometry, program, host, transport))
     return RingPlan(*_layouts.get(key), geometry, transport, key=(site, key) if host else None)
@@ -291,49 +288,6 @@ class _Memo:
 
 _layouts = _Memo()
 
-# Per site, the content of the plan CUDA graphs recorded ring calls with. Process-wide
-# because a graph's replay runs none of ringify's code: the plan op, which runs every step,
-# is the one place a stale replay can be caught. A site is a geometry and a program: a few
-# per model.
-_captured: dict[tuple, object] = {}
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being recorded into a CUDA graph now."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def note_captured(plan: RingPlan) -> None:
-    """A ring call on ``plan`` is being recorded into a CUDA graph: every later plan of its
-    site must have its content (``plan_for`` raises otherwise). Two attentions of one site
-    with other contents are refused: a later step could bring each the other's mask, and
-    both would pass."""
-    if plan.key is None:
-        return
-    site, content = plan.key
-    if _captured.setdefault(site, content) != content:
-        raise RuntimeError(
-            "two attentions with one mask program and geometry but masks of other values "
-            f"({_where(site)}) are being recorded into CUDA graphs, whose replays cannot tell "
-            f"which mask a step brings each; {_NO_GRAPHS}"
-        )
-
-
-def _check_captured(site: tuple, content) -> None:
-    if _captured.get(site, content) != content:
-        raise RuntimeError(
-            "this step's attention mask differs from the one a CUDA graph recorded its ring "
-            f"calls with ({_where(site)}): replayed, they would run the recorded mask's "
-            "blocks. Where masks change from step to step (padding, packed documents), "
-            f"{_NO_GRAPHS}, or keep the mask the same every step (pad every batch to the "
-            "same lengths)"
-        )
-
-
-def _where(site: tuple) -> str:
-    geometry = site[0]  # (ring name, ring size, rows, ...)
-    return f"rows {geometry[2]} per rank, ring of {geometry[1]}"
-
 
 def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
     """``key`` and the inputs' shapes, dtypes and bytes, hashed (the inputs are host copies)."""
@@ -344,22 +298,7 @@ def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _host_copy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The inputs on the host, in one device-to-host read (their bytes side by side)."""
-    if not inputs:
-        return []
-    inputs = [x.detach().contiguous() for x in inputs]
-    raw = torch.cat([x.reshape(-1).view(torch.uint8) for x in inputs])
-    raw = torch.from_numpy((raw if raw.device.type == "cpu" else raw.cpu()).numpy())
-    host, start = [], 0
-    for x in inputs:
-        size = x.numel() * x.element_size()
-        host.append(raw[start : start + size].clone().view(x.dtype).view(x.shape))  # aligned
-        start += size
-    return host
-
-
-# It reads the host: Inductor runs it outside any CUDA graph (``note_captured``).
+# Its inputs' values decide: Inductor runs it outside any CUDA graph (``captures.py``).
 @torch.library.custom_op(
     "ringify::attention_plan", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
 )
@@ -374,18 +313,22 @@ def attention_plan(
     tiles_per_chunk: int = 0,
     balance: bool = True,
     transport: str = RING,
+    device_type: str = "",
 ) -> RingPlan:
     """The plan of every ring call under this program with these inputs (for a call with no
-    program, of every call of this geometry); the ring ops take it as their ``plan``."""
+    program, of every call of this geometry); the ring ops take it as their ``plan``. The
+    graph gives it ``mask_inputs`` on the host (``host_inputs.py``) and names the
+    ``device_type`` its ring calls run on."""
     ring = ring_by_name(group_name)
     args = (None, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk, balance)
-    device_type = _device_type(ring, mask_inputs)
+    device_type = device_type or _device_type(ring, mask_inputs)
     return plan_for(ring, rows, *args, device_type=device_type, transport=transport)
 
 
 def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
-    """The device the ring calls of this plan run on, for its tile size: the program
-    inputs', else CUDA where the ring's backend moves CUDA tensors and there is a GPU."""
+    """The device the ring calls of this plan run on, for its tile size, where no one named
+    it: the program inputs', else CUDA where the ring's backend moves CUDA tensors and there
+    is a GPU."""
     if inputs:
         return inputs[0].device.type
     served = served_devices(ring) if ring.group is not None else set()
