@@ -113,6 +113,7 @@ def opcheck_beside_the_ring(name: str) -> None:
     # its output is a plan, not a tensor: AOT dispatch's check compares tensors alone
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.ringify.attention_plan.default, plan_args, test_utils=checks)
+    torch.library.opcheck(torch.ops.ringify.host_inputs.default, (inputs,))
     g = torch.Generator().manual_seed(0)
     q, k, v, k_new, v_new = (
         torch.randn(2, heads, rows, 4, generator=g, dtype=torch.float64)
@@ -402,7 +403,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (24): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (25): a new op must join it."""
     import inspect
 
     import ringify  # noqa: F401  (registers every op the pass writes)
@@ -414,4 +415,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 24 and checked == registered, registered - checked
+    assert len(registered) == 25 and checked == registered, registered - checked

@@ -31,7 +31,9 @@ def in_graph_pool(device: torch.device) -> bool:
     """Whether a call on ``device`` runs in a step of Inductor's CUDA graph trees (warm-up
     as well as recording): its allocations go to the graphs' private pool, where a tensor
     that outlives the call without being an output fails the trees' check of the pool (and
-    a replay would overwrite it). Such a call keeps no mask for the step's later calls."""
+    a replay would overwrite it). Such a call keeps no mask for the step's later calls. It
+    errs one way only: an eager call on the device while the trees hold a step's memory
+    keeps none either, costing time, never a wrong result."""
     if device.type != "cuda":
         return False
     if torch.cuda.is_current_stream_capturing():
