@@ -70,6 +70,45 @@ def _cuda_rank(inputs, layout, kwargs):
 
 
 @needs_cuda
+def test_a_compiled_float32_step_matches_the_model():
+    """``torch.compile`` (default mode) of a float32 ringified Llama on one GPU: each
+    parameter's gradient within ``truth_tolerance`` of the float64 model's, its reference
+    the compiled unmodified model's. The plan is a host value to Inductor: made from GPU
+    tensors, it failed Inductor's bf16 check of a graph with no bf16 input (seen on an H100)."""
+    pool = RankPool(1, backend="nccl")
+    try:
+        (over,) = pool.run(_compiled_float32_rank)
+    finally:
+        pool.close()
+    assert over <= 1.0
+
+
+def _compiled_float32_rank() -> float:
+    from ringify import ringify
+    from ringify.testing import hf_models
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    seq = 64
+    model = hf_models.llama(layers=2, max_len=4 * seq).cuda()
+    ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = _packed(seq, (16, 24)).cuda()
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    got = grads(torch.compile(ringify(model, ring_size=1)))
+    reference = grads(torch.compile(model))
+    truth = grads(model.double())
+    return max(
+        relative_difference(got[n], truth[n]) / truth_tolerance(reference[n], truth[n])
+        for n in truth
+    )
+
+
+@needs_cuda
 @pytest.mark.parametrize("ring", [1, pytest.param(2, marks=needs_two_gpus)])
 def test_reduce_overhead_replays_a_plan_for_its_own_mask_only(ring):
     """``torch.compile(mode="reduce-overhead")`` records a ringified model's steps into CUDA
