@@ -239,10 +239,7 @@ def test_a_call_is_in_cuda_graphs_memory_while_graph_trees_run_a_step():
 
     manager = mock.Mock(path_state=trees.ExecutionState.WARMUP)
     cuda = torch.device("cuda", 0)
-    with (
-        mock.patch("torch.cuda.is_current_stream_capturing", lambda: False),
-        mock.patch.object(trees, "get_manager", lambda index, create_if_none_exists: manager),
-    ):
+    with mock.patch.object(trees, "get_manager", lambda index, create_if_none_exists: manager):
         assert captures.in_graph_pool(cuda) and not captures.in_graph_pool(torch.device("cpu"))
         manager.path_state = trees.ExecutionState.NONE
         assert not captures.in_graph_pool(cuda)

@@ -218,7 +218,8 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    keep = not in_graph_pool(q.device)  # nothing outlives a call in CUDA graphs' memory
+    # nothing outlives a call whose memory a CUDA graph owns
+    keep = not (recording or in_graph_pool(q.device))
     return transport, plan.bound_masks(inputs, q.device, recording, keep)
 
 

@@ -36,8 +36,6 @@ def in_graph_pool(device: torch.device) -> bool:
     keeps none either, costing time, never a wrong result."""
     if device.type != "cuda":
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return True
     # Loaded once torch.compile has made CUDA graph trees; never loaded here to ask.
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:

@@ -118,12 +118,10 @@ class RingPlan(OpaqueBase):
     ) -> CallMasks:  # fmt: skip
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
         call holds them: the step's kept masks reused and added to, its pairs counted here.
-        ``recording``: the call is being recorded into a CUDA graph, so it keeps no mask for
-        later calls (a graph's memory is its own) and makes no FA2 varlen call (their
-        sequences come from the host, a copy a graph cannot record). ``keep=False``: it
-        neither reuses nor keeps masks (it runs in CUDA graphs' memory pool)."""
-        keeping = keep and not recording
-        kept = self.kept_masks(device, self.geometry[2]) if keeping else None
+        ``recording``: the call is being recorded into a CUDA graph, so it makes no FA2
+        varlen call (their sequences come from the host, a copy a graph cannot record).
+        ``keep=False``: it neither reuses nor keeps masks (a CUDA graph owns its memory)."""
+        kept = self.kept_masks(device, self.geometry[2]) if keep else None
         return CallMasks(self.masks, inputs, device, kept, self.tile_pairs, not recording)
 
     def tile_counts(self) -> dict[Visibility, int]:
@@ -193,7 +191,9 @@ def plan_for(
         home = _home(ring, geometry, attn_mask, program)
         masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
         return RingPlan(home, home, masks, None, geometry)
-    host = host_copy(inputs)  # the plan op's are host copies already: a small clone
+    # the plan keeps copies of its own: the plan op's inputs are host tensors already, but
+    # Inductor may reuse their buffers once the op has run
+    host = host_copy(inputs)
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
     site = key = (geometry, tiles.on_accelerator(device_type), transport, program)
     if host:  # decided from the inputs' values, which a recorded graph's replay must have
