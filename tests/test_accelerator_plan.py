@@ -1,9 +1,9 @@
 """An accelerator's plan, exact on the CPU. On a GPU the op cuts a chunk into as few tiles as
-keep each under 16384 rows, keeps a step's masks on the device for every later layer, runs a
-mostly visible open pair as one masked call and joins a step's whole pairs; on the CPU none of
-it runs (``tiles.on_accelerator``). Here it is switched on for CPU tensors, and two layers
-sharing one plan are compared with SDPA on the full sequence in float64, forward and
-backward: the second layer runs on the masks the first one kept."""
+keep each under 16384 rows, makes a step's masks on the device once for every layer
+(``ringify::step_masks``), runs a mostly visible open pair as one masked call and joins a
+step's whole pairs; on the CPU none of it runs (``tiles.on_accelerator``). Here it is
+switched on for CPU tensors, and two layers sharing one plan and its step masks are compared
+with SDPA on the full sequence in float64, forward and backward: neither evaluates a mask."""
 
 from __future__ import annotations
 
@@ -58,12 +58,14 @@ def _case(name: str):
     return program.text(), [], causal & (pos[:, None] - pos[None, :] < window)
 
 
-def two_layers_on_an_accelerator_plan(name: str):
+def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
     """On every rank: the largest relative difference from SDPA of two layers' outputs and
-    q/k/v gradients, how many masks the step kept, and the forward's kernel calls per layer."""
+    q/k/v gradients, how many masks the step's masks hold, the forward's kernel calls per
+    layer, and how many masks the layers evaluated themselves."""
     import torch.distributed as dist
 
     from ringify.runtime.attention import ops
+    from ringify.runtime.masks import call_masks, step_layout
     from ringify.runtime.tiling import tiles
 
     program, inputs, mask = _case(name)
@@ -74,7 +76,8 @@ def two_layers_on_an_accelerator_plan(name: str):
     want.backward(full[3])
     expected = [want.detach(), *(x.grad for x in leaves)]
     group, rows = dist.group.WORLD.group_name, SEQ // 2
-    worst, calls, block = 0.0, [], ops.block_forward
+    worst, calls, evaluated = 0.0, [], []
+    block, evaluate = ops.block_forward, call_masks.evaluate
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[2])
@@ -83,25 +86,42 @@ def two_layers_on_an_accelerator_plan(name: str):
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
         mock.patch.object(ops, "block_forward", counted),
+        mock.patch.object(call_masks, "evaluate", lambda *a: evaluated.append(1) or evaluate(*a)),
+        # float64 biases: four times a bf16 step's bytes, within ``budget`` times its budget
+        mock.patch.object(
+            step_layout, "KEPT_BYTES_PER_ROW", budget * step_layout.KEPT_BYTES_PER_ROW
+        ),
     ):
         plan = torch.ops.ringify.attention_plan(program, inputs, rows, False, group, "zigzag", SEQ)
-        for _ in range(2):  # two layers of one step: the second reuses the kept masks
+        cpu = torch.device("cpu")
+        step_masks = list(torch.ops.ringify.step_masks(inputs, plan, torch.float64, False, cpu))
+        for _ in range(2):  # two layers of one step, on its masks
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
             spec = AttentionSpec(group, 0.5, layout="zigzag", mask_program=program)
-            out, _ = torch.ops.ringify.ring_attention(q, k, v, None, inputs, SEQ, spec, plan)
+            args = (None, inputs, SEQ, spec, plan, None, step_masks)
+            out, _ = torch.ops.ringify.ring_attention(q, k, v, *args)
             out.backward(shard(full[3], 2, layout="zigzag"))
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
                 ref = shard(ref, 2, layout="zigzag")
                 worst = max(worst, relative_difference(got.detach(), ref))
-        kept = len(plan.kept_masks(torch.device("cpu"), rows))
-    return worst, kept, len(calls) / 2
+        kept = len(plan.step_layout(torch.float64, False).biases)
+    return worst, kept, len(calls) / 2, len(evaluated)
 
 
-@pytest.mark.parametrize("name", ["packed", "window", "padded"])
+@pytest.mark.parametrize("name", ["packed", "window", "padded", "packed, padded"])
 def test_an_accelerators_plan_is_exact(ranks, name):
-    for worst, kept, calls in ranks(2).run(two_layers_on_an_accelerator_plan, name):
+    for worst, kept, calls, evaluated in ranks(2).run(two_layers_on_an_accelerator_plan, name):
         assert worst <= EXACT, worst
-        if name == "padded":  # no mask to keep: one call per step, as is_causal makes
+        assert evaluated == 0  # every mask came from the step's masks
+        if name == "padded":  # no mask: one call per step, as is_causal makes
             assert calls == 2, calls  # the padding keys cut off the shard's causal call
         else:
-            assert kept > 0  # the masks were kept by the first layer and read by the second
+            assert kept > 0  # the step's masks hold them, read by both layers
+
+
+def test_masks_beyond_the_budget_are_made_in_the_call(ranks):
+    """The step's masks hold at most ``KEPT_BYTES_PER_ROW`` per query row: the blocks beyond
+    (float64 at a bf16 budget) are evaluated in each call, exactly."""
+    for worst, kept, _, evaluated in ranks(2).run(two_layers_on_an_accelerator_plan, "packed", 1):
+        assert worst <= EXACT, worst
+        assert kept > 0 and evaluated > 0, (kept, evaluated)

@@ -225,23 +225,3 @@ def test_two_masks_of_one_site_are_not_recorded():
         captures.note_captured(first.key)
         with pytest.raises(RuntimeError, match="cannot tell which mask a step brings"):
             captures.note_captured(second.key)
-
-
-def test_a_call_is_in_cuda_graphs_memory_while_graph_trees_run_a_step():
-    """``in_graph_pool``: on a GPU, true while CUDA graph trees warm up, record or replay a
-    step (their manager's path state is not NONE), false before any tree and after a step's
-    memory is freed; never true on the CPU."""
-    from unittest import mock
-
-    from torch._inductor import cudagraph_trees as trees
-
-    from ringify.runtime.masks import captures
-
-    manager = mock.Mock(path_state=trees.ExecutionState.WARMUP)
-    cuda = torch.device("cuda", 0)
-    with mock.patch.object(trees, "get_manager", lambda index, create_if_none_exists: manager):
-        assert captures.in_graph_pool(cuda) and not captures.in_graph_pool(torch.device("cpu"))
-        manager.path_state = trees.ExecutionState.NONE
-        assert not captures.in_graph_pool(cuda)
-        with mock.patch.object(trees, "get_manager", lambda *args, **kwargs: None):
-            assert not captures.in_graph_pool(cuda)

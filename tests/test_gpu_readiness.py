@@ -47,9 +47,10 @@ def meta_tensors() -> tuple[torch.Tensor, ...]:
     return meta(1, 4, N, 64), meta(1, 2, N, 64), meta(1, 2, N, 64), meta(1, 4, N, 64)
 
 
-def layer_bodies(program: str, inputs, plan, q, k, v, dout) -> None:
+def layer_bodies(program: str, inputs, plan, q, k, v, dout, step_masks=None) -> None:
     """One layer's ring op bodies (not their fake kernels), forward then backward."""
-    args = (None, inputs, KEYS, AttentionSpec("", 0.125, mask_program=program), plan)
+    spec = AttentionSpec("", 0.125, mask_program=program)
+    args = (None, inputs, KEYS, spec, plan, None, step_masks)
     out, lse = ring_attention_op._init_fn(q, k, v, *args)
     ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
 
@@ -103,25 +104,31 @@ class _ProgramOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("name", ["packed", "window"])
 def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
-    """The first call of a step evaluates each masked block's mask on the device and keeps it
-    for the step (the plan's life), as the kernel's bias: another layer's forward and
-    every backward evaluate nothing and make no bias. A call with no plan (outside a
+    """``ringify::step_masks`` evaluates each masked block's mask on the device once per step,
+    as the kernel's bias, and the sequences of its FA2 varlen calls: every layer's forward
+    and backward given them evaluate nothing and make no bias. A call given none (outside a
     ringified graph) evaluates its own."""
+    from ringify.runtime.masks.step_masks import make_step_masks
+
     program, host, _ = _case(name)
     ops = {"packed": {"eq.Tensor"}, "window": {"lt.Scalar"}}[name]  # the program's own ops
     ops |= {"log_.default"}  # a bool mask made a bias (``additive_mask``)
     q, k, v, dout = meta_tensors()
     inputs = [x.to("meta") for x in host]
-    plan = torch.ops.ringify.attention_plan(program, host, N, False, *GEOMETRY, TILES)
-    with _ProgramOps(ops) as first:
-        layer_bodies(program, inputs, plan, q, k, v, dout)
-    with _ProgramOps(ops) as later:
-        layer_bodies(program, inputs, plan, q, k, v, dout)
+    plan = torch.ops.ringify.attention_plan(
+        program, host, N, False, *GEOMETRY, TILES, device_type="cuda"
+    )
+    with _ProgramOps(ops) as made:
+        step_masks = list(make_step_masks(inputs, plan, q.dtype, True, q.device))
+    with _ProgramOps(ops) as layers:
+        for _ in range(2):
+            layer_bodies(program, inputs, plan, q, k, v, dout, step_masks)
     small = [torch.zeros(*x.shape[:3], 2) for x in (q, k, v, dout)]  # no plan: on the host
     with _ProgramOps(ops) as unplanned:
         layer_bodies(program, host, None, *small[:3], small[3])
-    assert first.count > 0 and later.count == 0
-    assert unplanned.count >= 2 * first.count  # its forward and its backward, each
+    assert made.count > 0 and layers.count == 0
+    assert unplanned.count > 0
+    assert step_masks[0].numel() + step_masks[1].numel() > 0  # biases or varlen sequences
 
 
 class _RingifyBodies(TorchDispatchMode):

@@ -1,7 +1,9 @@
 """For a given plan, the ring op issues the same kernels and transfers, with the same shapes,
 on every call after the first, whatever the values of q, k and v: what CUDA-graph capture
 needs (``torch.compile(mode="reduce-overhead")`` warms up, then records). The first call of a
-plan also works out each step's blocks on the host and keeps them on the plan. Held on CPU:
+plan also works out each step's blocks on the host and keeps them on the plan. Given the
+step's masks (``ringify::step_masks``), a call recorded into a CUDA graph launches what an
+eager one does, FA2 varlen calls included, and evaluates no mask. Held on CPU:
 every op the forward and backward bodies dispatch (kernels, views, P2P sends and receives) is
 recorded with its arguments' shapes, dtypes and strides, for two calls on the same plan with
 different q, k and v, on 2 gloo ranks, for a causal, a right-padded, a packed-document and a
@@ -42,10 +44,11 @@ class Launches(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def three_calls(name: str, new_plan_after_first: bool = False):
+def three_calls(name: str, new_plan_after_first: bool = False, given: bool = False):
     """The launch sequences of three forward-and-backward calls on one plan (or on a second
-    plan of the same mask after the first call: its host answers made, nothing kept), and
-    how many ring calls ran on the last plan."""
+    plan of the same mask after the first call: its host answers made), and how many ring
+    calls ran on the last plan. ``given``: each plan's step masks are made, outside the
+    calls, and given to them."""
     import torch.distributed as dist
 
     seq = ROWS * dist.get_world_size()
@@ -68,7 +71,10 @@ def three_calls(name: str, new_plan_after_first: bool = False):
         k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
         name, layout, key_len = geometry
         spec = AttentionSpec(name, 0.35, False, layout, 0.0, program, 2)
-        args = (None, inputs, key_len, spec, plan)
+        step_masks = None
+        if given:
+            step_masks = list(torch.ops.ringify.step_masks(inputs, plan, q.dtype, False, q.device))
+        args = (None, inputs, key_len, spec, plan, None, step_masks)
         with Launches() as launches:  # the ops' bodies: a mode sees a custom op as one op
             out, lse = ring_attention_op._init_fn(q, k, v, *args)
             ring_attention_backward_op._init_fn(dout, q, k, v, out, lse, *args)
@@ -88,65 +94,77 @@ def test_a_plan_launches_the_same_on_every_call(ranks, name):
 
 def recorded_calls(name: str):
     """``three_calls``, each recorded into a CUDA graph (the ops told so: this CPU has none),
-    with a GPU's tiles, kept masks and FA2 varlen calls (which this CPU cannot run)."""
+    with a GPU's tiles and the step's masks given; and how many masks the calls evaluated."""
     from unittest import mock
 
     from ringify.runtime.attention import ops
-    from ringify.runtime.masks import captures
+    from ringify.runtime.masks import call_masks, captures
     from ringify.runtime.tiling import tiles
 
+    evaluated = []
+
+    def evaluate(*args):
+        evaluated.append(args[2:4])
+        return call_masks_evaluate(*args)
+
+    call_masks_evaluate = call_masks.evaluate
     with (
         mock.patch.object(ops, "capturing", lambda device: True),
-        mock.patch.object(ops, "serves_varlen", lambda q: True),
         mock.patch.object(tiles, "on_accelerator", lambda device_type: True),
+        mock.patch.object(call_masks, "evaluate", evaluate),
         mock.patch.dict(captures._captured, clear=True),
     ):
-        return three_calls(name, new_plan_after_first=True)
+        return three_calls(name, new_plan_after_first=True, given=True), len(evaluated)
 
 
-@pytest.mark.parametrize("name", ["padded", "packed"])
+@pytest.mark.parametrize("name", ["padded", "packed", "window"])
 def test_a_recorded_call_launches_the_same_from_the_first(ranks, name):
-    """A call being recorded keeps no mask for the next (a graph's memory is its own), so a
-    plan's first call launches what its next does (once the host has worked out the steps:
-    the first plan's call); and it runs no FA2 varlen call, whose sequences a host-to-device
-    copy would bring."""
-    for (_, first, second), calls in ranks(2).run(recorded_calls, name):
+    """Given the step's masks, a call being recorded evaluates none of them (a plan's first
+    call launches what its next does, once the host has worked out the steps: the first
+    plan's call), and reads nothing on the host."""
+    for ((_, first, second), calls), evaluated in ranks(2).run(recorded_calls, name):
         assert calls == 4
         assert first == second
-        ops = {op for op, _ in first}
-        varlen = ("aten._flash_attention_forward", "aten._flash_attention_backward")
-        assert not any(op.startswith(varlen) or "_local_scalar_dense" in op for op in ops)
+        assert evaluated == 0
+        assert not any("_local_scalar_dense" in op for op, _ in first)
 
 
-def kept_after_a_call(in_pool: bool) -> int:
-    """How many masks a packed plan keeps after one forward call with a GPU's tiles, the
-    call run in CUDA graphs' memory pool (``in_pool``: a warm-up of CUDA graph trees) or not."""
+def varlen_blocks_recorded(given: bool) -> tuple[int, int]:
+    """A packed plan with a GPU's tiles and FA2 varlen calls, one call being recorded into a
+    CUDA graph: how many of its blocks are varlen calls, and how many of their sequences are
+    views of the step's masks (``given``) rather than copies."""
     from unittest import mock
 
     import torch.distributed as dist
 
-    from ringify.runtime.attention import ops
     from ringify.runtime.tiling import tiles
+    from ringify.runtime.tiling.schedule import sub_ring, sub_rings
 
-    seq = ROWS * dist.get_world_size()
-    program, inputs = document_causal_program(), document_inputs([30, seq - 50, 20])
+    seq = 4096 * dist.get_world_size()
+    program, inputs = document_causal_program(), document_inputs([1500, seq - 2600, 1100])
     geometry = (dist.group.WORLD.group_name, "zigzag", seq)
-    with (
-        mock.patch.object(ops, "in_graph_pool", lambda device: in_pool),
-        mock.patch.object(tiles, "on_accelerator", lambda device_type: True),
-    ):
-        plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, *geometry, 2)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        q, k, v = (torch.randn(2, 4, ROWS, 8, generator=g) for _ in range(3))
-        spec = AttentionSpec(geometry[0], 0.35, False, "zigzag", 0.0, program, 2)
-        ring_attention_op._init_fn(q, k[:, :2], v[:, :2], None, inputs, seq, spec, plan)
-    return sum(len(kept) for kept in plan._kept.values())
+    with mock.patch.object(tiles, "on_accelerator", lambda device_type: True):
+        plan = torch.ops.ringify.attention_plan(program, inputs, 4096, False, *geometry)
+        made = torch.ops.ringify.step_masks(inputs, plan, torch.bfloat16, True, torch.device("cpu"))
+        step_masks = list(made) if given else None
+        masks = plan.bound_masks(
+            inputs, torch.device("cpu"), torch.bfloat16, True, step_masks, True
+        )
+        rank, varlen, views = dist.get_rank(), 0, 0
+        mine, own = plan.queries(rank), sub_rings(plan.home, rank)[0]
+        for s in range(dist.get_world_size()):
+            held = sub_ring(plan.home, (rank - s) % dist.get_world_size(), 0).tiles
+            joinable = s > 0 or own.adjacent  # as the ring's visits hold them
+            for b in masks.pairs(mine, held, torch.bfloat16, joinable=joinable, varlen=True):
+                if b.varlen is not None:
+                    varlen += 1
+                    views += b.varlen.cu.untyped_storage().data_ptr() == made[1].data_ptr()
+    return varlen, views
 
 
-def test_a_call_in_cuda_graphs_memory_keeps_no_mask(ranks):
-    """CUDA graph trees warm a step up with its allocations in the graphs' private pool, and
-    fail a step that leaves a tensor there that is not an output: a ring call run there
-    keeps no mask on the plan for the step's later calls (one run elsewhere does)."""
-    kept = ranks(2).run(kept_after_a_call, False)
-    assert all(n > 0 for n in kept), kept
-    assert ranks(2).run(kept_after_a_call, True) == [0, 0]
+def test_a_recorded_call_runs_varlen_calls_on_the_step_masks(ranks):
+    """A recorded call cannot copy varlen sequences from the host: given the step's masks,
+    it runs FA2 varlen calls on views of them; without, none."""
+    for varlen, views in ranks(2).run(varlen_blocks_recorded, True):
+        assert varlen > 0 and views == varlen
+    assert ranks(2).run(varlen_blocks_recorded, False) == [(0, 0), (0, 0)]

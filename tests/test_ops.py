@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
 from ringify.runtime.collectives.ring import ring_by_name
+from ringify.runtime.tiling import tiles
 from ringify.testing import RankPool
 from ringify.testing.attention import model_layout
 
@@ -114,6 +117,11 @@ def opcheck_beside_the_ring(name: str) -> None:
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.ringify.attention_plan.default, plan_args, test_utils=checks)
     torch.library.opcheck(torch.ops.ringify.host_inputs.default, (inputs,))
+    with mock.patch.object(tiles, "on_accelerator", lambda device_type: True):  # laid out
+        plan = torch.ops.ringify.attention_plan(*plan_args)
+        for dtype in (torch.float64, torch.bfloat16):
+            args = (inputs, plan, dtype, False, torch.device("cpu"))
+            torch.library.opcheck(torch.ops.ringify.step_masks.default, args, test_utils=checks)
     g = torch.Generator().manual_seed(0)
     q, k, v, k_new, v_new = (
         torch.randn(2, heads, rows, 4, generator=g, dtype=torch.float64)
@@ -415,4 +423,4 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 25 and checked == registered, registered - checked
+    assert len(registered) == 26 and checked == registered, registered - checked

@@ -24,9 +24,12 @@ from torch import fx
 from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
+from ringify.runtime.attention.flash import serves_varlen
+from ringify.runtime.attention.outputs import bias_dtype
 from ringify.runtime.masks.host_inputs import host_inputs
 from ringify.runtime.masks.plan import RING, attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
+from ringify.runtime.masks.step_masks import step_masks
 
 aten = torch.ops.aten
 MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
@@ -130,6 +133,25 @@ def step_plan(
                 "transport": transport, "device_type": device}, like=like)  # fmt: skip
         state.place[plan] = None
         state._cache[key] = plan
+    return state._cache[key]
+
+
+def step_masks_of(
+    state: PassState, plan: fx.Node, whole: list[fx.Node], q: fx.Node, softcap: float
+) -> list[fx.Node]:
+    """The ``step_masks`` of ``plan`` for ring calls of ``q`` (their bias dtype, whether they
+    run FA2 varlen calls): made once per graph, right after the plan, from the program's
+    inputs ``whole`` on the device (``runtime/masks/step_masks.py``)."""
+    q_val = val(q)
+    varlen = serves_varlen(q_val) and not softcap  # as the ring op decides it
+    key = ("step masks", plan, bias_dtype(q_val), varlen, q_val.device)
+    if key not in state._cache:
+        with state.graph.inserting_before(state.after(plan)):
+            made = call(state.graph, step_masks._opoverload, (whole, plan, *key[2:]), like=q)
+            tensors = [call(state.graph, operator.getitem, (made, i)) for i in range(2)]
+        for node in (made, *tensors):
+            state.place[node] = None
+        state._cache[key] = tensors
     return state._cache[key]
 
 

@@ -20,7 +20,12 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.handwritten import FORM_NOTE
-from ringify.passes.folds.mask_programs import MASK_NOTE, program_inputs, step_plan
+from ringify.passes.folds.mask_programs import (
+    MASK_NOTE,
+    program_inputs,
+    step_masks_of,
+    step_plan,
+)
 from ringify.passes.graph.attention_nodes import Attention, read_attention
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import call, shape, val
@@ -88,7 +93,7 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         return
     geo, g = state.geo, state.graph
     q_shape = shape(att.q)
-    causal, mask, program, inputs, plan = att.is_causal, None, "", [], None
+    causal, mask, program, inputs, plan, given = att.is_causal, None, "", [], None, None
     kind = MaskKind.CAUSAL if att.is_causal else MaskKind.NONE
     transport, note = choose_transport(att, state)
     if att.mask is not None and att.mask.target is program_mask:
@@ -103,7 +108,9 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
         q, k, v = _equal_head_dims(att, state)
         if dilation is None:
             spec = AttentionSpec(state.group_name, scale, causal, geo.layout, att.softcap, program)
-            args = (q, k, v, mask, inputs, geo.length, spec, plan, _sinks(att, state))
+            if program:  # the step's masks, made once beside the plan
+                given = step_masks_of(state, plan, inputs, q, att.softcap)
+            args = (q, k, v, mask, inputs, geo.length, spec, plan, _sinks(att, state), given)
             ring = call(g, ringify_ops.ring_attention.default, args)
         else:
             _refuse_extras(att, "dilated attention")

@@ -48,7 +48,18 @@ def _kept(x: torch.Tensor, rate: int, offset: int, start: int, stop: int) -> tor
     return x[:, offset::rate, start + offset : stop : rate]
 
 
-def _forward(q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None):
+def _forward(
+    q,
+    k,
+    v,
+    attn_mask,
+    mask_inputs,
+    key_len,
+    spec: AttentionSpec,
+    plan=None,
+    sinks=None,
+    step_masks=None,
+):
     _check_plain(attn_mask, mask_inputs, plan, sinks, spec)
     ring = ring_by_name(spec.group_name)
     b, h, c, _ = q.shape
@@ -73,7 +84,7 @@ def _forward(q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan
 
 def _backward(
     grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None,
-    sinks=None, mask_grad=False, input_grads=None,
+    sinks=None, step_masks=None, mask_grad=False, input_grads=None,
 ):  # fmt: skip
     ring = ring_by_name(spec.group_name)
     h, c = q.shape[1:3]

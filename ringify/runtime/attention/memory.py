@@ -52,7 +52,18 @@ def _bias(q, k, attn_mask, key_len: int, spec: AttentionSpec):
     return padding if bias is None else bias + padding
 
 
-def _forward(q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None):
+def _forward(
+    q,
+    k,
+    v,
+    attn_mask,
+    mask_inputs,
+    key_len,
+    spec: AttentionSpec,
+    plan=None,
+    sinks=None,
+    step_masks=None,
+):
     if mask_inputs or spec.mask_program or spec.is_causal or spec.softcap:
         raise ValueError("memory_attention takes a mask tensor only: no program, causality or cap")
     if plan is not None or sinks is not None:
@@ -90,7 +101,7 @@ def merge_over_ring(q, out, lse, group_name: str):
 
 def _backward(
     grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None,
-    sinks=None, mask_grad=False, input_grads=None,
+    sinks=None, step_masks=None, mask_grad=False, input_grads=None,
 ):  # fmt: skip
     bias = _bias(q, k, attn_mask, key_len, spec)
     block = (grad_out, q, k, v, out, lse)

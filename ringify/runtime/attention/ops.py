@@ -1,10 +1,11 @@
 """The ring-attention custom ops: exact SDPA over a sequence sharded across the ranks of a ring.
 
 ``torch.ops.ringify.ring_attention(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None,
-sinks=None) -> (out, lse)`` and its backward follow the attention ops' protocol
-(``protocol.py``): ``spec`` an ``AttentionSpec``, ``plan`` a ``RingPlan`` from
+sinks=None, step_masks=None) -> (out, lse)`` and its backward follow the attention ops'
+protocol (``protocol.py``): ``spec`` an ``AttentionSpec``, ``plan`` a ``RingPlan`` from
 ``ringify::attention_plan`` (the graph's one plan per program and step, ``masks/plan.py``)
-or None: made here.
+or None: made here; ``step_masks`` the plan's masks from ``ringify::step_masks``
+(``masks/step_masks.py``) or None: each masked block's mask evaluated in the call.
 
 Shapes: q_BHSD is this rank's query shard (S = local rows), k_BKSD / v_BKSD its
 key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
@@ -58,7 +59,7 @@ from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
-from ringify.runtime.masks.captures import capturing, in_graph_pool, note_captured
+from ringify.runtime.masks.captures import capturing, note_captured
 from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
@@ -77,6 +78,7 @@ def _forward(
     spec: AttentionSpec,
     plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
+    step_masks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = ring_by_name(spec.group_name)
     acc = accumulation_dtype(q.dtype)
@@ -88,7 +90,7 @@ def _forward(
             out, lse = with_sinks(out, lse, sinks)
         return in_dim_order_of(q, out.to(q.dtype)), lse
 
-    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan)
+    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan, step_masks)
     (q_at,) = transport.queries_in([q])
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
@@ -138,6 +140,7 @@ def _backward(
     spec: AttentionSpec,
     plan: RingPlan | None = None,
     sinks: torch.Tensor | None = None,
+    step_masks: list[torch.Tensor] | None = None,
     mask_grad: bool = False,
     input_grads: list[bool] | None = None,
 ) -> tuple:
@@ -156,7 +159,7 @@ def _backward(
         return *gradients_of((q, k, v), (dq, dk, dv)), no_mask_grad, [], dsinks
 
     acc = accumulation_dtype(q.dtype)
-    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan)
+    transport, masks = _planned(ring, q, k, attn_mask, mask_inputs, key_len, spec, plan, step_masks)
     saved = transport.queries_in([grad_out, q, out, lse])
     k_at, v_at = transport.keys_in(k, v)
     mine = transport.mine
@@ -199,9 +202,10 @@ def _local(ring: Ring, q, attn_mask, key_len, spec: AttentionSpec) -> bool:
     return ring.size == 1 and attn_mask is None and not spec.mask_program and key_len >= q.shape[2]
 
 
-def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, plan):
+def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, plan, given):
     """``(transport, CallMasks)`` of this call from its plan (``masks/plan.py``): the step's,
-    which the graph made once, else one made here (on the ring)."""
+    which the graph made once, else one made here (on the ring); ``given``: the step's
+    masks (``ringify::step_masks``) or None."""
     rows, is_causal, layout = q.shape[2], spec.is_causal, spec.layout
     if plan is None:
         args = (attn_mask, is_causal, layout, key_len, spec.mask_program, inputs)
@@ -218,9 +222,8 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    # nothing outlives a call whose memory a CUDA graph owns
-    keep = not (recording or in_graph_pool(q.device))
-    return transport, plan.bound_masks(inputs, q.device, recording, keep)
+    varlen = serves_varlen(q) and not spec.softcap  # FA2 through ATen: no cap
+    return transport, plan.bound_masks(inputs, q.device, bias_dtype(q), varlen, given, recording)
 
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc):

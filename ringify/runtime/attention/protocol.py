@@ -5,13 +5,15 @@
 arguments and returns the same things, so a kind of attention (the ring, dilated, a
 replicated query's merge over a sharded memory) is its forward and backward only:
 
-    forward(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None)
-        -> (out, lse)
+    forward(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None,
+            step_masks=None) -> (out, lse)
     backward(grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec, plan=None,
-             sinks=None, mask_grad=False, input_grads=None)
+             sinks=None, step_masks=None, mask_grad=False, input_grads=None)
         -> (dq, dk, dv, d attn_mask, d mask_inputs, d sinks)
 
-``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/plan.py``).
+``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/plan.py``);
+``step_masks`` the plan's two tensors from ``ringify::step_masks`` (``masks/step_masks.py``)
+or None.
 d attn_mask is empty unless ``mask_grad`` (a learned bias); d mask_inputs holds a gradient
 for each input ``input_grads`` asks for (a learned program), in order; d sinks is empty
 without sinks. ``out`` has q's dim order in memory, ``lse`` is contiguous, and dq, dk and
@@ -31,14 +33,14 @@ from ringify.runtime.masks.plan import PLAN_TYPE
 
 # Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
 _CALL = f"Tensor? attn_mask, Tensor[] mask_inputs, SymInt key_len, {SPEC_TYPE} spec"
-_EXTRAS = f"{PLAN_TYPE}? plan=None, Tensor? sinks=None"
+_EXTRAS = f"{PLAN_TYPE}? plan=None, Tensor? sinks=None, Tensor[]? step_masks=None"
 FORWARD = f"(Tensor q, Tensor k, Tensor v, {_CALL}, {_EXTRAS}) -> (Tensor, Tensor)"
 BACKWARD = (
     f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_CALL}, "
     f"{_EXTRAS}, bool mask_grad=False, bool[]? input_grads=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)"
 )
-_FORWARD_ARGS = 9  # q, k, v, attn_mask, mask_inputs, key_len, spec, plan, sinks
+_FORWARD_ARGS = 10  # q, k, v, attn_mask, mask_inputs, key_len, spec, plan, sinks, step_masks
 
 
 def attention_ops(name: str, forward: Callable, backward: Callable) -> tuple:
@@ -58,13 +60,15 @@ def attention_ops(name: str, forward: Callable, backward: Callable) -> tuple:
     return forward_op, backward_op
 
 
-def _forward_fake(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None):
+def _forward_fake(
+    q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None, step_masks=None
+):
     return empty_attention_outputs(q)
 
 
 def _backward_fake(
     grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None,
-    mask_grad=False, input_grads=None,
+    step_masks=None, mask_grad=False, input_grads=None,
 ):  # fmt: skip
     grads = empty_gradients_of((q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
@@ -75,26 +79,30 @@ def _backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    # the call may leave the plan and the sinks to their defaults
-    q, k, v, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan, sinks = (
+    # the call may leave the plan, the sinks and the step's masks to their defaults
+    q, k, v, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan, sinks, step_masks = (
         *inputs,
         *[None] * (_FORWARD_ARGS - len(inputs)),
     )
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
+    ctx.step_masks = None if step_masks is None else len(step_masks)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *mask_inputs)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *(step_masks or ()), *mask_inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(backward_op, ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask, sinks, *mask_inputs = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, sinks, *rest = ctx.saved_tensors
+    n_masks = ctx.step_masks or 0
+    step_masks, mask_inputs = (None if ctx.step_masks is None else rest[:n_masks]), rest[n_masks:]
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs, dsinks = backward_op(
         grad_out, q, k, v, out, lse, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan,
-        sinks, mask_grad=mask_grad, input_grads=ctx.input_grads,
+        sinks, step_masks, mask_grad=mask_grad, input_grads=ctx.input_grads,
     )  # fmt: skip
     given = iter(dinputs)
     learned = [next(given) if want else None for want in ctx.input_grads]
     grads = [dq, dk, dv, dmask if mask_grad else None, learned, None, None, None]
     grads.append(dsinks if sinks is not None and ctx.needs_input_grad[8] else None)
+    grads.append(None if step_masks is None else [None] * n_masks)  # the step's masks
     return tuple(grads[: len(ctx.needs_input_grad)])

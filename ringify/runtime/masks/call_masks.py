@@ -2,10 +2,10 @@
 
 ``TileMasks`` decides on the host, once per plan, which blocks each step runs; a
 ``CallMasks`` binds those answers to one call: the program's inputs as the call holds them,
-its device, the step's kept masks (``step_masks.KeptMasks``) and the plan's pair counts.
-Under a program it gives each masked block its bias and each varlen call its sequences on
-the device, reusing what an earlier call of the step kept. Nothing here reads a device
-tensor on the host.
+its device, the step's masks (``step_layout.GivenMasks``: made once per step by
+``ringify::step_masks``) and the plan's pair counts. Under a program it gives each masked
+block its bias and each varlen call its sequences on the device: from the step's masks, or,
+for what they lack, made in the call. Nothing here reads a device tensor on the host.
 """
 
 from __future__ import annotations
@@ -18,23 +18,24 @@ import torch
 from ringify.runtime.masks.additive import additive_mask
 from ringify.runtime.masks.calls import Block
 from ringify.runtime.masks.program import MaskProgram, evaluate
-from ringify.runtime.masks.step_masks import KeptMasks
+from ringify.runtime.masks.step_layout import GivenMasks, block_key
 from ringify.runtime.masks.tile_masks import Step, TileMasks
 from ringify.runtime.tiling.tiles import Tile, Visibility
 
 
 class CallMasks:
-    """``masks``' blocks for a call on ``device`` whose program inputs are ``inputs``; the
-    pairs it sees counted into ``counts`` (by each ``Visibility``'s value). (An op's body
-    runs below autograd: nothing computed here from ``inputs`` is recorded.) ``varlen``:
-    whether open pairs may run as FA2 varlen calls (not in a CUDA graph's recording)."""
+    """``masks``' blocks for a call on ``device`` whose program inputs are ``inputs`` and
+    whose step's masks are ``given`` (or None); the pairs it sees counted into ``counts``
+    (by each ``Visibility``'s value). (An op's body runs below autograd: nothing computed
+    here from ``inputs`` is recorded.) ``copies``: whether the call may copy varlen
+    sequences from the host (not in a CUDA graph's recording)."""
 
     def __init__(
         self, masks: TileMasks, inputs: list[torch.Tensor], device: torch.device,
-        kept: KeptMasks | None, counts: Counter, varlen: bool = True,
+        given: GivenMasks | None, counts: Counter, copies: bool = True,
     ) -> None:  # fmt: skip
         self.masks, self.inputs, self.device = masks, inputs, device
-        self.kept, self.counts, self.varlen = kept, counts, varlen
+        self.given, self.counts, self.copies = given, counts, copies
 
     @property
     def program(self) -> MaskProgram | None:
@@ -52,7 +53,7 @@ class CallMasks:
         with their biases (the call's own, made as they are used); a program's from the
         step's blocks, the masked ones with their bias and the varlen calls with their
         sequences on the device. ``count``: the pairs are counted (a forward call)."""
-        masks, varlen = self.masks, varlen and self.varlen
+        masks = self.masks
         if masks.mask is not None:  # a mask tensor: the call's own, biases and all
             counts: Counter = Counter()
             yield from masks.blocks(mine, held, dtype, counts, biased, joinable, False)
@@ -60,13 +61,19 @@ class CallMasks:
                 self.counts.update({seen.value: n for seen, n in counts.items()})
             return
         step = masks.step_blocks(mine, held, dtype, biased, joinable, varlen and not biased)
+        sequences = self._sequences(step) if step.varlen else []
+        if sequences is None:  # recorded, and the step's masks lack its sequences
+            step = masks.step_blocks(mine, held, dtype, biased, joinable, False)
+            sequences = []
         if count:
             for seen, n in step.counts:
                 self.counts[seen] += n
-        moved = self._varlen_on_device(step) if step.varlen else {}
-        for i, b in enumerate(step.blocks):
+        sequences = iter(sequences)
+        for b in step.blocks:
             if b.varlen is not None:
-                yield moved[i]
+                yield dataclasses.replace(
+                    b, varlen=dataclasses.replace(b.varlen, cu=next(sequences))
+                )
             elif b.seen is Visibility.MASKED:
                 yield self._biased(b, dtype)
             else:
@@ -74,33 +81,22 @@ class CallMasks:
 
     def _biased(self, block: Block, dtype: torch.dtype) -> Block:
         """A program's masked block with its mask as a bias in ``dtype`` on the call's device:
-        kept from an earlier call of the step, or evaluated (and kept, within the step's
-        budget)."""
-        at = block.at
-        key = (at[0].start, at[0].stop, at[1].start, at[1].stop, dtype)
-        biased = None if self.kept is None else self.kept.get(key)
-        if biased is None:
-            mask = evaluate(self.masks.program, self.inputs, *at, self.device)
-            biased = dataclasses.replace(block, bias=additive_mask(mask, dtype))
-            if self.kept is not None:
-                self.kept.keep(key, biased, biased.bias.numel() * biased.bias.element_size())
-        return biased
+        from the step's masks, or evaluated here."""
+        given = self.given
+        bias = None
+        if given is not None and given.layout.dtype == dtype:
+            bias = given.bias(block_key(block))
+        if bias is None:
+            mask = evaluate(self.masks.program, self.inputs, *block.at, self.device)
+            bias = additive_mask(mask, dtype)
+        return dataclasses.replace(block, bias=bias)
 
-    def _varlen_on_device(self, step: Step) -> dict[int, Block]:
-        """The step's varlen blocks (by index) with their sequences on the call's device: kept
-        from an earlier call of the step, or copied there, all in one host-to-device copy."""
-        key = ("varlen", step.key)
-        moved = None if self.kept is None else self.kept.get(key)
-        if moved is None:
-            blocks = step.blocks
-            at = [i for i, b in enumerate(blocks) if b.varlen is not None]
-            host = [blocks[i].varlen.cu for i in at]
-            device = torch.cat(host, 1).to(self.device, non_blocking=True)
-            cus = device.split([cu.shape[1] for cu in host], 1)
-            moved = {
-                i: dataclasses.replace(b, varlen=dataclasses.replace(b.varlen, cu=cu))
-                for i, b, cu in zip(at, (blocks[i] for i in at), cus, strict=True)
-            }
-            if self.kept is not None:
-                self.kept.keep(key, moved, device.numel() * device.element_size())
-        return moved
+    def _sequences(self, step: Step) -> list[torch.Tensor] | None:
+        """The ``cu`` of the step's varlen blocks on the call's device: from the step's masks,
+        or copied there in one host-to-device copy; None where neither may be."""
+        given = None if self.given is None else self.given.step_sequences(step)
+        if given is not None or not self.copies:
+            return given
+        host = [b.varlen.cu for b in step.blocks if b.varlen is not None]
+        device = torch.cat(host, 1).to(self.device, non_blocking=True)
+        return list(device.split([cu.shape[1] for cu in host], 1))

@@ -11,8 +11,6 @@ none of ringify's code; a site is a geometry and a program: a few per model.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 # The fix the errors about CUDA graphs name.
@@ -25,24 +23,6 @@ _captured: dict[tuple, object] = {}
 def capturing(device: torch.device) -> bool:
     """Whether work on ``device`` is being recorded into a CUDA graph now."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def in_graph_pool(device: torch.device) -> bool:
-    """Whether a call on ``device`` runs in a step of Inductor's CUDA graph trees (warm-up
-    as well as recording): its allocations go to the graphs' private pool, where a tensor
-    that outlives the call without being an output fails the trees' check of the pool (and
-    a replay would overwrite it). Such a call keeps no mask for the step's later calls. It
-    errs one way only: an eager call on the device while the trees hold a step's memory
-    keeps none either, costing time, never a wrong result."""
-    if device.type != "cuda":
-        return False
-    # Loaded once torch.compile has made CUDA graph trees; never loaded here to ask.
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    manager = trees.get_manager(index, create_if_none_exists=False)
-    return manager is not None and manager.path_state is not trees.ExecutionState.NONE
 
 
 def note_captured(key: tuple | None) -> None:

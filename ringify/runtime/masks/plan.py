@@ -15,11 +15,11 @@ FlexAttention answers it once per step with one ``BlockMask``, which travels int
   first layer; its output, the plan itself (a ``torch.library`` opaque object), is an
   argument of every ring op under it, forward and backward (kept for the backward on the
   autograd context, and so for a checkpoint's recompute);
-- a plan holds what the step's calls share: its tile masks' host-side answers, and on each
-  device the masks its first call evaluated (``KeptMasks``), freed with the plan when the
-  graph drops it after the step's backward. Its ``calls`` and ``tile_counts`` count the
-  ring calls that ran on it and the tile pairs they saw. A ring op given no plan (the
-  public op called directly) builds its own, at one read.
+- a plan holds what the step's calls share on the host: its tile masks' answers and where
+  its masks lie in the two tensors ``ringify::step_masks`` makes from it once per step on
+  the device (``step_layout.py``), which the graph gives every ring call beside it. Its
+  ``calls`` and ``tile_counts`` count the ring calls that ran on it and the tile pairs they
+  saw. A ring op given no plan (the public op called directly) builds its own, at one read.
 
 The host-side answers are a pure function of the geometry, the program and its inputs'
 bytes: they are memoised by that content (``_Memo``, the last ``MAX_LAYOUTS``), so that a
@@ -44,7 +44,12 @@ from ringify.runtime.masks.captures import check_captured
 from ringify.runtime.masks.host_inputs import host_copy
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
-from ringify.runtime.masks.step_masks import KeptMasks, kept_bytes_per_row
+from ringify.runtime.masks.step_layout import (
+    GivenMasks,
+    StepLayout,
+    kept_bytes_per_row,
+    step_layout,
+)
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
@@ -92,37 +97,54 @@ class RingPlan(OpaqueBase):
         self.balanced, self.geometry, self.transport = balanced, geometry, transport
         self.calls: Counter = Counter()
         self.tile_pairs: Counter = Counter()  # by the value of each pair's ``Visibility``
-        self._kept: dict[torch.device, KeptMasks] = {}
 
     @classmethod
     def unbuilt(cls, geometry: tuple = ()) -> RingPlan:
         """The value a fake kernel gives: a plan's place in a traced graph, with no content."""
         return cls(None, None, None, None, geometry)
 
-    def kept_masks(self, device: torch.device, rows: int) -> KeptMasks | None:
-        """The masks the step's calls keep on ``device`` (a rank of ``rows`` query rows), or
-        None where nothing is kept there (``kept_bytes_per_row``) or there is no program."""
-        budget = kept_bytes_per_row(device.type) * rows
-        if budget == 0 or self.masks is None or self.masks.program is None:
-            return None
-        if device not in self._kept:
-            self._kept[device] = KeptMasks(budget)
-        return self._kept[device]
-
     def count_call(self) -> None:
         self.calls["kept" if not self.balanced else "balanced"] += 1
 
+    def step_layout(self, dtype: torch.dtype, varlen: bool) -> StepLayout:
+        """Where this rank's masked blocks and varlen sequences lie in the step's masks
+        (``step_layout.py``), for calls whose biases are in ``dtype`` and which run open pairs
+        as FA2 varlen calls (``varlen``); empty where nothing is laid out (the CPU, no
+        program, a mask tensor, the all-to-all)."""
+        masks = self.masks
+        if masks is None:
+            return StepLayout(dtype)
+        rank = ring_by_name(self.geometry[0]).rank
+        budget = kept_bytes_per_row(self.geometry[-1]) * self.geometry[2]
+        if masks.mask is not None or self.transport != RING:
+            budget = 0
+        key = (rank, dtype, varlen, budget)
+        if key not in masks.layouts:  # host answers shared by every plan of the content
+            masks.layouts[key] = step_layout(
+                masks, self.home, self.queries, rank, dtype, varlen, budget
+            )
+        return masks.layouts[key]
+
     def bound_masks(
-        self, inputs: list[torch.Tensor], device: torch.device, recording: bool = False,
-        keep: bool = True,
+        self, inputs: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+        varlen: bool, step_masks: list[torch.Tensor] | None, recording: bool = False,
     ) -> CallMasks:  # fmt: skip
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
-        call holds them: the step's kept masks reused and added to, its pairs counted here.
-        ``recording``: the call is being recorded into a CUDA graph, so it makes no FA2
-        varlen call (their sequences come from the host, a copy a graph cannot record).
-        ``keep=False``: it neither reuses nor keeps masks (a CUDA graph owns its memory)."""
-        kept = self.kept_masks(device, self.geometry[2]) if keep else None
-        return CallMasks(self.masks, inputs, device, kept, self.tile_pairs, not recording)
+        call holds them and ``step_masks`` the step's masks (None: none given), for biases in
+        ``dtype`` and FA2 varlen calls where ``varlen``; its pairs counted here.
+        ``recording``: the call is being recorded into a CUDA graph, so it copies no varlen
+        sequences from the host (a copy a graph cannot record)."""
+        given = None
+        if step_masks is not None:
+            layout = self.step_layout(dtype, varlen)
+            given = GivenMasks(layout, *step_masks)
+            if not given.fits():
+                raise RuntimeError(
+                    f"ringify: the step's masks ({[tuple(x.shape) for x in step_masks]}) were "
+                    f"not made for this call's layout ({layout.bias_numel} bias elements in "
+                    f"{dtype}, {layout.sequence_cols} sequence columns)"
+                )
+        return CallMasks(self.masks, inputs, device, given, self.tile_pairs, not recording)
 
     def tile_counts(self) -> dict[Visibility, int]:
         """How many tile pairs the forward calls on this plan skipped, ran causal, ran with no

@@ -1,52 +1,72 @@
-"""The masks of a step's masked blocks: evaluated once on the device, reused by every layer.
+"""``ringify::step_masks``: a step's masks on the device, made once, outside any CUDA graph.
 
-A block that a program leaves partly visible runs with its mask as a bias. Evaluated in
-each call, that is a dozen kernel launches per block in every layer's forward, backward
-and recompute, though every layer of the step asks for the same mask (the same program
-and inputs: one plan). FlexAttention evaluates its ``mask_mod`` inside the kernel;
-the kernels here take a bias, so the first call of a step keeps each mask it evaluates,
-on its device, for the later calls of the step: the kept masks live on the step's plan
-(``masks/plan.py``), which the graph frees after the step's backward.
+A block that a program leaves partly visible runs with its mask as a bias: evaluated in each
+call, that is a dozen kernel launches per block in every layer's forward, backward and
+recompute, though every layer of the step asks for the same mask (one plan); and FA2 varlen
+calls take their sequences (``cu_seqlens``) on the device, worked out on the host. The
+graph pass emits this op once per plan, right after it, and gives its two tensors to every
+ring call under the plan (``step_layout.py`` says where each block's bias and each step's
+sequences lie): the step's masks are then evaluated once, and a call runs none of it.
 
-A block is kept with its bias, ready for the kernel, at most ``KEPT_BYTES_PER_ROW`` bytes
-per query row of the rank: O(S x block) per rank, as a sliding window's or a document
-boundary's masked blocks need; blocks beyond the budget are evaluated in each call. On the
-CPU none are kept (``kept_bytes_per_row``).
+They are values of the graph, not state of the plan: the graph frees them after the step's
+backward, and under ``torch.compile(mode="reduce-overhead")`` the op runs every step outside
+the CUDA graphs (``cudagraph_unsafe``, as the plan op: its host-to-device copy of the
+sequences cannot be recorded) and the replayed ring calls read the step's own masks, their
+FA2 varlen calls included, where they would otherwise evaluate masks inside the graph.
+Their sizes follow from the plan's content, so the fake kernel gives them unbacked sizes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import torch
+from torch._guards import detect_fake_mode
 
-from ringify.runtime.tiling import tiles
+from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
+from ringify.runtime.masks.program import evaluate
+from ringify.runtime.masks.step_layout import GivenMasks
 
-# Per query row: a bf16 bias 4096 keys wide (a GPU tile pair's masked call, its widest).
-KEPT_BYTES_PER_ROW = 8 * 1024
-
-
-def kept_bytes_per_row(device_type: str) -> int:
-    """On the CPU nothing is kept: a block's kernel there costs far more than evaluating its
-    mask, and memory is what a CPU run is short of. On accelerators, ``KEPT_BYTES_PER_ROW``."""
-    return KEPT_BYTES_PER_ROW if tiles.on_accelerator(device_type) else 0
+SCHEMA = (
+    f"(Tensor[] mask_inputs, {PLAN_TYPE} plan, ScalarType dtype, bool varlen, Device device) "
+    "-> (Tensor, Tensor)"
+)
 
 
-class KeptMasks:
-    """One step's masked blocks on one device, each with its bias (the kernels' additive
-    mask, made once: no call of the step launches it again) or its varlen sequences, by the
-    block's global positions and the bias dtype, within a byte budget."""
+def make_step_masks(
+    mask_inputs: list[torch.Tensor], plan: RingPlan, dtype: torch.dtype, varlen: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(biases, sequences)`` of this rank's ring calls under ``plan`` on ``device``, their
+    biases in ``dtype``, open pairs run as FA2 varlen calls where ``varlen``
+    (``RingPlan.step_layout``); the program's inputs as the calls hold them."""
+    layout = plan.step_layout(dtype, varlen)
+    biases = torch.empty(layout.bias_numel, dtype=dtype, device=device)
+    sequences = layout.host_sequences.to(device, non_blocking=True, copy=True)  # the one copy
+    given = GivenMasks(layout, biases, sequences)
+    for key in layout.biases:
+        mask = evaluate(plan.masks.program, mask_inputs, slice(*key[:2]), slice(*key[2:]), device)
+        bias = given.bias(key).copy_(mask)
+        if mask.dtype == torch.bool:  # log(1) = 0 and log(0) = -inf, exactly (IEEE)
+            bias.log_()
+    return biases, sequences
 
-    def __init__(self, budget: int):
-        self.budget, self.bytes = budget, 0
-        self._blocks: dict[tuple, Any] = {}
 
-    def get(self, key: tuple) -> Any:
-        return self._blocks.get(key)
+step_masks = torch.library.custom_op(
+    "ringify::step_masks",
+    make_step_masks,
+    mutates_args=(),
+    schema=SCHEMA,
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
 
-    def keep(self, key: tuple, block: Any, size: int) -> None:
-        """Keep ``block`` if its ``size`` bytes on the device fit in the budget."""
-        if self.bytes + size <= self.budget:
-            self._blocks[key] = block
-            self.bytes += size
 
-    def __len__(self) -> int:
-        return len(self._blocks)
+@step_masks.register_fake
+def _(mask_inputs, plan, dtype, varlen, device):
+    # Traced, their sizes follow from the plan's content: unbacked. Run on meta tensors (the
+    # fake kernel serves the Meta key), no size is asked: they hold nothing.
+    if detect_fake_mode() is None:
+        biases, cols = torch.empty(0, dtype=dtype, device=device), 0
+    else:
+        ctx = torch.library.get_ctx()
+        biases = torch.empty(ctx.new_dynamic_size(), dtype=dtype, device=device)
+        cols = ctx.new_dynamic_size()
+    return biases, torch.empty(2, cols, dtype=torch.int32, device=device)

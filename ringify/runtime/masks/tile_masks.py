@@ -67,9 +67,11 @@ class TileMasks:
         self.program = parse(program) if program else None
         self.varlen = varlen and self.program is not None  # work out open pairs' varlen calls
         self.inputs = [x.detach() for x in inputs]
-        # host answers kept for the plan's later calls: open pairs, steps, keys' last steps
+        # host answers kept for the plan's later calls: open pairs, steps, keys' last steps,
+        # and the step masks' layouts (``RingPlan.step_layout``)
         self._open: dict[tuple, OpenPair] = {}
         self._steps: dict[tuple, Step] = {}
+        self.layouts: dict[tuple, object] = {}
         tiles = all_tiles(home, ring_size)
         self._index = {t.key: i for i, t in enumerate(tiles)}
         self._maybe = self._maybe_seen(tiles)  # (n, n): could the pair see anything at all
@@ -88,7 +90,7 @@ class TileMasks:
         """These masks with ``queries(rank)`` the query tiles of each rank: the pairs' tables
         and open pairs shared, the steps and the keys' last steps decided anew."""
         moved = copy.copy(self)
-        moved._queries, moved._last, moved._steps = queries, {}, {}
+        moved._queries, moved._last, moved._steps, moved.layouts = queries, {}, {}, {}
         return moved
 
     def _maybe_seen(self, tiles: list[Tile]) -> torch.Tensor:
