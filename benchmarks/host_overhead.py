@@ -13,7 +13,7 @@ GPU does; each call is measured replayed on its own too (``op_replay.py``): the
 criterion's figure.
 
 PyTorch's own ring (``_templated_ring_attention``, causal, load-balanced) runs under the same
-stubs (``torch_ring_times``). Tiles are sized, and a step's masks kept, as on a GPU
+stubs (``torch_ring_times``). Tiles are sized, and a step's masks laid out, as on a GPU
 (``tiles.on_accelerator``, patched for these CPU tensors): what a GPU run's host would do.
 
 Cases: HF Llama (4 layers, hidden 128, 4 heads on 2 kv heads, float32, batch 1) causal (a
@@ -34,7 +34,8 @@ ways:
   backward (its adds and copies) or for PyTorch's ring (its copies).
 
 Each is the mean over a step's calls replayed; in the step too, whose first forward is left
-out (it evaluates the step's masks, ``masks µs/step``). Then the kernels per call, the
+out. ``masks µs/step``: ``ringify::step_masks``, which makes the step's masks for every call
+(its kernels counted as launches). Then the kernels per call, the
 plan's µs per step, the K/V bytes one layer sends per step with HF's ``repeat_kv`` folded
 and not, and a paper model of a GPU step (labelled so, ``paper_model``).
 
@@ -202,7 +203,7 @@ def host_times(
 
     sent = [0, 0.0]
     calls = {"ringify::ring_attention": [], "ringify::ring_attention_backward": []}
-    plan_us = []
+    plan_us, masks_us = [], []
     with kernel_stubs.ringify_stubs(sent):
         step = _step(case, seq, fold)
         step()  # a warm step: plans kept, caches filled
@@ -216,21 +217,25 @@ def host_times(
                 step()
             got = {name: [] for name in calls}
             plan_us.append(0.0)
+            masks_us.append(0.0)
             for event in prof.events():
                 if event.name in calls:
                     got[event.name].append(cost(event))
                 elif event.name == "ringify::attention_plan":
                     plan_us[-1] += event.cpu_time_total
+                elif event.name == "ringify::step_masks":  # its kernels: launches on a GPU
+                    masks_us[-1] += cost(event)[0]
             for name in calls:
                 calls[name].append(got[name])
     calls = {
         name: [op_replay.median_cost(per_call) for per_call in zip(*steps, strict=True)]
         for name, steps in calls.items()
     }
-    plan_us = statistics.median(plan_us)
+    plan_us, masks_us = statistics.median(plan_us), statistics.median(masks_us)
 
-    # The step's first forward call evaluates the masks every later call of the step reuses
+    # ``ringify::step_masks`` makes the masks every call of the step reads, once per step
     # (``masks/step_masks.py``): a per-step cost, as the plan's, reported apart from the calls.
+    # The step's first forward is left out, as when it evaluated the step's masks itself.
     forward, backward = calls["ringify::ring_attention"], calls["ringify::ring_attention_backward"]
     later = forward[1:] or forward
     return {
@@ -242,7 +247,7 @@ def host_times(
         "step_bwd_us": _mean(backward, 0),
         "fwd_launches": _mean(later, 1),
         "bwd_launches": _mean(backward, 1),
-        "masks_us": forward[0][0] - _mean(later, 0) if forward else 0.0,
+        "masks_us": masks_us,
         "plan_us": plan_us,
         "bytes": sent[0] / LAYERS,
         "flops": sent[1] / LAYERS,  # one layer's, forward and backward, on this rank

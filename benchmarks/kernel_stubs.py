@@ -79,7 +79,7 @@ def ringify_stubs(sent: list[float]):
     stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
     stack.enter_context(mock.patch.object(flash, "aten", _FlashKernels))
     # these CPU tensors stand for bf16 ones on a GPU: open pairs run as FA2 varlen calls
-    stack.enter_context(mock.patch("ringify.runtime.attention.ops.serves_varlen", lambda q: True))
+    stack.enter_context(mock.patch.object(flash, "serves_varlen", lambda q: True))
     for name in (
         "attention.ops",
         "attention.accumulator",

@@ -194,7 +194,7 @@ def varlen_layers(name: str, per_chunk: int = 0):
     group, worst = dist.group.WORLD.group_name, 0.0
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
-        mock.patch.object(ops, "serves_varlen", lambda q: True),
+        mock.patch.object(flash, "serves_varlen", lambda q: True),
         mock.patch.object(ops, "block_forward", counted(block)),
         mock.patch.object(ops, "varlen_forward", counted(varlen)),
         mock.patch.object(flash, "aten", fa2),
@@ -232,7 +232,7 @@ def test_a_ring_on_varlen_calls_is_exact(ranks, name):
     from test_accelerator_plan import two_layers_on_an_accelerator_plan
 
     blocks = ranks(2).run(two_layers_on_an_accelerator_plan, name)
-    for rank, ((worst, varlen, kernels), (_, _, block_calls)) in enumerate(
+    for rank, ((worst, varlen, kernels), (_, _, block_calls, _)) in enumerate(
         zip(ranks(2).run(varlen_layers, name), blocks, strict=True)
     ):
         assert worst <= EXACT, worst
@@ -279,7 +279,7 @@ def hf_model_on_varlen_calls(case: str):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.attention import flash, ops
+    from ringify.runtime.attention import flash
     from ringify.runtime.tiling import tiles
     from ringify.testing import hf_models
 
@@ -300,7 +300,7 @@ def hf_model_on_varlen_calls(case: str):
     calls: list = []
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
-        mock.patch.object(ops, "serves_varlen", lambda q: True),
+        mock.patch.object(flash, "serves_varlen", lambda q: True),
         mock.patch.object(flash, "aten", FA2Kernels(calls)),
     ):
         got = ringify(model, ring_size=dist.get_world_size())(input_ids=ids, labels=ids, **kwargs)

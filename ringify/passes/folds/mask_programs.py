@@ -24,7 +24,7 @@ from torch import fx
 from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
-from ringify.runtime.attention.flash import serves_varlen
+from ringify.runtime.attention import flash
 from ringify.runtime.attention.outputs import bias_dtype
 from ringify.runtime.masks.host_inputs import host_inputs
 from ringify.runtime.masks.plan import RING, attention_plan
@@ -143,7 +143,7 @@ def step_masks_of(
     run FA2 varlen calls): made once per graph, right after the plan, from the program's
     inputs ``whole`` on the device (``runtime/masks/step_masks.py``)."""
     q_val = val(q)
-    varlen = serves_varlen(q_val) and not softcap  # as the ring op decides it
+    varlen = flash.runs_varlen(q_val, softcap)  # as the ring op decides it
     key = ("step masks", plan, bias_dtype(q_val), varlen, q_val.device)
     if key not in state._cache:
         with state.graph.inserting_before(state.after(plan)):

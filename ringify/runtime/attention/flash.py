@@ -115,6 +115,13 @@ def serves_varlen(q: torch.Tensor) -> bool:
     return fa2 and q.shape[0] == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
+def runs_varlen(q: torch.Tensor, softcap: float) -> bool:
+    """Whether a ring call of ``q`` runs open pairs as FA2 varlen calls: FA2's own blocks
+    (``serves_varlen``) and no soft cap (FA2 through ATen takes none). The one answer: the
+    pass lays a step's masks out by it (``masks/step_masks.py``), the ring op runs by it."""
+    return serves_varlen(q) and not softcap
+
+
 def varlen_forward(q_sHD, k_tKD, v_tKD, varlen: Varlen, *, scale: float):
     """``(out, lse)``, (1, H, s, D) and (1, H, s), of one varlen call on FA2's layout: q's rows
     and k/v's keys its sequences', side by side, (rows, heads, D) views of a batch of one

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.attention import flash
 from ringify.runtime.attention.accumulator import Accumulator, RowSum
 from ringify.runtime.attention.blocks import (
     QueryNaNs,
@@ -43,7 +44,6 @@ from ringify.runtime.attention.blocks import (
     mark_nan_rows,
 )
 from ringify.runtime.attention.flash import (
-    serves_varlen,
     unit_last_stride,
     varlen_backward,
     varlen_forward,
@@ -94,7 +94,7 @@ def _forward(
     (q_at,) = transport.queries_in([q])
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
-    bias_in, varlen = bias_dtype(q), serves_varlen(q) and not softcap  # FA2 through ATen: no cap
+    bias_in, varlen = bias_dtype(q), flash.runs_varlen(q, softcap)
     nans = QueryNaNs(q_at) if q.device.type == "cpu" else None  # the CPU kernel's NaN check
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
@@ -222,7 +222,7 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    varlen = serves_varlen(q) and not spec.softcap  # FA2 through ATen: no cap
+    varlen = flash.runs_varlen(q, spec.softcap)
     return transport, plan.bound_masks(inputs, q.device, bias_dtype(q), varlen, given, recording)
 
 
@@ -236,7 +236,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
     scale, softcap = spec.scale, spec.softcap
     here: list[list] = [[] for _ in slots.shapes]
     bias_in = bias_dtype(q.tensor)  # q: ShardRows
-    varlen = serves_varlen(q.tensor) and not softcap  # FA2 through ATen: no cap
+    varlen = flash.runs_varlen(q.tensor, softcap)
     biased = learned is not None
     for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
         i, r, cols = b.held, b.rows, b.cols

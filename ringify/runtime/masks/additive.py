@@ -8,7 +8,7 @@ import torch
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias;
     on an accelerator with rows 16-byte aligned, as the efficient kernel takes it as it is
-    (``_cuda_bias``: a kept bias is then never copied again)."""
+    (``_cuda_bias``: a bias made once is then never copied again)."""
     if mask.device.type == "cpu":
         bias = mask.to(dtype)
     else:

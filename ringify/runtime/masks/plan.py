@@ -24,7 +24,7 @@ FlexAttention answers it once per step with one ``BlockMask``, which travels int
 The host-side answers are a pure function of the geometry, the program and its inputs'
 bytes: they are memoised by that content (``_Memo``, the last ``MAX_LAYOUTS``), so that a
 step whose mask the last step had (no padding, a fixed packing) decides nothing again; a
-new step's plan is a new value around them, with its own kept masks and counts.
+new step's plan is a new value around them, with its own counts.
 """
 
 from __future__ import annotations

@@ -70,3 +70,15 @@ def _(mask_inputs, plan, dtype, varlen, device):
         biases = torch.empty(ctx.new_dynamic_size(), dtype=dtype, device=device)
         cols = ctx.new_dynamic_size()
     return biases, torch.empty(2, cols, dtype=torch.int32, device=device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _backward(ctx, *grads):
+    """No gradient: a learned program's inputs get theirs from the ring op's backward."""
+    return None, None, None, None, None
+
+
+step_masks.register_autograd(_backward, setup_context=_setup_context)
