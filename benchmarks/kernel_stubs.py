@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
+import numpy as np
 import torch
 
 
@@ -23,16 +24,17 @@ def ringify_stubs(sent: list[float]):
     from ringify.runtime.collectives import p2p
     from ringify.runtime.tiling import tiles
 
-    areas: dict[int, tuple] = {}  # by id, each with its call held: no other takes the id
+    areas: dict[tuple, float] = {}  # by a call's sequences and window: worked out once
 
     def work(q, k, is_causal):  # the FLOPs the kernel would run
         b, h, s, d = q.shape
         return 2 * 2 * b * h * s * k.shape[2] * d * (0.5 if is_causal else 1.0)
 
     def varlen_work(q, varlen):  # q: (rows, heads, D); the keys its window leaves each row
-        if id(varlen) not in areas:  # worked out once
-            areas[id(varlen)] = (varlen, _varlen_area(varlen))
-        return 2 * 2 * q.shape[1] * areas[id(varlen)][1] * q.shape[2]
+        key = (varlen.cu.numpy().tobytes(), varlen.window)  # no ATen op: not the call's work
+        if key not in areas:
+            areas[key] = _varlen_area(varlen)
+        return 2 * 2 * q.shape[1] * areas[key] * q.shape[2]
 
     def forward(q, k, v, *, is_causal, scale, bias=None, **_):
         sent[1] += work(q, k, is_causal)
@@ -113,15 +115,16 @@ class _FlashKernels:
 
 
 def _varlen_area(varlen) -> float:
-    """The (query, key) pairs a varlen call's window leaves (FA2's documented semantics)."""
-    (cu_q, cu_k), (left, right) = varlen.cu.tolist(), varlen.window
+    """The (query, key) pairs a varlen call's window leaves (FA2's documented semantics),
+    worked out in numpy: no ATen op, so none is counted as the call's."""
+    (cu_q, cu_k), (left, right) = varlen.cu.numpy().tolist(), varlen.window
     area = 0.0
     for i in range(len(cu_q) - 1):
         s, t = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        j = torch.arange(s)
-        first = torch.zeros(s) if left < 0 else (j + t - s - left).clamp(min=0)
-        stop = torch.full((s,), t) if right < 0 else (j + t - s + right + 1).clamp(max=t)
-        area += float((stop - first).clamp(min=0).sum())
+        j = np.arange(s)
+        first = np.zeros(s) if left < 0 else np.maximum(j + t - s - left, 0)
+        stop = np.full(s, t) if right < 0 else np.minimum(j + t - s + right + 1, t)
+        area += float(np.maximum(stop - first, 0).sum())
     return area
 
 

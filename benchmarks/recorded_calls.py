@@ -45,6 +45,7 @@ def recorded_and_eager(case: str, seq: int) -> dict[str, tuple[float, float]]:
     from torch.profiler import ProfilerActivity, profile
 
     from ringify.runtime.attention import ops
+    from ringify.runtime.masks import captures
 
     sent = [0, 0.0]
     got: dict[str, tuple[float, float]] = {}
@@ -56,7 +57,8 @@ def recorded_and_eager(case: str, seq: int) -> dict[str, tuple[float, float]]:
             return got
         for how, recording in (("eager", False), ("recorded", True)):
             sent[1] = 0.0
-            with (
+            with (  # each case records its own (padded and packed share a site)
+                mock.patch.dict(captures._captured, clear=True),
                 mock.patch.object(ops, "capturing", lambda device, r=recording: r),
                 torch.no_grad(),
                 profile(activities=[ProfilerActivity.CPU]) as prof,
