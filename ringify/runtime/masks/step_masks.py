@@ -40,7 +40,7 @@ def make_step_masks(
     (``RingPlan.step_layout``); the program's inputs as the calls hold them."""
     layout = plan.step_layout(dtype, varlen)
     biases = torch.empty(layout.bias_numel, dtype=dtype, device=device)
-    sequences = layout.host_sequences.to(device, non_blocking=True, copy=True)  # the one copy
+    sequences = _on_device(layout.host_sequences, device)
     given = GivenMasks(layout, biases, sequences)
     for key in layout.biases:
         mask = evaluate(plan.masks.program, mask_inputs, slice(*key[:2]), slice(*key[2:]), device)
@@ -48,6 +48,17 @@ def make_step_masks(
         if mask.dtype == torch.bool:  # log(1) = 0 and log(0) = -inf, exactly (IEEE)
             bias.log_()
     return biases, sequences
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (the layout's, kept across steps) copied to ``device``: none where it is empty;
+    on a GPU from pinned memory, so that the copy waits for nothing (from pageable memory it
+    would wait for the stream)."""
+    if host.numel() == 0:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True, copy=True)
 
 
 step_masks = torch.library.custom_op(
