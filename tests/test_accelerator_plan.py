@@ -94,7 +94,8 @@ def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
     ):
         plan = torch.ops.ringify.attention_plan(program, inputs, rows, False, group, "zigzag", SEQ)
         cpu = torch.device("cpu")
-        step_masks = list(torch.ops.ringify.step_masks(inputs, plan, torch.float64, False, cpu))
+        made = torch.ops.ringify.step_masks(inputs, plan, torch.float64, False, cpu, rows)
+        step_masks = list(made)
         for _ in range(2):  # two layers of one step, on its masks
             q, k, v = (shard(t, 2, layout="zigzag").requires_grad_() for t in full[:3])
             spec = AttentionSpec(group, 0.5, layout="zigzag", mask_program=program)
@@ -104,7 +105,8 @@ def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
             for got, ref in zip((out, q.grad, k.grad, v.grad), expected, strict=True):
                 ref = shard(ref, 2, layout="zigzag")
                 worst = max(worst, relative_difference(got.detach(), ref))
-        kept = len(plan.step_layout(torch.float64, False).biases)
+        capacity = step_layout.Capacity(made[0].shape[0], made[1].shape[1])
+        kept = len(plan.step_layout(torch.float64, False, capacity).biases)
     return worst, kept, len(calls) / 2, len(evaluated)
 
 

@@ -119,7 +119,7 @@ def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
         program, host, N, False, *GEOMETRY, TILES, device_type="cuda"
     )
     with _ProgramOps(ops) as made:
-        step_masks = list(make_step_masks(inputs, plan, q.dtype, True, q.device))
+        step_masks = list(make_step_masks(inputs, plan, q.dtype, True, q.device, N))
     with _ProgramOps(ops) as layers:
         for _ in range(2):
             layer_bodies(program, inputs, plan, q, k, v, dout, step_masks)
@@ -128,7 +128,6 @@ def test_a_steps_masks_are_evaluated_once_for_every_layer(name):
         layer_bodies(program, host, None, *small[:3], small[3])
     assert made.count > 0 and layers.count == 0
     assert unplanned.count > 0
-    assert step_masks[0].numel() + step_masks[1].numel() > 0  # biases or varlen sequences
 
 
 class _RingifyBodies(TorchDispatchMode):

@@ -73,7 +73,8 @@ def three_calls(name: str, new_plan_after_first: bool = False, given: bool = Fal
         spec = AttentionSpec(name, 0.35, False, layout, 0.0, program, 2)
         step_masks = None
         if given:
-            step_masks = list(torch.ops.ringify.step_masks(inputs, plan, q.dtype, False, q.device))
+            made = torch.ops.ringify.step_masks(inputs, plan, q.dtype, False, q.device, ROWS)
+            step_masks = list(made)
         args = (None, inputs, key_len, spec, plan, None, step_masks)
         with Launches() as launches:  # the ops' bodies: a mode sees a custom op as one op
             out, lse = ring_attention_op._init_fn(q, k, v, *args)
@@ -145,7 +146,8 @@ def varlen_blocks_recorded(given: bool) -> tuple[int, int]:
     geometry = (dist.group.WORLD.group_name, "zigzag", seq)
     with mock.patch.object(tiles, "on_accelerator", lambda device_type: True):
         plan = torch.ops.ringify.attention_plan(program, inputs, 4096, False, *geometry)
-        made = torch.ops.ringify.step_masks(inputs, plan, torch.bfloat16, True, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        made = torch.ops.ringify.step_masks(inputs, plan, torch.bfloat16, True, cpu, 4096)
         step_masks = list(made) if given else None
         masks = plan.bound_masks(
             inputs, torch.device("cpu"), torch.bfloat16, True, step_masks, True

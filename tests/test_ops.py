@@ -120,7 +120,7 @@ def opcheck_beside_the_ring(name: str) -> None:
     with mock.patch.object(tiles, "on_accelerator", lambda device_type: True):  # laid out
         plan = torch.ops.ringify.attention_plan(*plan_args)
         for dtype in (torch.float64, torch.bfloat16):
-            args = (inputs, plan, dtype, False, torch.device("cpu"))
+            args = (inputs, plan, dtype, False, torch.device("cpu"), rows)
             torch.library.opcheck(torch.ops.ringify.step_masks.default, args, test_utils=checks)
     g = torch.Generator().manual_seed(0)
     q, k, v, k_new, v_new = (

@@ -144,7 +144,7 @@ def step_masks_of(
     inputs ``whole`` on the device (``runtime/masks/step_masks.py``)."""
     q_val = val(q)
     varlen = flash.runs_varlen(q_val, softcap)  # as the ring op decides it
-    key = ("step masks", plan, bias_dtype(q_val), varlen, q_val.device)
+    key = ("step masks", plan, bias_dtype(q_val), varlen, q_val.device, state.geo.local)
     if key not in state._cache:
         with state.graph.inserting_before(state.after(plan)):
             made = call(state.graph, step_masks._opoverload, (whole, plan, *key[2:]), like=q)

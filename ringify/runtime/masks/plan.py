@@ -44,12 +44,7 @@ from ringify.runtime.masks.captures import check_captured
 from ringify.runtime.masks.host_inputs import host_copy
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
-from ringify.runtime.masks.step_layout import (
-    GivenMasks,
-    StepLayout,
-    kept_bytes_per_row,
-    step_layout,
-)
+from ringify.runtime.masks.step_layout import Capacity, GivenMasks, StepLayout, step_layout
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
@@ -106,22 +101,21 @@ class RingPlan(OpaqueBase):
     def count_call(self) -> None:
         self.calls["kept" if not self.balanced else "balanced"] += 1
 
-    def step_layout(self, dtype: torch.dtype, varlen: bool) -> StepLayout:
+    def step_layout(self, dtype: torch.dtype, varlen: bool, capacity: Capacity) -> StepLayout:
         """Where this rank's masked blocks and varlen sequences lie in the step's masks
-        (``step_layout.py``), for calls whose biases are in ``dtype`` and which run open pairs
-        as FA2 varlen calls (``varlen``); empty where nothing is laid out (the CPU, no
+        (``step_layout.py``) of ``capacity``, for calls whose biases are in ``dtype`` and which
+        run open pairs as FA2 varlen calls (``varlen``); empty where nothing is laid out (no
         program, a mask tensor, the all-to-all)."""
         masks = self.masks
         if masks is None:
             return StepLayout(dtype)
         rank = ring_by_name(self.geometry[0]).rank
-        budget = kept_bytes_per_row(self.geometry[-1]) * self.geometry[2]
         if masks.mask is not None or self.transport != RING:
-            budget = 0
-        key = (rank, dtype, varlen, budget)
+            capacity = Capacity(0, 0)
+        key = (rank, dtype, varlen, capacity)
         if key not in masks.layouts:  # host answers shared by every plan of the content
             masks.layouts[key] = step_layout(
-                masks, self.home, self.queries, rank, dtype, varlen, budget
+                masks, self.home, self.queries, rank, dtype, varlen, capacity
             )
         return masks.layouts[key]
 
@@ -136,14 +130,14 @@ class RingPlan(OpaqueBase):
         sequences from the host (a copy a graph cannot record)."""
         given = None
         if step_masks is not None:
-            layout = self.step_layout(dtype, varlen)
-            given = GivenMasks(layout, *step_masks)
-            if not given.fits():
+            biases, sequences = step_masks
+            if biases.dtype != dtype:
                 raise RuntimeError(
-                    f"ringify: the step's masks ({[tuple(x.shape) for x in step_masks]}) were "
-                    f"not made for this call's layout ({layout.bias_numel} bias elements in "
-                    f"{dtype}, {layout.sequence_cols} sequence columns)"
+                    f"ringify: the step's masks were made in {biases.dtype}, for calls whose "
+                    f"biases are in {dtype}"
                 )
+            capacity = Capacity(biases.shape[0], sequences.shape[1])
+            given = GivenMasks(self.step_layout(dtype, varlen, capacity), biases, sequences)
         return CallMasks(self.masks, inputs, device, given, self.tile_pairs, not recording)
 
     def tile_counts(self) -> dict[Visibility, int]:

@@ -15,10 +15,13 @@ FlexAttention's ``BlockMask`` travels into ``flex_attention``:
 
 The layout is a pure function of the plan's host answers, the rank and the calls' bias
 dtype and varlen use: ``step_layout`` walks the steps this rank's ring calls will visit
-(``schedule.ring_visits``' order) and asks each for its blocks, as the calls do. A call
-that asks for a block the layout lacks (beyond the byte budget, a learned program's biased
-backward) evaluates it itself. At most ``KEPT_BYTES_PER_ROW`` bytes of biases per query row
-of the rank: O(S x block) per rank. On the CPU nothing is laid out (``kept_bytes_per_row``).
+(``schedule.ring_visits``' order) and asks each for its blocks, as the calls do. The two
+tensors have fixed sizes (``Capacity``): ``KEPT_BYTES_PER_ROW`` bytes of biases and
+``SEQUENCES_PER_ROW`` sequence columns per query row of the rank, O(S) per rank, so that a
+traced graph knows them (sizes that follow from a step's content would be unbacked symbols,
+which Inductor does not carry through every graph). A call that asks for what the layout
+lacks (beyond the capacity, a learned program's biased backward) makes it itself. On the
+CPU nothing is laid out.
 """
 
 from __future__ import annotations
@@ -37,13 +40,25 @@ from ringify.runtime.tiling.tiles import Tiling, Visibility
 
 # Per query row: a bf16 bias 4096 keys wide (a GPU tile pair's masked call, its widest).
 KEPT_BYTES_PER_ROW = 8 * 1024
+# Per query row: varlen sequence boundaries (a document a row, a step's calls ending each).
+SEQUENCES_PER_ROW = 4
 
 
-def kept_bytes_per_row(device_type: str) -> int:
-    """On the CPU nothing is laid out: a block's kernel there costs far more than evaluating
-    its mask, and memory is what a CPU run is short of. On accelerators,
-    ``KEPT_BYTES_PER_ROW``."""
-    return KEPT_BYTES_PER_ROW if tiles.on_accelerator(device_type) else 0
+@dataclass(frozen=True)
+class Capacity:
+    """The sizes of a step's two tensors for a rank of ``rows`` query rows on ``device_type``:
+    bias elements in ``dtype`` and sequence columns. On the CPU none: a block's kernel there
+    costs far more than evaluating its mask, and memory is what a CPU run is short of."""
+
+    biases: int
+    sequences: int
+
+    @classmethod
+    def of(cls, device_type: str, rows: int, dtype: torch.dtype) -> Capacity:
+        if not tiles.on_accelerator(device_type):
+            return cls(0, 0)
+        element = torch.empty((), dtype=dtype).element_size()
+        return cls(KEPT_BYTES_PER_ROW * rows // element, SEQUENCES_PER_ROW * rows)
 
 
 @dataclass(frozen=True)
@@ -73,25 +88,24 @@ def block_key(block: Block) -> tuple[int, int, int, int]:
 
 def step_layout(
     masks: TileMasks, home: Tiling, queries: Tiling, rank: int, dtype: torch.dtype,
-    varlen: bool, budget: int,
+    varlen: bool, capacity: Capacity,
 ) -> StepLayout:  # fmt: skip
     """The layout of the masks of rank ``rank``'s ring calls (forward and unbiased backward:
     the same steps) under ``masks``, its shard tiled by ``home`` and its query tiles
-    ``queries(rank)``; biases in ``dtype`` within ``budget`` bytes; ``varlen``: the calls run
-    open pairs as FA2 varlen calls."""
+    ``queries(rank)``; biases in ``dtype``; ``varlen``: the calls run open pairs as FA2
+    varlen calls; within ``capacity``."""
     layout = StepLayout(dtype)
-    if masks.program is None or budget == 0:
+    if masks.program is None or capacity == Capacity(0, 0):
         return layout
     shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    element = torch.empty((), dtype=dtype).element_size()
-    biases, sequences, offset, cus = {}, {}, 0, []
+    biases, sequences, offset, cus, cols = {}, {}, 0, [], 0
     for step in visited_steps(masks, home, queries, rank, dtype, varlen):
-        if step.varlen and step.key not in sequences:
-            cols = sum(cu.shape[1] for cu in cus)
-            step_cus = [b.varlen.cu for b in step.blocks if b.varlen is not None]
-            widths = [cu.shape[1] for cu in step_cus]
+        step_cus = [b.varlen.cu for b in step.blocks if b.varlen is not None]
+        widths = [cu.shape[1] for cu in step_cus]
+        if step_cus and step.key not in sequences and cols + sum(widths) <= capacity.sequences:
             sequences[step.key] = [slice(cols + a, cols + a + w) for a, w in _starts(widths)]
             cus += step_cus
+            cols += sum(widths)
         for b in step.blocks:
             key = block_key(b) if b.seen is Visibility.MASKED and b.varlen is None else None
             if key is None or key in biases:
@@ -100,7 +114,7 @@ def step_layout(
             if size not in shapes:
                 shapes[size] = _bias_shape(masks, size)
             numel = _padded_numel(shapes[size])
-            if (offset + numel) * element > budget:
+            if offset + numel > capacity.biases:
                 continue
             biases[key] = (offset, shapes[size])
             offset += numel
@@ -162,15 +176,6 @@ class GivenMasks:
         *lead, t = shape
         rows = self.biases[offset : offset + _padded_numel(shape)].view(*lead, t + (-t % 8))
         return rows[..., :t]
-
-    def fits(self) -> bool:
-        """Whether the tensors are the layout's (their metadata: no device read)."""
-        layout = self.layout
-        return (
-            self.biases.dtype == layout.dtype
-            and tuple(self.biases.shape) == (layout.bias_numel,)
-            and tuple(self.sequences.shape) == (2, layout.sequence_cols)
-        )
 
     def step_sequences(self, step: Step) -> list[torch.Tensor] | None:
         """The ``cu`` of each varlen block of ``step``, views of ``sequences``, or None."""

@@ -13,34 +13,36 @@ backward, and under ``torch.compile(mode="reduce-overhead")`` the op runs every 
 the CUDA graphs (``cudagraph_unsafe``, as the plan op: its host-to-device copy of the
 sequences cannot be recorded) and the replayed ring calls read the step's own masks, their
 FA2 varlen calls included, where they would otherwise evaluate masks inside the graph.
-Their sizes follow from the plan's content, so the fake kernel gives them unbacked sizes.
+Their sizes are fixed by the rank's rows (``step_layout.Capacity``), so a traced graph knows them.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._guards import detect_fake_mode
 
 from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
 from ringify.runtime.masks.program import evaluate
-from ringify.runtime.masks.step_layout import GivenMasks
+from ringify.runtime.masks.step_layout import Capacity, GivenMasks
 
 SCHEMA = (
-    f"(Tensor[] mask_inputs, {PLAN_TYPE} plan, ScalarType dtype, bool varlen, Device device) "
-    "-> (Tensor, Tensor)"
+    f"(Tensor[] mask_inputs, {PLAN_TYPE} plan, ScalarType dtype, bool varlen, Device device, "
+    "int rows) -> (Tensor, Tensor)"
 )
 
 
 def make_step_masks(
     mask_inputs: list[torch.Tensor], plan: RingPlan, dtype: torch.dtype, varlen: bool,
-    device: torch.device,
+    device: torch.device, rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(biases, sequences)`` of this rank's ring calls under ``plan`` on ``device``, their
-    biases in ``dtype``, open pairs run as FA2 varlen calls where ``varlen``
-    (``RingPlan.step_layout``); the program's inputs as the calls hold them."""
-    layout = plan.step_layout(dtype, varlen)
-    biases = torch.empty(layout.bias_numel, dtype=dtype, device=device)
-    sequences = _on_device(layout.host_sequences, device)
+    """``(biases, sequences)`` of this rank's ring calls under ``plan`` on ``device``, a rank of
+    ``rows`` query rows (their sizes: ``Capacity``), their biases in ``dtype``, open pairs
+    run as FA2 varlen calls where ``varlen`` (``RingPlan.step_layout``); the program's inputs
+    as the calls hold them. What the layout leaves of them is never read."""
+    capacity = Capacity.of(device.type, rows, dtype)
+    layout = plan.step_layout(dtype, varlen, capacity)
+    biases = torch.empty(capacity.biases, dtype=dtype, device=device)
+    sequences = torch.empty(2, capacity.sequences, dtype=torch.int32, device=device)
+    _copy_in(sequences, layout.host_sequences)
     given = GivenMasks(layout, biases, sequences)
     for key in layout.biases:
         mask = evaluate(plan.masks.program, mask_inputs, slice(*key[:2]), slice(*key[2:]), device)
@@ -50,15 +52,15 @@ def make_step_masks(
     return biases, sequences
 
 
-def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (the layout's, kept across steps) copied to ``device``: none where it is empty;
-    on a GPU from pinned memory, so that the copy waits for nothing (from pageable memory it
-    would wait for the stream)."""
+def _copy_in(sequences: torch.Tensor, host: torch.Tensor) -> None:
+    """``host`` (the layout's, kept across steps) into the first columns of ``sequences``: no
+    copy where it is empty; on a GPU from pinned memory, so that the copy waits for nothing
+    (from pageable memory it would wait for the stream)."""
     if host.numel() == 0:
-        return torch.empty(host.shape, dtype=host.dtype, device=device)
-    if device.type == "cuda":
+        return
+    if sequences.device.type == "cuda":
         host = host.pin_memory()
-    return host.to(device, non_blocking=True, copy=True)
+    sequences[:, : host.shape[1]].copy_(host, non_blocking=True)
 
 
 step_masks = torch.library.custom_op(
@@ -71,16 +73,10 @@ step_masks = torch.library.custom_op(
 
 
 @step_masks.register_fake
-def _(mask_inputs, plan, dtype, varlen, device):
-    # Traced, their sizes follow from the plan's content: unbacked. Run on meta tensors (the
-    # fake kernel serves the Meta key), no size is asked: they hold nothing.
-    if detect_fake_mode() is None:
-        biases, cols = torch.empty(0, dtype=dtype, device=device), 0
-    else:
-        ctx = torch.library.get_ctx()
-        biases = torch.empty(ctx.new_dynamic_size(), dtype=dtype, device=device)
-        cols = ctx.new_dynamic_size()
-    return biases, torch.empty(2, cols, dtype=torch.int32, device=device)
+def _(mask_inputs, plan, dtype, varlen, device, rows):
+    capacity = Capacity.of(device.type, rows, dtype)
+    biases = torch.empty(capacity.biases, dtype=dtype, device=device)
+    return biases, torch.empty(2, capacity.sequences, dtype=torch.int32, device=device)
 
 
 def _setup_context(ctx, inputs, output):
@@ -89,7 +85,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, *grads):
     """No gradient: a learned program's inputs get theirs from the ring op's backward."""
-    return None, None, None, None, None
+    return None, None, None, None, None, None
 
 
 step_masks.register_autograd(_backward, setup_context=_setup_context)
