@@ -26,7 +26,7 @@ from ringify.runtime.masks.step_layout import Capacity, GivenMasks
 
 SCHEMA = (
     f"(Tensor[] mask_inputs, {PLAN_TYPE} plan, ScalarType dtype, bool varlen, Device device, "
-    "int rows) -> (Tensor, Tensor)"
+    "SymInt rows) -> (Tensor, Tensor)"
 )
 
 
