@@ -85,7 +85,7 @@ def _setup_context(ctx, inputs, output):
         *[None] * (_FORWARD_ARGS - len(inputs)),
     )
     ctx.input_grads = [x.requires_grad for x in mask_inputs]
-    ctx.step_masks = None if step_masks is None else len(step_masks)
+    ctx.n_step_masks = None if step_masks is None else len(step_masks)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *(step_masks or ()), *mask_inputs)
     ctx.mark_non_differentiable(lse)
@@ -93,8 +93,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(backward_op, ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask, sinks, *rest = ctx.saved_tensors
-    n_masks = ctx.step_masks or 0
-    step_masks, mask_inputs = (None if ctx.step_masks is None else rest[:n_masks]), rest[n_masks:]
+    n_masks = ctx.n_step_masks or 0
+    step_masks = None if ctx.n_step_masks is None else rest[:n_masks]
+    mask_inputs = rest[n_masks:]
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs, dsinks = backward_op(
         grad_out, q, k, v, out, lse, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan,
