@@ -157,7 +157,7 @@ def varlen_blocks_recorded(given: bool) -> tuple[int, int]:
         for s in range(dist.get_world_size()):
             held = sub_ring(plan.home, (rank - s) % dist.get_world_size(), 0).tiles
             joinable = s > 0 or own.adjacent  # as the ring's visits hold them
-            for b in masks.pairs(mine, held, torch.bfloat16, joinable=joinable, varlen=True):
+            for b in masks.pairs(mine, held, joinable=joinable):
                 if b.varlen is not None:
                     varlen += 1
                     views += b.varlen.cu.untyped_storage().data_ptr() == made[1].data_ptr()

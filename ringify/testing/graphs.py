@@ -20,7 +20,7 @@ def quadratic_nodes(ringified, length: int) -> list[str]:
         for v in vals if isinstance(vals, (list, tuple)) else [vals]:
             if not isinstance(v, torch.Tensor):
                 continue
-            dims = [d if isinstance(d, int) else -1 for d in v.shape]  # unbacked: not S
+            dims = list(v.shape)
             if sum(d in whole for d in dims) >= 2 or (
                 dims[-2:-1] and dims[-2] in rows and dims[-1] in whole
             ):

@@ -49,17 +49,9 @@ def _kept(x: torch.Tensor, rate: int, offset: int, start: int, stop: int) -> tor
 
 
 def _forward(
-    q,
-    k,
-    v,
-    attn_mask,
-    mask_inputs,
-    key_len,
-    spec: AttentionSpec,
-    plan=None,
-    sinks=None,
+    q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None,
     step_masks=None,
-):
+):  # fmt: skip
     _check_plain(attn_mask, mask_inputs, plan, sinks, spec)
     ring = ring_by_name(spec.group_name)
     b, h, c, _ = q.shape

@@ -53,17 +53,9 @@ def _bias(q, k, attn_mask, key_len: int, spec: AttentionSpec):
 
 
 def _forward(
-    q,
-    k,
-    v,
-    attn_mask,
-    mask_inputs,
-    key_len,
-    spec: AttentionSpec,
-    plan=None,
-    sinks=None,
+    q, k, v, attn_mask, mask_inputs, key_len, spec: AttentionSpec, plan=None, sinks=None,
     step_masks=None,
-):
+):  # fmt: skip
     if mask_inputs or spec.mask_program or spec.is_causal or spec.softcap:
         raise ValueError("memory_attention takes a mask tensor only: no program, causality or cap")
     if plan is not None or sinks is not None:

@@ -94,7 +94,6 @@ def _forward(
     (q_at,) = transport.queries_in([q])
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
-    bias_in, varlen = bias_dtype(q), flash.runs_varlen(q, softcap)
     nans = QueryNaNs(q_at) if q.device.type == "cpu" else None  # the CPU kernel's NaN check
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
@@ -102,7 +101,7 @@ def _forward(
         if held is None:  # no query here sees them: they were not sent
             masks.skip(mine, len(own.tiles))
             continue
-        for b in masks.pairs(mine, held, bias_in, count=True, joinable=kv.joined, varlen=varlen):
+        for b in masks.pairs(mine, held, count=True, joinable=kv.joined):
             if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
                 q_seq, (k_seq, v_seq) = q_at.sequence(b.rows), kv.sequences(b.held, b.tiles, b.cols)
                 out_blk, lse_blk = varlen_forward(q_seq, k_seq, v_seq, b.varlen, scale=scale)
@@ -235,10 +234,8 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
     grad_out, q, out, lse = saved
     scale, softcap = spec.scale, spec.softcap
     here: list[list] = [[] for _ in slots.shapes]
-    bias_in = bias_dtype(q.tensor)  # q: ShardRows
-    varlen = flash.runs_varlen(q.tensor, softcap)
     biased = learned is not None
-    for b in masks.pairs(mine, held, bias_in, biased=biased, joinable=kv.joined, varlen=varlen):
+    for b in masks.pairs(mine, held, biased=biased, joinable=kv.joined):
         i, r, cols = b.held, b.rows, b.cols
         if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
             rows = (grad_out.sequence(r), q.sequence(r), *kv.sequences(i, b.tiles, cols))

@@ -25,17 +25,20 @@ from ringify.runtime.tiling.tiles import Tile, Visibility
 
 class CallMasks:
     """``masks``' blocks for a call on ``device`` whose program inputs are ``inputs`` and
-    whose step's masks are ``given`` (or None); the pairs it sees counted into ``counts``
-    (by each ``Visibility``'s value). (An op's body runs below autograd: nothing computed
-    here from ``inputs`` is recorded.) ``copies``: whether the call may copy varlen
-    sequences from the host (not in a CUDA graph's recording)."""
+    whose step's masks are ``given`` (or None), its biases in ``dtype`` and its open pairs
+    run as FA2 varlen calls where ``varlen``; the pairs it sees counted into ``counts`` (by
+    each ``Visibility``'s value). (An op's body runs below autograd: nothing computed here
+    from ``inputs`` is recorded.) ``copies``: whether the call may copy varlen sequences
+    from the host (not in a CUDA graph's recording)."""
 
     def __init__(
         self, masks: TileMasks, inputs: list[torch.Tensor], device: torch.device,
-        given: GivenMasks | None, counts: Counter, copies: bool = True,
+        dtype: torch.dtype, varlen: bool, given: GivenMasks | None, counts: Counter,
+        copies: bool = True,
     ) -> None:  # fmt: skip
         self.masks, self.inputs, self.device = masks, inputs, device
-        self.given, self.counts, self.copies = given, counts, copies
+        self.dtype, self.varlen, self.given = dtype, varlen, given
+        self.counts, self.copies = counts, copies
 
     @property
     def program(self) -> MaskProgram | None:
@@ -45,22 +48,19 @@ class CallMasks:
         """Count the pairs of a step at which the held tiles did not come: all hidden."""
         self.counts[Visibility.HIDDEN.value] += len(mine) * held
 
-    def pairs(
-        self, mine, held, dtype: torch.dtype, count: bool = False, biased: bool = False,
-        joinable: bool = False, varlen: bool = False,
-    ):  # fmt: skip
+    def pairs(self, mine, held, count: bool = False, biased: bool = False, joinable: bool = False):
         """Every ``Block`` with work at a step (``TileMasks.step_blocks``): a mask tensor's
         with their biases (the call's own, made as they are used); a program's from the
         step's blocks, the masked ones with their bias and the varlen calls with their
         sequences on the device. ``count``: the pairs are counted (a forward call)."""
-        masks = self.masks
+        masks, dtype = self.masks, self.dtype
         if masks.mask is not None:  # a mask tensor: the call's own, biases and all
             counts: Counter = Counter()
             yield from masks.blocks(mine, held, dtype, counts, biased, joinable, False)
             if count:
                 self.counts.update({seen.value: n for seen, n in counts.items()})
             return
-        step = masks.step_blocks(mine, held, dtype, biased, joinable, varlen and not biased)
+        step = masks.step_blocks(mine, held, dtype, biased, joinable, self.varlen and not biased)
         sequences = self._sequences(step) if step.varlen else []
         if sequences is None:  # recorded, and the step's masks lack its sequences
             step = masks.step_blocks(mine, held, dtype, biased, joinable, False)
@@ -75,20 +75,17 @@ class CallMasks:
                     b, varlen=dataclasses.replace(b.varlen, cu=next(sequences))
                 )
             elif b.seen is Visibility.MASKED:
-                yield self._biased(b, dtype)
+                yield self._biased(b)
             else:
                 yield b
 
-    def _biased(self, block: Block, dtype: torch.dtype) -> Block:
-        """A program's masked block with its mask as a bias in ``dtype`` on the call's device:
-        from the step's masks, or evaluated here."""
-        given = self.given
-        bias = None
-        if given is not None and given.layout.dtype == dtype:
-            bias = given.bias(block_key(block))
+    def _biased(self, block: Block) -> Block:
+        """A program's masked block with its mask as a bias on the call's device: from the
+        step's masks, or evaluated here."""
+        bias = None if self.given is None else self.given.bias(block_key(block))
         if bias is None:
             mask = evaluate(self.masks.program, self.inputs, *block.at, self.device)
-            bias = additive_mask(mask, dtype)
+            bias = additive_mask(mask, self.dtype)
         return dataclasses.replace(block, bias=bias)
 
     def _sequences(self, step: Step) -> list[torch.Tensor] | None:

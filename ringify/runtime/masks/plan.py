@@ -138,7 +138,10 @@ class RingPlan(OpaqueBase):
                 )
             capacity = Capacity(biases.shape[0], sequences.shape[1])
             given = GivenMasks(self.step_layout(dtype, varlen, capacity), biases, sequences)
-        return CallMasks(self.masks, inputs, device, given, self.tile_pairs, not recording)
+        masks = self.masks
+        return CallMasks(
+            masks, inputs, device, dtype, varlen, given, self.tile_pairs, not recording
+        )
 
     def tile_counts(self) -> dict[Visibility, int]:
         """How many tile pairs the forward calls on this plan skipped, ran causal, ran with no
