@@ -116,14 +116,18 @@ def test_reduce_overhead_replays_a_plan_for_its_own_mask_only(ring):
     packing match the unmodified model (float64), and one with another packing raises on
     every rank instead of replaying the recorded plan. A ring of 1 (one GPU) runs the same
     plan op and ring ops, with nothing to send."""
-    pool = RankPool(ring, backend="nccl")
-    try:
-        results = pool.run(_replayed_rank, ring)
-    finally:
-        pool.close()
-    for over_tolerance, error in results:
+    for over_tolerance, error in _on_gpus(ring, _replayed_rank):
         assert over_tolerance <= 1.0
         assert error is not None and "differs from the one a CUDA graph recorded" in error
+
+
+def _on_gpus(ring: int, rank_fn) -> list:
+    """``rank_fn(ring)`` on ``ring`` ranks of one GPU each over NCCL: every rank's result."""
+    pool = RankPool(ring, backend="nccl")
+    try:
+        return pool.run(rank_fn, ring)
+    finally:
+        pool.close()
 
 
 def _replayed_rank(ring: int):
@@ -160,3 +164,62 @@ def _replayed_rank(ring: int):
     except RuntimeError as e:
         error = str(e)
     return largest(got, want) / tolerance, error
+
+
+@needs_cuda
+@pytest.mark.parametrize("ring", [1, pytest.param(2, marks=needs_two_gpus)])
+def test_reduce_overhead_replays_varlen_calls_on_the_steps_masks(ring):
+    """bfloat16 packed documents under ``mode="reduce-overhead"``: open pairs run as FA2
+    varlen calls whose sequences ``ringify::step_masks`` makes every step outside the CUDA
+    graphs, so the recorded calls read the step's own (the float64 test above runs masked
+    blocks only). FA2 varlen calls are recorded, and a replayed step's gradients are within
+    ``truth_tolerance`` of the float64 model's, their reference the compiled unmodified
+    model's in bfloat16."""
+    for over_tolerance, recorded_varlen_calls in _on_gpus(ring, _replayed_varlen_rank):
+        assert recorded_varlen_calls > 0
+        assert over_tolerance <= 1.0
+
+
+def _replayed_varlen_rank(ring: int) -> tuple[float, int]:
+    import copy
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from ringify import ringify
+    from ringify.runtime.attention import ops
+    from ringify.testing import hf_models
+
+    torch.cuda.set_device(dist.get_rank())
+    torch.manual_seed(0)
+    seq = 64
+    model = hf_models.llama(layers=2, dim=64, max_len=4 * seq).cuda().bfloat16()
+    ids = torch.randint(1, 64, (1, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    lengths = (16, 24, seq - 40)  # one sequence: FA2 varlen calls take a batch of one
+    positions = torch.cat([torch.arange(n) for n in lengths]).view(1, -1).cuda()
+
+    def grads(module, run, step_begins=False):
+        if step_begins:
+            torch.compiler.cudagraph_mark_step_begin()
+        module.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
+        return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    truth_model = copy.deepcopy(model).double()  # the same (bf16-rounded) weights
+    truth = grads(truth_model, truth_model)
+    reference = grads(model, torch.compile(model))
+    recorded, varlen_forward = [], ops.varlen_forward
+
+    def noted(*args, **kwargs):
+        recorded.append(torch.cuda.is_current_stream_capturing())
+        return varlen_forward(*args, **kwargs)
+
+    compiled = torch.compile(ringify(model, ring_size=ring), mode="reduce-overhead")
+    with mock.patch.object(ops, "varlen_forward", noted):
+        for _ in range(3):  # a warm-up, a recording and a replay
+            got = grads(model, compiled, step_begins=True)
+    over = max(
+        relative_difference(got[n], truth[n]) / truth_tolerance(reference[n], truth[n])
+        for n in truth
+    )
+    return over, sum(recorded)
