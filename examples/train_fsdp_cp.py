@@ -90,7 +90,8 @@ def main() -> None:
             apply_tensor_parallelism(model, mesh["tp"], plan)
         else:  # transformers 5.16: model.tp_plan, as it is
             apply_tensor_parallelism(model, mesh["tp"])
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    checkpointed = getattr(model, "activation_checkpointing_enable", None)  # transformers 5.24
+    (checkpointed or model.gradient_checkpointing_enable)({"use_reentrant": False})
     shard_over = mesh["dp", "cp"]._flatten()  # FSDP over dp x cp: gradients reduced once
     for layer in model.model.layers:
         fully_shard(layer, mesh=shard_over)
