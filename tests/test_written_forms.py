@@ -4,7 +4,8 @@ without its weights), nanoGPT's mask cropped from a registered ``tril`` buffer (
 an S x S tensor per rank), a causal mask extended with ``F.pad`` (a program too), a
 torchtitan-style layer (RoPE through ``stack``, under
 ``torch.autocast(enabled=False)``; GQA through ``enable_gqa``, ``repeat_interleave`` or
-FlexAttention) and a pooled token per row (CLIP's EOS: a few positions taken from their ranks).
+FlexAttention), a pooled token per row (CLIP's EOS: a few positions taken from their ranks) and
+a router's per-position ops that torch leaves without the pointwise tag (``RoutedOutput``).
 Float64, against the unmodified model: output and every gradient, on 2 and 4 ranks."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ringify.testing.runs import ringified_run
 TOL = 1e-10
 CASES = (
     "einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive", "titan", "titan repeat",
-    "titan flex", "pooled",
+    "titan flex", "pooled", "routed",
 )  # fmt: skip
 
 
@@ -37,6 +38,7 @@ def _model(case: str):
         "titan repeat": lambda: models.RotaryDecoder(gqa="repeat_interleave"),
         "titan flex": lambda: models.RotaryDecoder(gqa="flex"),
         "pooled": lambda: models.RotaryDecoder(pooled=True),
+        "routed": models.RoutedOutput,
     }[case]().double()
 
 

@@ -348,3 +348,28 @@ class RotaryDecoder(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y = self.out(y.transpose(1, 2).reshape(b, n, c))
         return y[torch.arange(b, device=ids.device), ids.argmax(-1)] if self.pooled else y
+
+
+class RoutedOutput(nn.Module):
+    """Causal attention, then per-position ops whose overloads torch leaves without the
+    pointwise tag: a router's ``logsigmoid`` and ``logsumexp`` over its experts (as HF
+    Inkling's), ``hardswish``, ``where`` with a scalar, ``masked_fill`` with a 0-dim tensor,
+    and ``rsub``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, experts: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.router = nn.Linear(dim, 3 * dim), nn.Linear(dim, experts)
+        self.out = nn.Linear(dim, dim)
+        self.fill = nn.Buffer(torch.tensor(0.5))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        y = y.reshape(b, n, c)
+        log_p = F.logsigmoid(self.router(y))
+        weights = torch.exp(log_p - torch.logsumexp(log_p, -1, keepdim=True))
+        h = F.hardswish(self.out(y)) * weights.amax(-1, keepdim=True)
+        h = torch.where(h > 0, h, 0.1).masked_fill(h < -0.5, self.fill.to(h.dtype))
+        return torch.rsub(h, x)

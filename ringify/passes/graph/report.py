@@ -51,6 +51,7 @@ class GatherReason(enum.Enum):
     LOSS_LAYOUT = "only (N, C) inputs sharded along N are reduced locally"
     LOSS_TARGET = "its input and target are sharded differently"
     WEIGHTED_MEAN = "a class-weighted mean"
+    REDUCED_SEQUENCE = "a reduction over the sequence that has no ring form"
 
 
 @dataclass(frozen=True)

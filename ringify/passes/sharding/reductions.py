@@ -18,7 +18,7 @@ from torch import fx
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.losses import LOSSES, MEAN, NONE, SUM, loss_arg
 from ringify.passes.graph.nodes import norm_dim, norm_dims, shape, val
-from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
+from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
 from ringify.runtime.collectives.reduce import (
     copy_to_ring,
@@ -44,6 +44,8 @@ def _reduced_dims(node: fx.Node, ndim: int) -> list[int]:
 
 
 _WHOLE = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
+# reductions with no ring form, whose arguments are sum's (x, dims, keepdim)
+LOCAL_REDUCTIONS = frozenset({aten.logsumexp.default})
 
 
 def infer_reduction(node: fx.Node, place: Placements) -> Placement:
@@ -54,6 +56,14 @@ def infer_reduction(node: fx.Node, place: Placements) -> Placement:
         return None
     keep = _keepdim(node)
     return p.at(p.dim if keep else p.dim - sum(d < p.dim for d in dims))
+
+
+@sharded_first
+def infer_local_reduction(node: fx.Node, place: Placements, p: Seq, ndim: int):
+    """A reduction with no ring form (``LOCAL_REDUCTIONS``): local over other dims, as a
+    router's logsumexp over its experts; over the sequence, its input is gathered."""
+    out = infer_reduction(node, place)
+    return Fallback(GatherReason.REDUCED_SEQUENCE) if out is None else out
 
 
 def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:

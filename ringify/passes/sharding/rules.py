@@ -10,8 +10,9 @@ sharding rules and DTensor's op strategies do):
   routed through ``copy_to_ring`` (``crossings.py``), reductions and attention
   replaced (``reductions.py``, ``attention.py``).
 
-Ops with no entry whose overload is tagged pointwise get the pointwise rule; any
-other op with a sharded input falls back (its inputs are gathered).
+Ops with no entry whose overload is tagged pointwise get the pointwise rule (as do the few
+elementwise ops torch leaves untagged); any other op with a sharded input falls back (its
+inputs are gathered).
 ``infer_placements`` runs the inference half over a whole graph.
 """
 
@@ -89,10 +90,12 @@ from ringify.passes.sharding.products import (
 )
 from ringify.passes.sharding.reductions import (
     EXTREMA,
+    LOCAL_REDUCTIONS,
     LOSSES,
     REDUCTIONS,
     SOFTMAXES,
     infer_argmax,
+    infer_local_reduction,
     infer_loss,
     infer_reduction,
     rewrite_argmax,
@@ -145,6 +148,11 @@ SAME_SHAPE = frozenset({
     aten.dropout.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.to.device, aten.lift_fresh_copy.default,
+})  # fmt: skip
+# elementwise with broadcasting, as the pointwise tag's ops, but their overloads are untagged
+UNTAGGED_POINTWISE = frozenset({
+    aten.log_sigmoid.default, aten.hardswish.default, aten.rsub.Tensor, aten.masked_fill.Tensor,
+    aten.where.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf,
 })  # fmt: skip
 # new tensors that take only their input's dtype and device: replicated
 NEW_TENSORS = frozenset({
@@ -258,7 +266,7 @@ RULES: dict[object, Rule] = {
     joint_attention: Rule(infer_joint_attention, rewrite_joint_attention),
     with_zero_grads: Rule(infer_with_zero_grads, _as_it_is),
     aten._assert_tensor_metadata.default: Rule(lambda node, place: None, _erase),
-    **dict.fromkeys(SAME_SHAPE, POINTWISE),
+    **dict.fromkeys(SAME_SHAPE | UNTAGGED_POINTWISE, POINTWISE),
     **dict.fromkeys(CASTS_LIKE, Rule(lambda node, place: place[node.args[0]], _as_it_is)),
     aten.dropout.default: Rule(_infer_broadcast, rewrite_dropout),
     aten.cat.default: Rule(infer_cat, _fit_broadcast),
@@ -323,6 +331,7 @@ RULES: dict[object, Rule] = {
     program_mask: Rule(lambda node, place: None, rewrite_program_mask),
     **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, _as_it_is)),
     **dict.fromkeys(REDUCTIONS, Rule(_infer_reduction, rewrite_reduction)),
+    **dict.fromkeys(LOCAL_REDUCTIONS, Rule(infer_local_reduction, _fit_broadcast)),
     **dict.fromkeys(EXTREMA, Rule(_infer_reduction, rewrite_extremum)),
     **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
     aten.argmax.default: Rule(
