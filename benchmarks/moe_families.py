@@ -36,15 +36,16 @@ SMALL = {
 }  # fmt: skip
 
 
-def build(kind: str):
-    """A tiny random ``kind`` causal LM."""
+def build(kind: str, **fields):
+    """A tiny random ``kind`` causal LM (``fields``: config fields beside ``SMALL``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[kind]
     takes = inspect.signature(config_class.__init__).parameters
-    config = config_class(**{k: v for k, v in SMALL.items() if k in takes})
-    for k, v in SMALL.items():  # fields a config sets from **kwargs
+    small = SMALL | fields
+    config = config_class(**{k: v for k, v in small.items() if k in takes})
+    for k, v in small.items():  # fields a config sets from **kwargs
         if k not in takes and hasattr(config, k):
             setattr(config, k, v)
     if kind in MLA:
@@ -66,13 +67,13 @@ def _grads(model, run, ids, weights, flipped: bool = False):
     return logits.detach(), grads
 
 
-def compare(kind: str, world: int) -> dict:
+def compare(kind: str, world: int, **fields) -> dict:
     import torch
 
     from ringify import ringify
 
     torch.manual_seed(0)
-    model = build(kind)
+    model = build(kind, **fields)
     ids = torch.randint(1, 64, (2, 16 * world), generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, 16 * world, 64, generator=torch.Generator().manual_seed(5))
     weights = weights.double()
