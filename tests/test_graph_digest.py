@@ -3,6 +3,8 @@ independent nodes, not to what the graph computes or to the order of its collect
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -76,3 +78,26 @@ def test_copies_to_the_ring_matter_in_order_only_where_a_gradient_reaches_them()
     seed; the tables need no gradient)."""
     assert graph_digest(_copies(("a", "b"), False)) == graph_digest(_copies(("b", "a"), False))
     assert graph_digest(_copies(("a", "b"), True)) != graph_digest(_copies(("b", "a"), True))
+
+
+def _plans(order: tuple[str, str]) -> fx.GraphModule:
+    """Two mask programs' host copies, plans and step masks, made in ``order`` (HF makes a
+    mask per layer type in a set's order: each process's own)."""
+    graph = fx.Graph()
+    inputs = {"a": graph.placeholder("positions"), "b": graph.placeholder("padding")}
+    made = {}
+    for name in order:
+        host = graph.call_function(torch.ops.ringify.host_inputs.default, ([inputs[name]],))
+        copied = graph.call_function(operator.getitem, (host, 0))
+        plan = graph.call_function(
+            torch.ops.ringify.attention_plan.default, (name, [copied], 8, True, "0", "zigzag", 16)
+        )
+        masks = ([inputs[name]], plan, torch.float32, False, torch.device("cpu"), 8)
+        made[name] = graph.call_function(torch.ops.ringify.step_masks.default, masks)
+    graph.output((made["a"], made["b"]))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_steps_plans_in_another_order_give_one_digest():
+    """Plans and step masks are made on each rank alone: their order is not a difference."""
+    assert graph_digest(_plans(("a", "b"))) == graph_digest(_plans(("b", "a")))

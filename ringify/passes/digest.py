@@ -10,8 +10,9 @@ The digest is a Merkle hash: each node hashes what it computes (its op, its targ
 its constant arguments, the hashes of the nodes it reads, its value's shape and dtype),
 never its name or place. The graph's digest is the multiset of its node hashes, plus
 the sequence of the nodes whose order matters (anything impure or communicating: two
-ranks must run their collectives in one order). Another op, shape, constant or
-collective order still changes it; another order of independent pure nodes does not.
+ranks must run their collectives in one order; a step's plans and masks, made on each rank
+alone, do not count). Another op, shape, constant or collective order still changes it;
+another order of independent pure nodes does not.
 Nested graphs (checkpointed regions, FSDP units) are hashed by content, recursively.
 """
 
@@ -24,11 +25,18 @@ from torch import fx
 
 from ringify.runtime.collectives.reduce import copy_to_ring
 from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
+from ringify.runtime.masks.host_inputs import host_inputs
+from ringify.runtime.masks.plan import attention_plan
+from ringify.runtime.masks.step_masks import step_masks
 
 # Namespaces of ops that talk to other ranks (and ringify's own functions, which may):
 # their order is part of the program.
 _COMMUNICATING = ("ringify", "_c10d_functional", "c10d", "_dtensor")
 _ON_TP_GROUP = frozenset({*TP_FEATURE_OPS, TP_VOCAB_EMBEDDING})
+# ringify's ops that never talk to another rank: a step's plans and masks, made from host
+# copies. A model that makes its masks in a set's order (HF's per layer type) has the pass
+# emit them in each process's own PYTHONHASHSEED order, which is not a difference.
+_RANK_LOCAL = frozenset(op._opoverload for op in (host_inputs, attention_plan, step_masks))
 
 
 def graph_digest(gm: fx.GraphModule) -> str:
@@ -124,7 +132,7 @@ def _order_matters(node: fx.Node, graded: set[fx.Node]) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target in _CHECKS:  # impure, but where a check runs changes nothing computed
+    if target in _CHECKS or target in _RANK_LOCAL:  # where it runs changes nothing computed
         return False
     if target is copy_to_ring and node not in graded:  # it talks only in a backward, never run
         return False
