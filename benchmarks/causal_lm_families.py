@@ -25,7 +25,8 @@ from ringify.testing import RankPool
 DROPOUTS = (
     "dropout", "attention_dropout", "hidden_dropout", "hidden_dropout_prob", "activation_dropout",
     "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop", "embed_dropout",
-    "attn_dropout", "resid_dropout", "layerdrop", "decoder_layerdrop", "mlp_dropout",
+    "attn_dropout", "resid_dropout", "residual_dropout", "embedding_dropout", "emb_dropout",
+    "layerdrop", "decoder_layerdrop", "encoder_layerdrop", "mlp_dropout",
 )  # fmt: skip
 NO_DROPOUT = dict.fromkeys(DROPOUTS, 0.0)
 MULTIMODAL = {"vision_config", "audio_config", "vq_config"}
