@@ -90,8 +90,9 @@ def main() -> None:
             apply_tensor_parallelism(model, mesh["tp"], plan)
         else:  # transformers 5.16: model.tp_plan, as it is
             apply_tensor_parallelism(model, mesh["tp"])
-    checkpointed = getattr(model, "activation_checkpointing_enable", None)  # transformers 5.24
-    (checkpointed or model.gradient_checkpointing_enable)({"use_reentrant": False})
+    # transformers 5.24 renamed it (the old name warns)
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
     shard_over = mesh["dp", "cp"]._flatten()  # FSDP over dp x cp: gradients reduced once
     for layer in model.model.layers:
         fully_shard(layer, mesh=shard_over)

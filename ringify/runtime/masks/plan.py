@@ -138,9 +138,8 @@ class RingPlan(OpaqueBase):
                 )
             capacity = Capacity(biases.shape[0], sequences.shape[1])
             given = GivenMasks(self.step_layout(dtype, varlen, capacity), biases, sequences)
-        masks = self.masks
         return CallMasks(
-            masks, inputs, device, dtype, varlen, given, self.tile_pairs, not recording
+            self.masks, inputs, device, dtype, varlen, given, self.tile_pairs, not recording
         )
 
     def tile_counts(self) -> dict[Visibility, int]:
