@@ -4,14 +4,15 @@ The returned module traces the model on its first call for each input signature
 (``trace.py``) and caches the rewritten graph (the last ``TRACE_CACHE_SIZE``
 signatures). A signature that differs from a traced one in its sequence length alone
 is traced once for every length (``lengths.py``): one graph that reads the length at
-run time serves all later lengths. Tracing happens in a forward pre-hook that torch.compile does not
-trace (``torch.compiler.disable``): the hook runs eagerly, picks the call's graph and
-hands it to ``forward`` with the call's flat inputs. Dynamo skips ``forward`` itself and
-compiles the graph it calls with the model's current parameters and buffers: each traced
-graph is a frame of its own, so ``torch.compile(ringified, fullgraph=True)`` sees a plain
-graph of ATen and ringify ops per signature, however many signatures (lengths) there are,
-and nothing of the user's other compiled code is touched. The hook also makes the ranks
-agree on each call (``consistency.py``) before any of them enters the ring.
+run time serves all later lengths. ``forward`` takes the model's own arguments, so the
+module's hooks (and global module hooks) see what the user passed and what the model
+returned. Dynamo skips ``forward``'s own frame: it picks the call's graph eagerly
+(``_prepare``, which torch.compile does not trace), flattens the call's inputs, and calls
+the graph's code with the model's current parameters and buffers. Each traced graph is a
+frame of its own, so ``torch.compile(ringified, fullgraph=True)`` sees a plain graph of ATen
+and ringify ops per signature, however many signatures (lengths) there are, and nothing of
+the user's other compiled code is touched. ``_prepare`` also makes the ranks agree on each
+call (``consistency.py``) before any of them enters the ring.
 
 The module is transparent to checkpoints: its ``state_dict`` keys and parameter
 names are the model's own, and it loads the model's checkpoints.
@@ -121,7 +122,6 @@ class RingifiedModule(nn.Module):
         self._generation: Generation | None = None  # generate's state, made on its first call
         signature = _signature_of(model.forward)
         self._takes_use_cache = signature is not None and "use_cache" in signature.parameters
-        self.register_forward_pre_hook(_prepare, with_kwargs=True)
         # Code that picks inputs by the forward's parameters (HF Trainer keeps the dataset
         # columns named there) sees the model's.
         self.forward = functools.partial(RingifiedModule.forward, self)
@@ -144,11 +144,13 @@ class RingifiedModule(nn.Module):
     # Dynamo skips this frame and compiles the graph it calls, a frame of its own per traced
     # graph: a model traced per length never reaches the recompile limit of one frame.
     @torch.compiler.disable(recursive=False)
-    def forward(self, traced: Traced, *flat):
-        """Run ``traced`` (chosen by ``_prepare``, which also flattened the call's inputs) on the
-        model's current parameters and buffers."""
-        out = traced.module(*_current_state(self._model, traced.state_names), *flat)
-        return pytree.tree_unflatten(out, traced.out_spec)
+    def forward(self, *args, **kwargs):
+        """The model's forward on the ring: the graph traced for this call's signature, run on
+        the model's current parameters and buffers. The graph's code is called directly, not
+        as a module, so that global module hooks see this module's call alone."""
+        traced, flat = _prepare(self, args, kwargs)
+        state = _current_state(self._model, traced.state_names)
+        return pytree.tree_unflatten(traced.module.forward(*state, *flat), traced.out_spec)
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
@@ -194,7 +196,9 @@ class RingifiedModule(nn.Module):
 
 
 @torch.compiler.disable
-def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
+def _prepare(module: RingifiedModule, args, kwargs) -> tuple[Traced, list]:
+    """The graph for this call (traced now if new), after the ranks agreed on the call, and
+    the call's inputs flattened as the graph takes them."""
     kwargs = cache_kwargs(module._model, kwargs, module._takes_use_cache, module._warned)
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module._model, flat, spec)
@@ -235,7 +239,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[tuple, dict]:
     if traced.lengths is not None:  # one graph for every length: compiled for any at once
         for i, dim in traced.lengths.dims:
             torch._dynamo.maybe_mark_dynamic(flat[i], dim)
-    return (traced, *tree_flatten_spec((args, kwargs), traced.in_spec)), {}
+    return traced, tree_flatten_spec((args, kwargs), traced.in_spec)
 
 
 def _locals(state: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,22 +20,22 @@ pytest.importorskip("accelerate")
 BATCH, STEPS, LENGTH = 2, 2, 16
 
 
-def _dataset():
+def _dataset(steps: int):
     g = torch.Generator().manual_seed(0)
     return [
         {"input_ids": ids, "labels": ids}
-        for ids in torch.randint(1, 64, (BATCH * 2 * STEPS, LENGTH), generator=g)
+        for ids in torch.randint(1, 64, (BATCH * 2 * steps, LENGTH), generator=g)
     ]
 
 
-def _train(model, batch: int, trainer_class) -> dict[str, torch.Tensor]:
+def _train(model, batch: int, trainer_class, steps=STEPS, callbacks=()) -> dict[str, torch.Tensor]:
     from transformers import TrainingArguments
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             out,
             per_device_train_batch_size=batch,
-            max_steps=STEPS,
+            max_steps=steps,
             learning_rate=1e-2,
             train_sampling_strategy="sequential",
             report_to=[],
@@ -44,7 +44,10 @@ def _train(model, batch: int, trainer_class) -> dict[str, torch.Tensor]:
             logging_strategy="no",
             disable_tqdm=True,
         )
-        trainer_class(model=model, args=args, train_dataset=_dataset()).train()
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=_dataset(steps), callbacks=list(callbacks)
+        )
+        trainer.train()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -72,7 +75,21 @@ def _model():
     return llama().double()
 
 
-def trainer_on_the_ring(dp: int, cp: int):
+def _logging_callback(logged: list):
+    """A Trainer callback that logs each step's batch from a forward pre-hook on the model."""
+    from transformers import TrainerCallback
+
+    class LogBatches(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.register_forward_pre_hook(
+                lambda m, a, kw: logged.append(kw["input_ids"].detach().clone()),
+                with_kwargs=True,
+            )
+
+    return LogBatches()
+
+
+def trainer_on_the_ring(dp: int, cp: int, steps: int = STEPS, logged: list | None = None):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Trainer
 
@@ -82,8 +99,15 @@ def trainer_on_the_ring(dp: int, cp: int):
             return RingSampler(sampler, self.args.per_device_train_batch_size, cp)
 
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    callbacks = () if logged is None else (_logging_callback(logged),)
     with _launched_as_by_torchrun():
-        return _train(ringify(_model(), ring_size=cp, mesh=mesh["cp"]), BATCH, RingTrainer)
+        ring = ringify(_model(), ring_size=cp, mesh=mesh["cp"])
+        return _train(ring, BATCH, RingTrainer, steps, callbacks)
+
+
+def trainer_with_a_logging_callback(steps: int):
+    logged = []
+    return trainer_on_the_ring(1, dist.get_world_size(), steps, logged), logged
 
 
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)])
@@ -96,6 +120,23 @@ def test_trainer_trains_the_ringified_model_as_the_model(ranks, dp, cp):
         assert got.keys() == want.keys()
         for name in want:
             assert not torch.equal(want[name], initial[name]), name  # it trained
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10)
+
+
+def test_a_callbacks_forward_pre_hook_sees_the_batch_and_training_is_unchanged(ranks):
+    """A callback registers a pre-hook on the (ringified) model: it logs every step's batch,
+    and 3 steps train the weights one process trains."""
+    from transformers import Trainer
+
+    steps = 3
+    want = _train(_model(), BATCH, Trainer, steps)
+    batches = torch.stack([row["input_ids"] for row in _dataset(steps)])
+    for got, logged in ranks(2).run(trainer_with_a_logging_callback, steps):
+        assert len(logged) == steps
+        for batch in logged:  # each a batch of the dataset's rows, as Trainer passed it
+            assert batch.shape == (BATCH, LENGTH)
+            assert all((batches == row).all(1).any() for row in batch)
+        for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10)
 
 
