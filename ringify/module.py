@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
+from ringify.block_masks import with_flat_block_masks
 from ringify.caches import cache_kwargs
 from ringify.config import Config, Hybrid
 from ringify.consistency import check_call, check_trace
@@ -200,6 +201,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[Traced, list]:
     """The graph for this call (traced now if new), after the ranks agreed on the call, and
     the call's inputs flattened as the graph takes them."""
     kwargs = cache_kwargs(module._model, kwargs, module._takes_use_cache, module._warned)
+    args, kwargs = with_flat_block_masks((args, kwargs))
     flat, spec = pytree.tree_flatten((args, kwargs))
     key = _signature(module._model, flat, spec)
     traced = module._traced.get(key) or _for_any_length(module, key)

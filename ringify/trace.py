@@ -24,6 +24,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from ringify.block_masks import Rebuilt, has_flat_block_masks
 from ringify.config import Config
 from ringify.export_errors import export_failure
 from ringify.parallelized import fsdp_units, is_fsdp_hook, state_kind, unsharded_for_trace
@@ -313,7 +314,12 @@ def _export(
             local_for_trace(model, layers, mode),
             recorder,
         ):
-            exported = torch.export.export(model, tuple(args), kwargs, strict=False)
+            exported = torch.export.export(
+                Rebuilt(model) if has_flat_block_masks((args, kwargs)) else model,
+                tuple(args),
+                kwargs,
+                strict=False,
+            )
     except Exception as e:
         recorder.check()
         raise RuntimeError(export_failure(model, e)) from e

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.spellings import CASTS_LIKE
-from ringify.passes.graph.nodes import call, is_tensor, norm_dim, norm_dims, shape
+from ringify.passes.graph.nodes import argument, call, is_tensor, norm_dim, norm_dims, shape
 
 aten = torch.ops.aten
 
@@ -129,17 +129,13 @@ def _result_dim(node: fx.Node, d: int, nd: int) -> int | None:
         k = norm_dim(args[1], nd)
         return None if k == d else d - (k < d)
     if target is aten.slice.Tensor:
-        return None if norm_dim(args[1] if len(args) > 1 else 0, nd) == d else d
+        return None if norm_dim(argument(node, "dim"), nd) == d else d
     if target in _REDUCTIONS:
-        dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
-        if dims is None:
+        dims = argument(node, "dim")
+        if dims is None or (not isinstance(dims, int) and len(dims) == 0):  # every dim
             return None
         dims = norm_dims(dims, nd)
-        keep = (
-            args[2]
-            if len(args) > 2 and isinstance(args[2], bool)
-            else node.kwargs.get("keepdim", False)
-        )
+        keep = argument(node, "keepdim")
         return None if d in dims else d if keep else d - sum(k < d for k in dims)
     if target in _ALONG:
         return None if norm_dim(args[1], nd) == d else d
@@ -148,12 +144,12 @@ def _result_dim(node: fx.Node, d: int, nd: int) -> int | None:
     if target is aten.outer.default:
         return d
     if target is aten.repeat_interleave.self_int:
-        dim = args[2] if len(args) > 2 else node.kwargs.get("dim")
+        dim = argument(node, "dim")
         return None if dim is None or norm_dim(dim, nd) == d else d
     if target in (aten.linear.default, aten.matmul.default, aten.mm.default):
         return d if d < nd - 1 and len(shape(args[1])) <= 2 else None
     if target in _MULTI:
-        k = norm_dim(args[1] if target is aten.unbind.int else args[2] if len(args) > 2 else 0, nd)
+        k = norm_dim(argument(node, "dim"), nd)
         if k == d:
             return None
         return d - (k < d) if target is aten.unbind.int else d

@@ -37,6 +37,18 @@ def norm_dims(dims, ndim: int) -> list[int]:
     return [norm_dim(d, ndim) for d in dims]
 
 
+def argument(node: fx.Node, name: str):
+    """An ATen call's argument ``name``, given by position or keyword or else its schema's
+    default: the graph leaves out trailing arguments equal to their default (``unbind(x)``
+    for ``unbind(x, 0)``), so an optional argument is never read by position."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if i < len(node.args) and not arg.kwarg_only:
+                return node.args[i]
+            return node.kwargs.get(name, arg.default_value)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
 def slice_bounds(node: fx.Node, length: int) -> tuple[int, int, int]:
     """``(start, end, step)`` of an ``aten.slice.Tensor`` node over a dim of ``length``,
     clamped as torch clamps them."""

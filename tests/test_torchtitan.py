@@ -1,0 +1,159 @@
+"""torchtitan's own models on the ring, called as torchtitan's trainer calls them: the masks
+built outside the model (``model.get_attention_masks(positions)``, a FlexAttention
+``BlockMask``) and passed in, float64, 2 layers, against the unmodified model (output and every
+parameter gradient), 2 and 4 ranks, zero gathers.
+
+CPU flex has no backward: torchtitan's compiled flex is run eagerly, the unmodified model's
+gradients come from the same attention written densely (its ``mask_mod`` evaluated on the
+whole grid), and the ringified model traces under ``no_grad`` first (its graph holds no flex
+op, then trains). CI installs torchtitan for this module (``.ci/run``); without it, skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from ringify.passes.graph.report import AttentionRun
+
+pytest.importorskip("torchtitan.models.llama3", reason="torchtitan 0.3 is not installed")
+
+TOL = 1e-10
+BATCH = 2
+
+
+@contextlib.contextmanager
+def _flex(attend):
+    """torchtitan's compiled flex_attention replaced by ``attend`` (undone after)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    saved = FlexAttention.__dict__["_compiled_flex_attn"]
+    FlexAttention._compiled_flex_attn = staticmethod(attend)
+    try:
+        yield
+    finally:
+        FlexAttention._compiled_flex_attn = saved
+
+
+def dense_flex(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+               return_aux=None, kernel_options=None):  # fmt: skip
+    """flex_attention written densely: its mask_mod and score_mod on the whole grid."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    b, h, i, j = (
+        torch.arange(n).view([-1 if d == a else 1 for d in range(4)])
+        for a, n in enumerate(scores.shape)
+    )
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, i, j)
+    if block_mask is not None:
+        scores = scores.masked_fill(~block_mask.mask_mod(b, h, i, j), float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.softmax(scores, -1) @ v
+    return out, AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
+
+
+def llama3():
+    from torchtitan.models.llama3 import llama3_configs
+
+    return llama3_configs["debugmodel"](attn_backend="flex")
+
+
+def qwen3():
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    return qwen3_configs["debugmodel"](attn_backend="flex")
+
+
+FAMILIES = {"llama3": llama3, "qwen3": qwen3}
+
+
+def _model(family: str):
+    config = FAMILIES[family]()
+    config = dataclasses.replace(config, layers=config.layers[:2])
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    return model.double()
+
+
+def _inputs(model, seq: int, documents: bool, shift: int = 0):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (BATCH, seq), generator=g)
+    if documents:  # three packed documents per row, at different places in each row
+        cuts = [(0, seq // 3 + shift, seq - 5), (0, 7, seq // 2 - shift)]
+        positions = torch.stack(
+            [torch.cat([torch.arange(b - a) for a, b in zip(c, (*c[1:], seq))]) for c in cuts]
+        )
+    else:
+        positions = torch.arange(seq).expand(BATCH, seq)
+    return tokens, positions
+
+
+def _step(model, run, tokens, positions):
+    """Output and every parameter gradient of one step (the masks built outside the model)."""
+    model.zero_grad(set_to_none=True)
+    out = run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * weights).sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def compare(family: str, seq: int, documents: bool):
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ringify import ringify
+
+    model = _model(family)
+    tokens, positions = _inputs(model, seq, documents)
+    with _flex(dense_flex):
+        want = _step(model, model, tokens, positions)
+    with _flex(flex_attention):
+        with torch.no_grad():  # the unmodified flex model, forward only
+            flex_out = model(
+                tokens, positions=positions, attention_masks=model.get_attention_masks(positions)
+            )
+        ringified = ringify(model, ring_size=dist.get_world_size())
+        with torch.no_grad():
+            first = ringified(
+                tokens, positions=positions, attention_masks=model.get_attention_masks(positions)
+            )
+        got = _step(model, ringified, tokens, positions)
+        # other documents, the same graph: the mask is read from this call's inputs
+        tokens, positions = _inputs(model, seq, documents, shift=3)
+        with torch.no_grad():
+            masks = model.get_attention_masks(positions)
+            again = ringified(tokens, positions=positions, attention_masks=masks)
+            again_want = model(tokens, positions=positions, attention_masks=masks)
+    report = ringified.report()
+    return {
+        "out": max(
+            (got[0] - want[0]).abs().max().item(),
+            (first - flex_out).abs().max().item(),
+            (again - again_want).abs().max().item(),
+        ),
+        "dense vs flex": (want[0] - flex_out).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "missing": [n for n, g in got[1].items() if g is None],
+        "runs": {(a.run, a.form) for a in report.attentions},
+        "gathers": [g.op for g in report.gathers],
+        "traces": ringified.traces,
+    }
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flex_with_the_mask_passed_in(ranks, family, world, documents):
+    for r in ranks(world).run(compare, family, 16 * world, documents):
+        assert r["dense vs flex"] < TOL, r  # the reference is the model's own attention
+        assert r["out"] < TOL and r["grads"] < TOL and r["missing"] == [], r
+        assert r["runs"] == {(AttentionRun.RING, "flex_attention")}, r
+        assert r["gathers"] == [] and r["traces"] == 1, r
