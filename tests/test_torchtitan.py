@@ -89,7 +89,10 @@ def _inputs(model, seq: int, documents: bool, shift: int = 0):
     if documents:  # three packed documents per row, at different places in each row
         cuts = [(0, seq // 3 + shift, seq - 5), (0, 7, seq // 2 - shift)]
         positions = torch.stack(
-            [torch.cat([torch.arange(b - a) for a, b in zip(c, (*c[1:], seq))]) for c in cuts]
+            [
+                torch.cat([torch.arange(b - a) for a, b in zip(c, (*c[1:], seq), strict=True)])
+                for c in cuts
+            ]
         )
     else:
         positions = torch.arange(seq).expand(BATCH, seq)
