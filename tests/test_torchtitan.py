@@ -71,7 +71,13 @@ def qwen3():
     return qwen3_configs["debugmodel"](attn_backend="flex")
 
 
-FAMILIES = {"llama3": llama3, "qwen3": qwen3}
+def gpt_oss():
+    from torchtitan.models.gpt_oss import gptoss_configs
+
+    return gptoss_configs["debugmodel"]("standard", attn_backend="flex")
+
+
+FAMILIES = {"llama3": llama3, "qwen3": qwen3, "gpt_oss": gpt_oss}
 
 
 def _model(family: str):

@@ -57,6 +57,7 @@ def hf_case(case: str, heads: int, compiled=False, hybrid=0, strategy="ulysses",
         "logits": (got.logits - want.logits).abs().max().item(),
         "grads": grads,
         "runs": [a.run for a in report.rewritten],
+        "shapes": [(a.global_shape, a.local_shape, a.layout) for a in report.rewritten],
         "notes": [a.strategy_note for a in report.rewritten],
         "transports": [a.transport for a in report.rewritten],
         "header": [line for line in ringified.graph_diff().splitlines() if line.startswith("# ")],
@@ -77,6 +78,8 @@ SLOW = pytest.mark.slow  # 4 ranks: the op's own test covers padding and a windo
 def test_ulysses_matches_the_model(ranks, world, case):
     for r in ranks(world).run(hf_case, case, 4):
         assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
+        for (b, h, s, d), local, layout in r["shapes"]:  # this rank's queries, and their layout
+            assert local == (b, h, s // world, d) and layout == "zigzag", r["shapes"]
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
         assert r["transports"] == [f"all-to-all over {world} (Ulysses)"] * 2, r
         assert r["header"] == [f"# {line}" for line in r["placements"]] and len(r["header"]) == 2

@@ -202,7 +202,9 @@ def reported(
     if mask is None:
         mask = MaskKind.NONE if att.mask is None else MaskKind.KEPT
         mask = MaskKind.CAUSAL if att.is_causal else mask
-    sharded = run in (AttentionRun.RING, AttentionRun.LOCAL)  # the queries
+    # the queries this rank holds (the all-to-all takes them sequence-sharded: its heads move
+    # inside the op)
+    sharded = run in (AttentionRun.RING, AttentionRun.ALL_TO_ALL, AttentionRun.LOCAL)
     return ReportedAttention(
         node=att.node.name,
         run=run,
