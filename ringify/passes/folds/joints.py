@@ -37,6 +37,7 @@ from ringify.passes.graph.nodes import (
     ancestors,
     call,
     erase_unused,
+    is_tensor,
     norm_dim,
     shape,
     slice_bounds,
@@ -58,37 +59,44 @@ class _Carried:
     reached: set = field(default_factory=set)
     handled: list = field(default_factory=list)
     attentions: list = field(default_factory=list)
+    # seeds of joint values that met another joint value along an earlier dim in one op: a
+    # join of features (Flux's RoPE of three axes, side by side), not of sequences
+    features: set = field(default_factory=set)
 
 
 def fold_joint_sequences(gm: fx.GraphModule) -> int:
     """Carry the joint sequences that reach an attention as their parts; how many ``cat``s."""
-    if not any(_joins(n) for n in gm.graph.nodes):
+    joins = {n for n in gm.graph.nodes if _joins(n)}
+    while True:  # a trial on a copy, until no join of features is left among the seeds
+        trial = fx.Graph()
+        copies: dict[fx.Node, fx.Node] = {}
+        trial.graph_copy(gm.graph, copies)
+        original = {copy: node for node, copy in copies.items()}
+        tried = _carry(trial, {copies[n] for n in joins})
+        features = {original[c] for c in tried.features}
+        if not features:
+            break
+        joins -= features
+    if not tried.reached:
         return 0
-    trial = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    trial.graph_copy(gm.graph, copies)
-    reached = _carry(trial, None).reached
-    if not reached:
-        return 0
-    original = {copy: node for node, copy in copies.items()}
-    carried = _carry(gm.graph, {original[c] for c in reached})
+    carried = _carry(gm.graph, {original[c] for c in tried.reached})
     _keep_dropped_queries(gm.graph, carried)
     for node in reversed(carried.handled):  # SDPA is not dead code to fx (its dropout is random)
         erase_unused(gm.graph, node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return len(reached)
+    return len(tried.reached)
 
 
 def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
-    """Carry the joint values of ``seeds`` (every ``cat`` if ``None``) through ``graph``."""
+    """Carry the joint values of ``seeds`` (``cat`` nodes) through ``graph``."""
     joints: dict[fx.Node, Joint | Items] = {}
     carried = _Carried()
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.cat.default and not any(a in joints for a in node.args[0]):
-            if (seeds is None or node in seeds) and _joins(node):
+            if node in seeds:
                 dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(node)))
                 joints[node] = Joint(dim, tuple(node.args[0]), frozenset({node}))
             continue
@@ -101,6 +109,7 @@ def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
         with graph.inserting_before(node):
             done = _fold(graph, node, joints, carried)
         if done is None:
+            carried.features |= _features(node, joints)
             continue
         carried.handled.append(node)
         if isinstance(done, fx.Node):
@@ -112,6 +121,22 @@ def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
         if isinstance(joint, Joint):
             _put_back(graph, node, joint, handled)
     return carried
+
+
+def _features(node: fx.Node, joints: dict) -> set:
+    """Where joint values meet in ``node`` along different dims (aligned from the last, as
+    they broadcast), the seeds of those joined along the later dims: a sequence is an earlier
+    dim than the features beside it."""
+    nd = len(shape(node)) if is_tensor(node) else 0
+    dims = {
+        a: j.dim + nd - len(shape(a))
+        for a in node.all_input_nodes
+        if isinstance(j := joints.get(a), Joint)
+    }
+    if len(set(dims.values())) < 2:
+        return set()
+    first = min(dims.values())
+    return set().union(*(joints[a].seeds for a, d in dims.items() if d != first))
 
 
 def _joins(node: fx.Node) -> bool:
