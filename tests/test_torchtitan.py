@@ -316,3 +316,64 @@ def test_a_torchtitan_checkpoint_round_trips(ranks, tmp_path):
         assert r["loaded"] == (True, True), r
         assert r["into the model"] == 0 and r["into the ring"] == 0, r
         assert r["out"] < TOL, r
+
+
+class GptOssAttentions(torch.nn.Module):
+    """torchtitan's gpt-oss with its experts left out (they compute in bfloat16 whatever the
+    model's dtype, and fail in float64): each block's own attention (flex with the sinks
+    applied to its output through the log-sum-exp; sliding windows of 128 on even layers),
+    residual, under the mask the block picks from the model's masks."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, positions, attention_masks):
+        h = self.model.tok_embeddings(tokens)
+        for block in self.model.layers.values():
+            mask = attention_masks[block.attn_mask_key]
+            h = h + block.attention(block.attention_norm(h), mask, positions)
+        return self.model.norm(h)
+
+
+def compare_gpt_oss(seq: int):
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ringify import ringify
+
+    model = _model("gpt_oss")
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.attention.sinks.normal_()  # sinks that matter
+    attentions = GptOssAttentions(model)
+    tokens, positions = _inputs(model, seq, documents=True)
+    run = lambda m: lambda t, positions, attention_masks: m(t, positions, attention_masks)
+    with _flex(dense_flex):
+        want = _step(model, run(attentions), tokens, positions)
+    ringified = ringify(attentions, ring_size=dist.get_world_size())
+    with _flex(flex_attention):
+        with torch.no_grad():
+            ringified(tokens, positions, model.get_attention_masks(positions))
+        got = _step(model, run(ringified), tokens, positions)
+    report = ringified.report()
+    grads = [n for n in want[1] if want[1][n] is not None]
+    return {
+        "out": (got[0] - want[0]).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in grads),
+        "sinks": [n for n in grads if n.endswith("sinks")],
+        "missing": [n for n in grads if got[1][n] is None],
+        "runs": {(a.run, a.form) for a in report.attentions},
+        "gathers": [g.op for g in report.gathers],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_oss_sinks_with_the_mask_passed_in(ranks, world):
+    """The log-sum-exp that rescales the output by the sinks is read as attention with sinks
+    (the ring op's); 160 tokens, past the 128-token window."""
+    for r in ranks(world).run(compare_gpt_oss, 160, timeout=300):
+        assert r["out"] < TOL and r["grads"] < TOL and r["missing"] == [], r
+        assert len(r["sinks"]) == 2, r  # both layers' sinks get their gradient
+        assert r["runs"] == {(AttentionRun.RING, "flex_attention, with sinks")}, r
+        assert r["gathers"] == [], r

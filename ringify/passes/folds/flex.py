@@ -13,19 +13,25 @@ an S x S tensor; the ``BlockMask``'s computation dies with the node.
 Supported: any ``mask_mod`` of elementwise ops and lookups in the tensors it closes over
 (causal, sliding windows, documents, prefixes), GQA, a scale, and a ``score_mod`` that
 adds a bias of the positions to the score (ALiBi, a relative-position table, learned or
-not: the bias joins the mask as SDPA's float mask, a learned program). Another
-``score_mod`` (a soft cap) and the log-sum-exp as an output are refused with the reason.
+not: the bias joins the mask as SDPA's float mask, a learned program), and the
+log-sum-exp used only to rescale the output by a sink logit per head, ``out *
+sigmoid(lse - sinks)`` (torchtitan's gpt-oss: the softmax with a sink column, dropped),
+read as attention with ``sinks``. Another ``score_mod`` (a soft cap) and any other use of
+the log-sum-exp are refused with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 
 import torch
 from torch import fx
 
 from ringify.passes.folds.handwritten import FORM_NOTE, UNREAD_NOTE
-from ringify.passes.graph.nodes import call, erase_unused, shape, uses, val
+from ringify.passes.graph.nodes import ASSERTS, call, erase_unused, shape, uses, val
+from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
 FLEX = torch.ops.higher_order.flex_attention
@@ -49,9 +55,12 @@ def fold_flex_attention(gm: fx.GraphModule) -> int:
 
 def _fold(gm: fx.GraphModule, node: fx.Node) -> None:
     q, k, v, score_mod, block_mask, scale, _, score_tensors, mask_tensors = node.args[:9]
-    outputs = {u.args[1] for u in node.users if uses(u)}
-    if outputs - {0}:
-        raise NotFoldable("its log-sum-exp is used")
+    outputs = {u.args[1]: u for u in node.users if uses(u)}
+    rescale = None
+    if set(outputs) - {0}:
+        rescale = _sink_rescale(outputs, shape(q)[1])
+        if rescale is None:
+            raise NotFoldable("its log-sum-exp is used (other than to rescale by sinks)")
     graph = gm.graph
     b, h, length, _ = shape(q)
     with graph.inserting_before(node):
@@ -64,8 +73,20 @@ def _fold(gm: fx.GraphModule, node: fx.Node) -> None:
             bias = call(graph, aten.to.dtype, (bias, val(q).dtype))
             mask = call(graph, aten.where.ScalarOther, (mask, bias, float("-inf")))
         kwargs = {"attn_mask": mask, "scale": scale, "enable_gqa": shape(k)[1] != h}
-        attention = call(graph, aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
-    attention.meta[FORM_NOTE] = "flex_attention"
+        if rescale is None:
+            attention = call(graph, aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
+        else:
+            # a logit per head, as the ring op takes it: (1, H, 1, 1)
+            kwargs["sinks"] = call(graph, aten.view.default, (rescale.sinks, [1, -1, 1, 1]))
+            attention = call(graph, reference_attention, (q, k, v), kwargs)
+    attention.meta[FORM_NOTE] = "flex_attention" + ", with sinks" * (rescale is not None)
+    if rescale is not None:  # the product is the rescaled output: the attention's own now
+        product, scaled = rescale.product, rescale.out
+        if val(scaled).dtype != val(product).dtype:
+            with graph.inserting_before(product):
+                scaled = call(graph, aten.to.dtype, (scaled, val(product).dtype))
+        product.replace_all_uses_with(scaled)
+        erase_unused(graph, product)
     for user in list(node.users):
         if user.args[1] == 0:
             user.replace_all_uses_with(attention)
@@ -73,6 +94,77 @@ def _fold(gm: fx.GraphModule, node: fx.Node) -> None:
     for part in block_mask:
         if isinstance(part, fx.Node):
             erase_unused(graph, part)
+
+
+# ops that move or cast a value without mixing its elements (between flex and the rescale)
+_PASSING = frozenset({
+    aten.transpose.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
+    aten._to_copy.default, aten.alias.default,
+})  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Rescale:
+    sinks: fx.Node  # the (heads,) sink logits
+    product: fx.Node  # out * sigmoid(lse - sinks)
+    out: fx.Node  # the output as the product reads it
+
+
+def _passed(x: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """The nodes ``x`` passes through (only user after only user, each in ``_PASSING``) and
+    the first user that is not one (``None`` where there are several)."""
+    chain = []
+    while True:
+        users = [u for u in x.users if u.target not in ASSERTS]
+        if len(users) != 1:
+            return chain, None
+        if users[0].target not in _PASSING or users[0].args[0] is not x:
+            return chain, users[0]
+        x = users[0]
+        chain.append(x)
+
+
+def _sink_rescale(outputs: dict, heads: int) -> _Rescale | None:
+    """``out * sigmoid(lse - sinks)`` in torchtitan's layout: out and lse transposed alike to
+    (B, L, H, ...) and (B, L, H), ``sinks`` a (H,) vector viewed along the last dim."""
+    if set(outputs) != {0, 1}:
+        return None
+    # the node's log-sum-exp is in base 2: flex_attention returns it times ln 2
+    natural = [u for u in outputs[1].users if u.target not in ASSERTS]
+    if len(natural) != 1 or natural[0].target is not aten.mul.Tensor:
+        return None
+    if natural[0].args[0] is not outputs[1] or natural[0].args[1] != math.log(2):
+        return None
+    lse_chain, sub = _passed(natural[0])
+    out_chain, product = _passed(outputs[0])
+    moved = [x.target for x in lse_chain]
+    if moved != [aten.transpose.int] or [x.target for x in out_chain] != moved:
+        return None
+    if sorted(a % 3 for a in lse_chain[0].args[1:]) != [1, 2] or sorted(
+        a % 4 for a in out_chain[0].args[1:]
+    ) != [1, 2]:
+        return None  # (B, H, L) to (B, L, H): heads last
+    if sub is None or sub.target is not aten.sub.Tensor or sub.args[0] is not lse_chain[-1]:
+        return None
+    sinks = sub.args[1]
+    while isinstance(sinks, fx.Node) and sinks.target in _PASSING and len(shape(sinks)) > 1:
+        sinks = sinks.args[0]
+    viewed = shape(sub.args[1]) if isinstance(sub.args[1], fx.Node) else None
+    if not isinstance(sinks, fx.Node) or shape(sinks) != [heads] or viewed != [1, 1, heads]:
+        return None
+    _, sigmoid = _passed(sub)
+    if sigmoid is None or sigmoid.target is not aten.sigmoid.default:
+        return None
+    scale_chain, found = _passed(sigmoid)
+    if found is not product or product is None or product.target is not aten.mul.Tensor:
+        return None
+    if aten.unsqueeze.default not in {x.target for x in scale_chain}:
+        return None
+    scale, out = (scale_chain[-1], out_chain[-1])
+    if set(product.args) != {scale, out}:
+        return None
+    return _Rescale(sinks, product, out)
 
 
 def _added(gm: fx.GraphModule, score_mod: fx.GraphModule, inputs: list) -> fx.Node | None:
