@@ -5,7 +5,7 @@ the model: ``model(tokens, positions=..., attention_masks=model.get_attention_ma
 tensors (the block tables, and every tensor its ``mask_mod`` closes over, such as the
 documents' ids) as pytree leaves, and the rest as the spec. So every call's mask is read
 from its inputs, never baked into the graph, and the call's signature names the mask's
-code, not one object. Inside the export, ``Rebuilt`` hands the model a ``BlockMask`` made
+code, not one object. Inside the export, ``rebuilt`` hands the model a ``BlockMask`` made
 from the leaves again, whose ``mask_mod`` reads them: the pass reads it as a mask program
 (``passes/folds/flex.py``), as it reads a mask built inside ``forward``.
 """
@@ -16,7 +16,6 @@ import hashlib
 import marshal
 from dataclasses import dataclass, field
 
-from torch import nn
 from torch.fx._pytree import register_pytree_flatten_spec
 from torch.nn.attention import flex_attention as flex
 from torch.nn.attention.flex_attention import BlockMask
@@ -93,7 +92,8 @@ def has_flat_block_masks(tree) -> bool:
     return any(isinstance(x, FlatBlockMask) for x in leaves)
 
 
-def _rebuilt(tree):
+def rebuilt(tree):
+    """``tree`` with each FlatBlockMask in it a BlockMask again."""
     return pytree.tree_map(
         lambda x: (
             BlockMask._unflatten(tuple(x.leaves), x.spec.context)
@@ -103,23 +103,6 @@ def _rebuilt(tree):
         tree,
         is_leaf=lambda x: isinstance(x, FlatBlockMask),
     )
-
-
-class Rebuilt(nn.Module):
-    """The model, called with its BlockMasks rebuilt from their leaves: what is exported where
-    the call has BlockMask inputs. It holds the model's own parameter, buffer and submodule
-    dicts (not copies), so the export names the model's state as the model does."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        object.__setattr__(self, "_model", model)
-        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            object.__setattr__(self, shared, getattr(model, shared))
-        self.training = model.training
-
-    def forward(self, *args, **kwargs):
-        args, kwargs = _rebuilt((args, kwargs))
-        return self._model.forward(*args, **kwargs)
 
 
 pytree.register_pytree_node(

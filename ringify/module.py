@@ -40,6 +40,7 @@ from ringify.config import Config, Hybrid
 from ringify.consistency import check_call, check_trace
 from ringify.generation import Generation, generate
 from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
+from ringify.observers import run_observers
 from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
@@ -151,7 +152,11 @@ class RingifiedModule(nn.Module):
         as a module, so that global module hooks see this module's call alone."""
         traced, flat = _prepare(self, args, kwargs)
         state = _current_state(self._model, traced.state_names)
-        return pytree.tree_unflatten(traced.module.forward(*state, *flat), traced.out_spec)
+        out = traced.module.forward(*state, *flat)
+        if traced.model_outputs is not None:  # then what the model's observing hooks were given
+            out, observed = out[: traced.model_outputs], out[traced.model_outputs :]
+            run_observers(self._model, traced.observed, observed)
+        return pytree.tree_unflatten(out, traced.out_spec)
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs

@@ -24,9 +24,10 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from ringify.block_masks import Rebuilt, has_flat_block_masks
+from ringify.block_masks import has_flat_block_masks, rebuilt
 from ringify.config import Config
 from ringify.export_errors import export_failure
+from ringify.observers import Observed, Observers
 from ringify.parallelized import fsdp_units, is_fsdp_hook, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.graph.report import Report
@@ -49,8 +50,9 @@ log = logging.getLogger("ringify")
 class Traced:
     """One input signature's rewritten graph (a plain object, not a submodule).
 
-    ``module(*state, *flat_inputs)`` returns the flat outputs, where ``state`` is the
-    model's tensors named by ``state_names`` (read at call time, see ``state_of``).
+    ``module(*state, *flat_inputs)`` returns the flat outputs (the model's, then what its
+    observing hooks were given), where ``state`` is the model's tensors named by
+    ``state_names`` (read at call time, see ``state_of``).
     """
 
     module: fx.GraphModule
@@ -64,6 +66,10 @@ class Traced:
     shared_inputs: tuple[int, ...]  # flat inputs every rank passes whole (fingerprinted)
     lengths: object = None  # ``lengths.Lengths`` where one graph serves many lengths
     sequence_inputs: tuple[tuple[int, int], ...] = ()  # (flat index, dim) the pass sliced
+    # the hooks that observe (``observers.py``): the graph's outputs after the model's are
+    # what they were given
+    observed: tuple[Observed, ...] = ()
+    model_outputs: int | None = None  # how many of the graph's outputs are the model's
 
 
 def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -108,6 +114,7 @@ class Rewritten:
     flat: list
     shared_inputs: tuple[int, ...]
     sequence_inputs: tuple[tuple[int, int], ...]
+    observed: tuple[Observed, ...] | None  # None where no hook was stood in for
 
 
 def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | None = None) -> Traced:
@@ -131,13 +138,18 @@ def rewrite(
     if config.inputs == "sharded":
         dims, gathered = _sharded_inputs(model, units, layers, spec, flat, config)
         scaled = {i: _scaled(flat[i].shape, d, ring.size) for i, d in (dims | gathered).items()}
-        exported, checkpoints = _export(model, units, layers, spec, flat, scaled)
+        exported, checkpoints, observers = _export(model, units, layers, spec, flat, scaled)
     else:
-        exported, checkpoints = _export(model, units, layers, spec, flat, shapes or {})
+        exported, checkpoints, observers = _export(model, units, layers, spec, flat, shapes or {})
     gm = folded(exported, layers)
-    _warn_about_hooks(model)
+    if observers.calls:
+        log.info(
+            "ringify: hooks that observe, run after each call on this rank's shard: %s",
+            ", ".join(sorted({c.path or type(model).__name__ for c in observers.calls})),
+        )
     _refuse_backward_hooks(model)
-    plan, before, report = sharded(gm, config, dims or None, gathered, general)
+    observed = len(observers.tensors)  # the graph's last outputs: left on this rank's shard
+    plan, before, report = sharded(gm, config, dims or None, gathered, general, observed)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # inputs the model does not read (HF's labels beside shift_labels) need not agree
     unread = {i for i, n in enumerate(placeholders) if not n.users}
@@ -145,7 +157,10 @@ def rewrite(
         (placeholders.index(n), s.dim) for n, s in plan.seeds.items() if n in placeholders
     )
     shared = tuple(i for i in tensors if i not in dims and i not in gathered and i not in unread)
-    return Rewritten(gm, before, report, exported, checkpoints, units, flat, shared, sequence)
+    return Rewritten(
+        gm, before, report, exported, checkpoints, units, flat, shared, sequence,
+        tuple(observers.calls) if observers.stood_in else None,
+    )  # fmt: skip
 
 
 def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module | None) -> Traced:
@@ -162,6 +177,9 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
         tensor_parallel=reported_collectives(gm),
     )
     module = fx.GraphModule(gm, gm.graph)
+    out_spec = done.exported.call_spec.out_spec
+    if done.observed is not None:  # (the model's output, what its hooks observed)
+        out_spec = out_spec.children()[0]
     for gather in report.gathers:
         log.warning(
             "ringify: gathered the sequence for %s (%s): %s %s",
@@ -179,9 +197,11 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
         meta_of(state_of(model, state_names)),
         _tied(model),
         done.exported.call_spec.in_spec,
-        done.exported.call_spec.out_spec,
+        out_spec,
         done.shared_inputs,
         sequence_inputs=done.sequence_inputs,
+        observed=done.observed or (),
+        model_outputs=out_spec.num_leaves if done.observed is not None else None,
     )
 
 
@@ -239,27 +259,6 @@ def _scaled(shape, dim: int, factor: float) -> list[int]:
     return shape
 
 
-def _warn_about_hooks(model: nn.Module) -> None:
-    """Hooks ran once, during the trace, on fake tensors; say what that means."""
-    hooked = [
-        name or type(model).__name__
-        for name, m in model.named_modules()
-        if any(
-            not is_fsdp_hook(h) and not is_tp_hook(h)
-            for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
-        )
-    ]
-    if hooked:
-        log.warning(
-            "ringify: forward hooks on %s ran once, while tracing, on fake tensors: what "
-            "they compute into the module's output is part of the graph and runs at every "
-            "call, but their side effects (logging, storing activations) do not happen at "
-            "each call. A hook added or removed later makes ringify trace again. Run such "
-            "code outside the model, or on the unmodified model.",
-            ", ".join(hooked),
-        )
-
-
 def _refuse_backward_hooks(model: nn.Module) -> None:
     """A module's backward hooks never run: the graph, not the module, computes the backward.
     Refuse them, naming hooks that do run (a TP style's is written in the graph)."""
@@ -308,14 +307,17 @@ def _export(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
+    observers = Observers(model, keep=lambda h: not is_fsdp_hook(h) and not is_tp_hook(h))
     try:
         with (
             unsharded_for_trace(units, mode, layers),
             local_for_trace(model, layers, mode),
             recorder,
+            observers,
         ):
+            wrapped = observers.stood_in or has_flat_block_masks((args, kwargs))
             exported = torch.export.export(
-                Rebuilt(model) if has_flat_block_masks((args, kwargs)) else model,
+                _Exported(model, observers) if wrapped else model,
                 tuple(args),
                 kwargs,
                 strict=False,
@@ -324,7 +326,28 @@ def _export(
         recorder.check()
         raise RuntimeError(export_failure(model, e)) from e
     recorder.check()
-    return exported, recorder.regions
+    return exported, recorder.regions, observers
+
+
+class _Exported(nn.Module):
+    """What is exported where the call has BlockMask inputs or the modules have hooks: the
+    model called with its BlockMasks rebuilt (``block_masks.py``), returning beside its
+    output what its observing hooks were given (``observers.py``). It holds the model's own
+    parameter, buffer and submodule dicts (not copies), so the export names the model's
+    state, and its modules, as the model does."""
+
+    def __init__(self, model: nn.Module, observers: Observers):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_observers", observers)
+        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, shared, getattr(model, shared))
+        self.training = model.training
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = rebuilt((args, kwargs))
+        out = self._model(*args, **kwargs)
+        return (out, list(self._observers.tensors)) if self._observers.stood_in else out
 
 
 def dump(traced: Traced, key: tuple) -> None:

@@ -108,3 +108,70 @@ def a_pre_hook_that_reads_kwargs(world: int):
 def test_a_pre_hook_reads_the_keyword_inputs(ranks):
     for logged, ids in ranks(2).run(a_pre_hook_that_reads_kwargs, 2):
         assert len(logged) == 1 and torch.equal(logged[0], ids)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def observing_hooks(compiled: bool):
+    """Hooks that only observe, on the model's modules: a forward hook storing blocks[0]'s
+    output, a pre-hook storing blocks[1]'s input, and one logging a statistic with .item().
+    Three calls; what each saw of real tensors, and this rank's shards of what the unmodified
+    model's modules computed."""
+    from ringify.runtime import shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    seen = {"output": [], "input": [], "norm": []}
+    model.blocks[0].register_forward_hook(lambda m, a, o: seen["output"].append(o.detach()))
+    model.blocks[1].register_forward_pre_hook(lambda m, a: seen["input"].append(a[0].detach()))
+    model.ln_f.register_forward_hook(lambda m, a, o: seen["norm"].append(o.norm().item()))
+    ringified = ringify(model, ring_size=world)
+    run = torch.compile(ringified, backend="aot_eager") if compiled else ringified
+    for seed in range(3):
+        run(*_batch(seed))[1].backward()
+    # each hook also ran once while tracing, on fake tensors (its .item() then a SymFloat)
+    got = {k: [x for x in v if type(x) in (float, torch.Tensor)] for k, v in seen.items()}
+    twin = NanoGPT().double()
+    twin.load_state_dict(model.state_dict())
+    full = {"output": [], "input": []}
+    twin.blocks[0].register_forward_hook(lambda m, a, o: full["output"].append(o.detach()))
+    twin.blocks[1].register_forward_pre_hook(lambda m, a: full["input"].append(a[0].detach()))
+    for seed in range(3):
+        twin(*_batch(seed))
+    want = {k: [shard(t, 1, layout="zigzag") for t in v] for k, v in full.items()}
+    return got, want, ringified.traces
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_observing_hooks_on_modules_run_at_every_call_on_the_shard(ranks, compiled):
+    for got, want, traces in ranks(2).run(observing_hooks, compiled):
+        assert traces == 1
+        assert len(got["norm"]) == 3 and all(isinstance(x, float) for x in got["norm"])
+        for kind in ("output", "input"):
+            assert len(got[kind]) == 3, (kind, len(got[kind]))
+            for g, w in zip(got[kind], want[kind], strict=True):
+                assert g.shape == w.shape  # this rank's shard, not the whole sequence
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def a_hook_that_changes_its_mind():
+    """Returns nothing on fake tensors (while tracing), a value on real ones: refused."""
+    from ringify.testing import outcome
+
+    def hook(m, a, o):
+        return None if _is_fake(o) else o * 2
+
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    model.blocks[0].register_forward_hook(hook)
+    return outcome(lambda: ringify(model, ring_size=dist.get_world_size())(*_batch(0)))
+
+
+def test_an_observer_that_returns_a_value_at_run_time_is_refused_on_every_rank(ranks):
+    for kind, message, _ in ranks(2).run(a_hook_that_changes_its_mind):
+        assert kind == "RuntimeError" and "returned a value at run time" in message, message

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch import nn
@@ -108,13 +106,12 @@ def test_buffers_the_model_updates_are_updated_in_the_model():
     assert model.norm.num_batches_tracked.item() == 3
 
 
-def test_hooks_warn_and_a_hook_added_later_takes_effect(caplog):
+def test_a_hook_that_changes_an_output_is_in_the_graph_and_one_added_later_takes_effect():
+    """(Hooks that only observe: tests/test_hooks.py.)"""
     model = _model()
     model.blocks[0].register_forward_hook(lambda m, i, o: o * 2)
     ringified = ringify(model, ring_size=1)
-    with caplog.at_level(logging.WARNING, logger="ringify"):
-        got = ringified(*_batch())
-    assert any("forward hooks on blocks.0" in r.message for r in caplog.records)
+    got = ringified(*_batch())
     torch.testing.assert_close(got[0], model(*_batch())[0], rtol=0, atol=1e-12)
     handle = model.blocks[1].register_forward_hook(lambda m, i, o: o + 1)  # after the first call
     torch.testing.assert_close(ringified(*_batch())[0], model(*_batch())[0], rtol=0, atol=1e-12)

@@ -90,11 +90,17 @@ def _check_no_attention_without_grad(gm: fx.GraphModule) -> None:
 
 
 def sharded(
-    gm: fx.GraphModule, config: Config, dims: dict | None, gathered: dict, general: bool
+    gm: fx.GraphModule,
+    config: Config,
+    dims: dict | None,
+    gathered: dict,
+    general: bool,
+    local_outputs: int = 0,
 ) -> tuple[Plan, str, Report]:
     """2. ``gm`` rewritten in place for one rank: its plan, its code before, the report.
     ``dims``/``gathered``: the inputs passed sharded (``inputs="sharded"``); ``general``:
-    the padding steps in whatever the length (the graphs ``lengths.py`` compares)."""
+    the padding steps in whatever the length (the graphs ``lengths.py`` compares);
+    ``local_outputs``: the graph's last outputs that stay on this rank's shard."""
     drop_empty_concatenated(gm)  # (a decode step reads its cache through those cats)
     plan = plan_sequence(gm, config, dims, gathered, general=general)
     before = gm.code
@@ -104,6 +110,7 @@ def sharded(
         group_name=config.ring().name,
         inputs_full=config.inputs == "full",
         outputs_full=config.outputs == "full",
+        local_outputs=local_outputs,
         dilation=config.dilation,
         strategy=config.transports,
     )

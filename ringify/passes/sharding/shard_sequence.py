@@ -45,6 +45,7 @@ def shard_sequence(
     group_name: str,
     inputs_full: bool = True,
     outputs_full: bool = True,
+    local_outputs: int = 0,
     dilation: Dilation | None = None,
     strategy: str | Hybrid | Auto = "ring",
 ) -> Report:
@@ -76,8 +77,13 @@ def shard_sequence(
             for user in users:
                 user.replace_input_with(node, local)
         elif node.op == "output" and outputs_full:
-            node.args = fx.node.map_arg(
-                node.args, lambda a: state.gather(a) if state.sharded(a) else a
+            outputs = list(node.args[0])
+            kept = len(outputs) - local_outputs  # the last ``local_outputs`` stay sharded
+            node.args = (
+                [
+                    state.gather(a) if i < kept and state.sharded(a) else a
+                    for i, a in enumerate(outputs)
+                ],
             )
         elif node in inference.decisions:
             decided = inference.decisions[node]

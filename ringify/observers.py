@@ -1,0 +1,104 @@
+"""Hooks on the model's modules that only observe (activation logging, feature extraction):
+kept, and run at every call on this rank's shard.
+
+While tracing, each forward hook and forward pre-hook of the model's modules (not FSDP2's,
+nor a tensor-parallel style's) is stood in for by ``Observers``. The stand-in calls the hook
+on the trace's fake tensors:
+- a hook that returns a value changes the module's inputs or output: the graph computes
+  that change, at every call;
+- a hook that returns ``None`` (or fails on fake tensors, as one that reads a value with
+  ``.item()`` does) only observes: the tensors it was given become extra outputs of the
+  graph, left on this rank's shard, and after each call ``run_observers`` calls the hook
+  with them, in the order the model called its modules. Such a hook that returns a value at
+  run time raises: it returned nothing while tracing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One observing hook's call: on which module, whether a pre-hook, what it was given (as
+    a spec and the non-tensor leaves), and how many of the graph's extra outputs are its."""
+
+    path: str
+    hook: Callable
+    pre: bool
+    with_kwargs: bool
+    spec: pytree.TreeSpec
+    constants: tuple
+    count: int
+
+
+class Observers:
+    """While tracing, the stand-ins for the hooks of ``model``'s modules that ``keep``
+    accepts; what the observing ones were given (``calls``, ``tensors``)."""
+
+    def __init__(self, model: nn.Module, keep: Callable[[Callable], bool]):
+        self.model, self.keep = model, keep
+        self.calls: list[Observed] = []
+        self.tensors: list[torch.Tensor] = []
+        self._saved: list = []
+
+    def __enter__(self) -> Observers:
+        for path, module in self.model.named_modules():
+            for pre, table, kwargs_ids in (
+                (True, module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+                (False, module._forward_hooks, module._forward_hooks_with_kwargs),
+            ):
+                for key, hook in list(table.items()):
+                    if self.keep(hook):
+                        self._saved.append((table, key, hook))
+                        table[key] = self._stand_in(path, hook, pre, key in kwargs_ids)
+        return self
+
+    @property
+    def stood_in(self) -> bool:
+        """Whether any hook is stood in for (the export then returns what they observed)."""
+        return bool(self._saved)
+
+    def __exit__(self, *exc) -> None:
+        for table, key, hook in self._saved:
+            table[key] = hook
+
+    def _stand_in(self, path: str, hook: Callable, pre: bool, with_kwargs: bool):
+        def stand_in(module, *given):
+            try:
+                result = hook(module, *given)
+            except Exception:  # it reads values (.item(), .tolist()): it observes
+                result = None
+            if result is not None:
+                return result
+            leaves, spec = pytree.tree_flatten(given)
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+            self.calls.append(Observed(path, hook, pre, with_kwargs, spec, constants, len(tensors)))
+            self.tensors.extend(tensors)
+            return None
+
+        return stand_in
+
+
+@torch.compiler.disable
+def run_observers(model: nn.Module, calls: tuple[Observed, ...], tensors: list) -> None:
+    """Each observing hook, called with this call's tensors (this rank's shards)."""
+    given = iter(tensors)
+    for call in calls:
+        leaves = [next(given) if c is None else c for c in call.constants]
+        module = model.get_submodule(call.path)
+        result = call.hook(module, *pytree.tree_unflatten(leaves, call.spec))
+        if result is not None:
+            kind = "pre-hook" if call.pre else "hook"
+            raise RuntimeError(
+                f"ringify: a forward {kind} on {call.path or 'the model'} returned a value at "
+                "run time but nothing while tracing, so ringify ran it as an observer and "
+                "cannot apply what it returned. Make the hook return its change whatever the "
+                "tensors' values (it is then part of the graph), or return None."
+            )
