@@ -86,6 +86,15 @@ class Observers:
         return stand_in
 
 
+def hooked(model: nn.Module, keep: Callable[[Callable], bool]) -> list[str]:
+    """The paths of ``model``'s modules with forward hooks or pre-hooks ``keep`` accepts."""
+    return [
+        path or type(model).__name__
+        for path, m in model.named_modules()
+        if any(keep(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+    ]
+
+
 @torch.compiler.disable
 def run_observers(model: nn.Module, calls: tuple[Observed, ...], tensors: list) -> None:
     """Each observing hook, called with this call's tensors (this rank's shards)."""

@@ -22,6 +22,8 @@ from torch.utils import _pytree as pytree
 
 from ringify.caches import cache_keyword, cache_of, exportable_dynamic_cache
 from ringify.generation.cache import ShardedCache
+from ringify.observers import hooked
+from ringify.parallelized import is_fsdp_hook
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
 from ringify.passes.pipeline import folded, lift_state
 from ringify.runtime.collectives.ring import Ring
@@ -67,6 +69,13 @@ class DecodeStep:
         kwargs = _with_length(kwargs, length)
         dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != keyword}
         dynamic[keyword] = [[{2: Dim.AUTO}] * len(self._like)] * 2
+        if paths := hooked(self.model, keep=lambda h: not is_fsdp_hook(h)):
+            log.warning(
+                "ringify: generate's decode step runs the graph traced for it, which calls no "
+                "hook of %s: hooks that observe run at every prefill, not at each new token. "
+                "To observe each token, run the model's own generate.",
+                ", ".join(paths),
+            )
         try:
             exported = torch.export.export(
                 self.model, (), kwargs, dynamic_shapes=dynamic, strict=False
