@@ -1,8 +1,10 @@
 """Hooks on the model's modules that only observe (activation logging, feature extraction):
 kept, and run at every call on this rank's shard.
 
-While tracing, each forward hook and forward pre-hook of the model's modules (not FSDP2's,
-nor a tensor-parallel style's) is stood in for by ``Observers``. The stand-in calls the hook
+While tracing, each forward hook and forward pre-hook of the model's modules that the
+model's user registered (not one of torch's or transformers' own machinery: FSDP2's, a
+tensor-parallel style's, HF's output capturing, whose work is inside the traced forward) is
+stood in for by ``Observers``. The stand-in calls the hook
 on the trace's fake tensors:
 - a hook that returns a value changes the module's inputs or output: the graph computes
   that change, at every call;
@@ -21,6 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+_LIBRARIES = ("torch.", "transformers.", "accelerate.", "diffusers.", "peft.")
+_TENSOR = object()  # where a tensor stands among the leaves an observer was given
+
+
+def is_library_hook(hook: Callable) -> bool:
+    """Whether ``hook`` is a library's own machinery rather than the user's."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    return (getattr(fn, "__module__", None) or "").startswith(_LIBRARIES)
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class Observers:
                 return result
             leaves, spec = pytree.tree_flatten(given)
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+            constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
             self.calls.append(Observed(path, hook, pre, with_kwargs, spec, constants, len(tensors)))
             self.tensors.extend(tensors)
             return None
@@ -100,7 +111,7 @@ def run_observers(model: nn.Module, calls: tuple[Observed, ...], tensors: list) 
     """Each observing hook, called with this call's tensors (this rank's shards)."""
     given = iter(tensors)
     for call in calls:
-        leaves = [next(given) if c is None else c for c in call.constants]
+        leaves = [next(given) if c is _TENSOR else c for c in call.constants]
         module = model.get_submodule(call.path)
         result = call.hook(module, *pytree.tree_unflatten(leaves, call.spec))
         if result is not None:

@@ -27,8 +27,8 @@ from torch.utils import _pytree as pytree
 from ringify.block_masks import has_flat_block_masks, rebuilt
 from ringify.config import Config
 from ringify.export_errors import export_failure
-from ringify.observers import Observed, Observers
-from ringify.parallelized import fsdp_units, is_fsdp_hook, state_kind, unsharded_for_trace
+from ringify.observers import Observed, Observers, is_library_hook
+from ringify.parallelized import fsdp_units, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.graph.report import Report
 from ringify.passes.pipeline import folded, named_state, runnable, sharded
@@ -38,7 +38,6 @@ from ringify.tensor_parallel import (
     TpLayer,
     check_beside,
     is_tp_backward_hook,
-    is_tp_hook,
     local_for_trace,
     tp_layers,
 )
@@ -307,7 +306,7 @@ def _export(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
-    observers = Observers(model, keep=lambda h: not is_fsdp_hook(h) and not is_tp_hook(h))
+    observers = Observers(model, keep=lambda h: not is_library_hook(h))
     try:
         with (
             unsharded_for_trace(units, mode, layers),
