@@ -384,3 +384,36 @@ def test_gpt_oss_sinks_with_the_mask_passed_in(ranks, world):
         assert len(r["sinks"]) == 2, r  # both layers' sinks get their gradient
         assert r["runs"] == {(AttentionRun.RING, "flex_attention, with sinks")}, r
         assert r["gathers"] == [], r
+
+
+def compiled_with_other_documents():
+    """torch.compile (aot_eager) of the ringified llama3: two batches of other documents,
+    after a first call under no_grad (CPU flex has no backward); one graph, exact."""
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ringify import ringify
+
+    model = _model("llama3")
+    world = dist.get_world_size()
+    ringified = ringify(model, ring_size=world)
+    run = torch.compile(ringified, backend="aot_eager")
+    differences = []
+    with _flex(flex_attention):
+        tokens, positions = _inputs(model, 16 * world, True)
+        with torch.no_grad():
+            run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+        for shift in (1, 3):
+            tokens, positions = _inputs(model, 16 * world, True, shift=shift)
+            masks = model.get_attention_masks(positions)
+            with torch.no_grad():
+                want = model(tokens, positions=positions, attention_masks=masks)
+            got = run(tokens, positions=positions, attention_masks=masks)
+            got.sum().backward()
+            differences.append((got - want).abs().max().item())
+    return differences, ringified.traces
+
+
+def test_compiled_with_the_masks_of_other_documents(ranks):
+    for differences, traces in ranks(2).run(compiled_with_other_documents, timeout=300):
+        assert traces == 1 and max(differences) < TOL, (differences, traces)
