@@ -46,7 +46,15 @@ from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import digest
 from ringify.runtime.collectives.tensor_parallel import local_state
 from ringify.tensor_parallel import tp_layers
-from ringify.trace import Traced, dump, finish, state_of, still_fits, trace
+from ringify.trace import (
+    Traced,
+    dump,
+    finish,
+    holds_the_models_state,
+    state_of,
+    still_fits,
+    trace,
+)
 
 log = logging.getLogger("ringify")
 TRACE_CACHE_SIZE = 8  # input signatures whose graphs are kept (least recently used dropped)
@@ -108,11 +116,7 @@ class RingifiedModule(nn.Module):
 
     def __init__(self, model: nn.Module, config: Config):
         super().__init__()
-        # the model itself is no submodule: its children are this module's
-        object.__setattr__(self, "_model", model)
-        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            object.__setattr__(self, shared, getattr(model, shared))
-        self.training = model.training
+        holds_the_models_state(self, model)  # the model is no submodule: its children are ours
         self.ringify_config = config
         self._ring = config.ring()
         self._traced: OrderedDict[tuple, Traced] = OrderedDict()
@@ -153,8 +157,9 @@ class RingifiedModule(nn.Module):
         traced, flat = _prepare(self, args, kwargs)
         state = _current_state(self._model, traced.state_names)
         out = traced.module.forward(*state, *flat)
-        if traced.model_outputs is not None:  # then what the model's observing hooks were given
-            out, observed = out[: traced.model_outputs], out[traced.model_outputs :]
+        if traced.observed:  # the model's outputs, then what its observing hooks were given
+            n = traced.out_spec.num_leaves
+            out, observed = out[:n], out[n:]
             run_observers(self._model, traced.observed, observed)
         return pytree.tree_unflatten(out, traced.out_spec)
 

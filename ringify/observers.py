@@ -36,50 +36,45 @@ def is_library_hook(hook: Callable) -> bool:
 
 @dataclass(frozen=True)
 class Observed:
-    """One observing hook's call: on which module, whether a pre-hook, what it was given (as
-    a spec and the non-tensor leaves), and how many of the graph's extra outputs are its."""
+    """One observing hook's call: on which module, whether a pre-hook, and what it was given
+    (a spec, and its non-tensor leaves with ``_TENSOR`` where the graph's outputs go)."""
 
     path: str
     hook: Callable
     pre: bool
-    with_kwargs: bool
     spec: pytree.TreeSpec
     constants: tuple
-    count: int
 
 
 class Observers:
-    """While tracing, the stand-ins for the hooks of ``model``'s modules that ``keep``
-    accepts; what the observing ones were given (``calls``, ``tensors``)."""
+    """While tracing, the stand-ins for the user's hooks on ``model``'s modules; what the
+    observing ones were given (``calls``, ``tensors``)."""
 
-    def __init__(self, model: nn.Module, keep: Callable[[Callable], bool]):
-        self.model, self.keep = model, keep
+    def __init__(self, model: nn.Module):
+        self.model = model
         self.calls: list[Observed] = []
         self.tensors: list[torch.Tensor] = []
         self._saved: list = []
 
     def __enter__(self) -> Observers:
         for path, module in self.model.named_modules():
-            for pre, table, kwargs_ids in (
-                (True, module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
-                (False, module._forward_hooks, module._forward_hooks_with_kwargs),
-            ):
+            for pre, table in ((True, module._forward_pre_hooks), (False, module._forward_hooks)):
                 for key, hook in list(table.items()):
-                    if self.keep(hook):
+                    if not is_library_hook(hook):
                         self._saved.append((table, key, hook))
-                        table[key] = self._stand_in(path, hook, pre, key in kwargs_ids)
+                        table[key] = self._stand_in(path, hook, pre)
         return self
 
     @property
     def stood_in(self) -> bool:
-        """Whether any hook is stood in for (the export then returns what they observed)."""
+        """Whether any hook is stood in for (the export then goes through ``trace._Exported``)."""
         return bool(self._saved)
 
     def __exit__(self, *exc) -> None:
         for table, key, hook in self._saved:
             table[key] = hook
 
-    def _stand_in(self, path: str, hook: Callable, pre: bool, with_kwargs: bool):
+    def _stand_in(self, path: str, hook: Callable, pre: bool):
         def stand_in(module, *given):
             try:
                 result = hook(module, *given)
@@ -90,19 +85,22 @@ class Observers:
             leaves, spec = pytree.tree_flatten(given)
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
-            self.calls.append(Observed(path, hook, pre, with_kwargs, spec, constants, len(tensors)))
+            self.calls.append(Observed(path, hook, pre, spec, constants))
             self.tensors.extend(tensors)
             return None
 
         return stand_in
 
 
-def hooked(model: nn.Module, keep: Callable[[Callable], bool]) -> list[str]:
-    """The paths of ``model``'s modules with forward hooks or pre-hooks ``keep`` accepts."""
+def hooked(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s modules with forward hooks or pre-hooks of the user's."""
     return [
         path or type(model).__name__
         for path, m in model.named_modules()
-        if any(keep(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+        if any(
+            not is_library_hook(h)
+            for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+        )
     ]
 
 

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ringify.block_masks import has_flat_block_masks, rebuilt
 from ringify.config import Config
 from ringify.export_errors import export_failure
-from ringify.observers import Observed, Observers, is_library_hook
+from ringify.observers import Observed, Observers
 from ringify.parallelized import fsdp_units, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.graph.report import Report
@@ -68,7 +68,6 @@ class Traced:
     # the hooks that observe (``observers.py``): the graph's outputs after the model's are
     # what they were given
     observed: tuple[Observed, ...] = ()
-    model_outputs: int | None = None  # how many of the graph's outputs are the model's
 
 
 def state_of(model: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -113,7 +112,7 @@ class Rewritten:
     flat: list
     shared_inputs: tuple[int, ...]
     sequence_inputs: tuple[tuple[int, int], ...]
-    observed: tuple[Observed, ...] | None  # None where no hook was stood in for
+    observed: tuple[Observed, ...]
 
 
 def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | None = None) -> Traced:
@@ -158,7 +157,7 @@ def rewrite(
     shared = tuple(i for i in tensors if i not in dims and i not in gathered and i not in unread)
     return Rewritten(
         gm, before, report, exported, checkpoints, units, flat, shared, sequence,
-        tuple(observers.calls) if observers.stood_in else None,
+        tuple(observers.calls),
     )  # fmt: skip
 
 
@@ -177,7 +176,7 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
     )
     module = fx.GraphModule(gm, gm.graph)
     out_spec = done.exported.call_spec.out_spec
-    if done.observed is not None:  # (the model's output, what its hooks observed)
+    if done.observed:  # (the model's output, what its hooks observed)
         out_spec = out_spec.children()[0]
     for gather in report.gathers:
         log.warning(
@@ -199,8 +198,7 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
         out_spec,
         done.shared_inputs,
         sequence_inputs=done.sequence_inputs,
-        observed=done.observed or (),
-        model_outputs=out_spec.num_leaves if done.observed is not None else None,
+        observed=done.observed,
     )
 
 
@@ -306,7 +304,7 @@ def _export(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = pytree.tree_unflatten(_fakes(flat, shapes, mode), spec)
     recorder = CheckpointRecorder(model)
-    observers = Observers(model, keep=lambda h: not is_library_hook(h))
+    observers = Observers(model)
     try:
         with (
             unsharded_for_trace(units, mode, layers),
@@ -328,6 +326,15 @@ def _export(
     return exported, recorder.regions, observers
 
 
+def holds_the_models_state(module: nn.Module, model: nn.Module) -> None:
+    """``module`` holds ``model`` (not as a submodule) and its parameter, buffer and submodule
+    dicts, the same dicts: its names, attribute paths and ``state_dict`` keys are the model's."""
+    object.__setattr__(module, "_model", model)
+    for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+        object.__setattr__(module, shared, getattr(model, shared))
+    module.training = model.training
+
+
 class _Exported(nn.Module):
     """What is exported where the call has BlockMask inputs or the modules have hooks: the
     model called with its BlockMasks rebuilt (``block_masks.py``), returning beside its
@@ -337,16 +344,14 @@ class _Exported(nn.Module):
 
     def __init__(self, model: nn.Module, observers: Observers):
         super().__init__()
-        object.__setattr__(self, "_model", model)
+        holds_the_models_state(self, model)
         object.__setattr__(self, "_observers", observers)
-        for shared in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            object.__setattr__(self, shared, getattr(model, shared))
-        self.training = model.training
 
     def forward(self, *args, **kwargs):
         args, kwargs = rebuilt((args, kwargs))
         out = self._model(*args, **kwargs)
-        return (out, list(self._observers.tensors)) if self._observers.stood_in else out
+        # (known once the model has run: which hooks observed is fixed by the trace)
+        return (out, list(self._observers.tensors)) if self._observers.calls else out
 
 
 def dump(traced: Traced, key: tuple) -> None:

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from ringify.caches import cache_keyword, cache_of, exportable_dynamic_cache
 from ringify.generation.cache import ShardedCache
-from ringify.observers import hooked, is_library_hook
+from ringify.observers import hooked
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
 from ringify.passes.pipeline import folded, lift_state
 from ringify.runtime.collectives.ring import Ring
@@ -68,7 +68,7 @@ class DecodeStep:
         kwargs = _with_length(kwargs, length)
         dynamic = {k: _dynamic(k, x) for k, x in kwargs.items() if k != keyword}
         dynamic[keyword] = [[{2: Dim.AUTO}] * len(self._like)] * 2
-        if paths := hooked(self.model, keep=lambda h: not is_library_hook(h)):
+        if paths := hooked(self.model):
             log.warning(
                 "ringify: generate's decode step runs the graph traced for it, which calls no "
                 "hook of %s: hooks that observe run at every prefill, not at each new token. "

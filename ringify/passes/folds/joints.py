@@ -67,6 +67,8 @@ class _Carried:
 def fold_joint_sequences(gm: fx.GraphModule) -> int:
     """Carry the joint sequences that reach an attention as their parts; how many ``cat``s."""
     joins = {n for n in gm.graph.nodes if _joins(n)}
+    if not joins:
+        return 0
     while True:  # a trial on a copy, until no join of features is left among the seeds
         trial = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
@@ -88,7 +90,7 @@ def fold_joint_sequences(gm: fx.GraphModule) -> int:
     return len(tried.reached)
 
 
-def _carry(graph: fx.Graph, seeds: set | None) -> _Carried:
+def _carry(graph: fx.Graph, seeds: set) -> _Carried:
     """Carry the joint values of ``seeds`` (``cat`` nodes) through ``graph``."""
     joints: dict[fx.Node, Joint | Items] = {}
     carried = _Carried()
