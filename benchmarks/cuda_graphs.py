@@ -16,7 +16,7 @@ travels in them as tensors and fields) and run back to back, bf16:
 
 Cases as ``host_overhead.py`` (HF Llama, 4 layers, hidden 128, 4 heads on 2 kv heads;
 ``is_causal`` is the op called directly) and ``is_causal`` at Llama-3-8B's heads (32 on 8,
-head dim 128). Needs a CUDA GPU and torch 2.13 (RESULTS.md says how it ran on a lent H100).
+head dim 128). Needs a CUDA GPU and torch 2.13 (RESULTS.md says how it ran on a lent GPU).
 
     python -m benchmarks.cuda_graphs --seq 8192 --rings 2 4
 """

@@ -23,7 +23,7 @@ it changes:
 The time model counts kernel work, not bytes: the K/V that a plan sends further (keys
 whose queries moved) are taken to hide behind the kernels, as they do for tiles of
 1024 rows and more on GPUs. So a plan can send more than zigzag does
-(``benchmarks/RESULTS.md`` says how much).
+(``benchmarks/RESULTS.md``, section 7, says how much).
 
 Every rank computes the same plan from the same replicated program inputs.
 """
@@ -47,8 +47,8 @@ MAX_COST_BLOCKS = 512
 MAX_SWAPS_PER_RANK = 8
 # On an accelerator a balanced plan's moves cost the host of every call ~25 launches forward
 # and as many backward (its query rows out, the results home: ~0.5 ms per layer measured,
-# benchmarks/RESULTS.md); an H100 runs that long a 2048 x 2048 block at Llama-8B's heads,
-# forward and backward. So there a plan must also save at least that much kernel area.
+# in the history of benchmarks/RESULTS.md); an H100 runs that long a 2048 x 2048 block at
+# Llama-8B's heads, forward and backward. So there a plan must also save at least that much kernel area.
 DEVICE_MOVE_AREA = 2048 * 2048
 
 

@@ -29,12 +29,14 @@ from ringify.runtime.collectives.layout import chunks_per_rank, rank_chunks
 # Each tile pair is one kernel call plus one merge, ~1-3 ms of fixed cost on CPU:
 # tiles under 1024 rows multiply the pairs per step beyond what the smaller
 # buffers are worth. At 2 ranks, 512-row tiles ran 1.2-1.7x slower than
-# 1024-row ones for 1.1x instead of 1.25-1.4x memory (benchmarks/RESULTS.md).
+# 1024-row ones for 1.1x instead of 1.25-1.4x memory (the history of
+# benchmarks/RESULTS.md).
 # The finest grain of a tile, and of the blocks a mask's bounds are evaluated in.
 MIN_TILE_ROWS = 1024
 # The CPU cuts a chunk into tiles of at least this many rows: at 8K on 2 ranks,
 # 1024-row tiles ran 4-9% slower than PyTorch's ring, 2048-row ones up to 5% slower or
-# level, for 1.0-1.15x their memory, still 0.5-0.7x PyTorch's (benchmarks/RESULTS.md).
+# level, for 1.0-1.15x their memory, still 0.5-0.7x PyTorch's (the history of
+# benchmarks/RESULTS.md).
 CPU_TILE_ROWS = 2048
 # On an accelerator a tile pair costs the host about the same ~10 launches (~50 µs) at any
 # size, and an H100 runs a 1024 x 1024 block at Llama-8B's heads in ~60 µs forward: at
