@@ -78,7 +78,7 @@ def _step(case: str, seq: int, ring: int):
 
 def _loopback(ring, sends, receives, *, tag=0):
     """``start_exchange`` on one GPU: each receive buffer gets a sent tensor of its shape."""
-    from ringify.runtime.collectives.p2p import PendingStep
+    from ringify.runtime.collectives.ring import PendingStep
 
     sent = [t for _, tensors in sends for t in tensors]
     for _, buffers in receives:
@@ -120,7 +120,7 @@ def measure(case: str, seq: int, ring: int) -> list:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ringify.runtime.collectives import courier
+    from ringify.runtime.collectives import ring as ring_module
     from ringify.runtime.masks import captures
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ring)
@@ -128,7 +128,7 @@ def measure(case: str, seq: int, ring: int) -> list:
         # each case records its own graphs: the record of recorded plans is the case's own
         # (padded and packed share a site; in one process, one's recording refuses the other)
         with (
-            mock.patch.object(courier, "start_exchange", _loopback),
+            mock.patch.object(ring_module, "start_exchange", _loopback),
             mock.patch.dict(captures._captured, clear=True),
         ):
             calls = op_replay.captured_calls(_step(case, seq, ring))

@@ -6,7 +6,7 @@ Pattern: segment lengths (2048, 4096, 8192, 16384) x rates (1, 2, 4, 8), causal,
 float32, batch 1, H=8, D=64; two gloo ranks with one torch thread each, in one run.
 Per rank: forward + backward time (the slowest rank's, minimum over repeats), peak
 memory (resident set, as in ring_attention.py), and the bytes it sent round rings
-(``ringify.runtime.collectives.p2p.SentBytes``), next to the bytes the pattern predicts:
+(``ringify.runtime.collectives.ring.SentBytes``), next to the bytes the pattern predicts:
 a segment spanning g ranks rings among them only, with 1/rate of the rows, so a
 pair sends (g - 1) * 2 * B * H * (c / rate) * D * 4 bytes forward (K and V, c rows
 per rank) and (2g - 1) times that backward (K/V again, plus the dK/dV
@@ -49,7 +49,7 @@ def measure(impl: str, seq: int) -> dict:
     import torch.distributed as dist
 
     from ringify.runtime import Dilation, ring_attention
-    from ringify.runtime.collectives.p2p import SentBytes
+    from ringify.runtime.collectives.ring import SentBytes
 
     dilation = Dilation(SEGMENTS, RATES) if impl == "dilated" else None
     rows = seq // dist.get_world_size()

@@ -21,7 +21,7 @@ def ringify_stubs(sent: list[float]):
     would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
     CPU tensors."""
     from ringify.runtime.attention import flash
-    from ringify.runtime.collectives import p2p
+    from ringify.runtime.collectives import ring as ring_module
     from ringify.runtime.tiling import tiles
 
     areas: dict[tuple, float] = {}  # by a call's sequences and window: worked out once
@@ -63,7 +63,7 @@ def ringify_stubs(sent: list[float]):
     def exchange(ring, sends, receives, *, tag=0):  # what the real one launches: dense sends
         batches = [[t.contiguous() for t in ts] for _, ts in sends]
         sent[0] += sum(t.numel() * t.element_size() for ts in batches for t in ts)
-        return p2p.PendingStep([], [batch for _, batch in receives], [])
+        return ring_module.PendingStep([], [batch for _, batch in receives], [])
 
     def bias(mask, dtype):  # a kernel: its output allocated, not written (2 launches on a GPU)
         return torch.empty(mask.shape, dtype=dtype, device=mask.device)
@@ -84,10 +84,10 @@ def ringify_stubs(sent: list[float]):
     stack.enter_context(mock.patch.object(flash, "serves_varlen", lambda q: True))
     for name in (
         "attention.ops",
-        "attention.accumulator",
-        "collectives.courier",
+        "attention.protocol",
+        "collectives.ring",
         "masks.tile_masks",
-        "masks.call_masks",
+        "masks.step_layout",
     ):
         module = __import__(f"ringify.runtime.{name}", fromlist=["_"])
         for attribute, stub in patches:

@@ -60,7 +60,7 @@ def step(case: str, seq: int, window: int, ringified: bool) -> dict:
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.collectives.p2p import SentBytes
+    from ringify.runtime.collectives.ring import SentBytes
 
     torch.manual_seed(0)
     model = _model(case, window)

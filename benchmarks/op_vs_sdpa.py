@@ -92,11 +92,11 @@ def op(seq: int, ring: int) -> tuple[float, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ringify.runtime import ring_attention
-    from ringify.runtime.collectives import courier
+    from ringify.runtime.collectives import ring as ring_module
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ring)
     try:
-        with mock.patch.object(courier, "start_exchange", _loopback):
+        with mock.patch.object(ring_module, "start_exchange", _loopback):
             qkv = [model_layout(t).requires_grad_() for t in _inputs(seq // ring)]
             return _fwd_bwd(
                 lambda q, k, v: ring_attention(

@@ -42,8 +42,7 @@ from ringify.runtime.masks.balance import (
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
-from ringify.runtime.tiling.schedule import shard_tiles
-from ringify.runtime.tiling.tiles import Visibility, all_tiles, sub_ring_tiles
+from ringify.runtime.tiling.tiles import Visibility, all_tiles, shard_tiles, sub_ring_tiles
 from ringify.testing import RankPool
 from ringify.testing.attention import document_causal_program, document_inputs
 
@@ -146,7 +145,7 @@ def timed(lengths: list[int], balance: bool) -> tuple[float, int]:
     import torch.distributed as dist
 
     from ringify.runtime import shard
-    from ringify.runtime.collectives.p2p import SentBytes
+    from ringify.runtime.collectives.ring import SentBytes
 
     seq = sum(lengths)
     g = torch.Generator().manual_seed(0)

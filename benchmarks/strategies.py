@@ -21,7 +21,7 @@ import sys
 from tabulate import tabulate
 
 from ringify.passes.sharding.transport_model import H100, Shape, fastest, seconds, transports
-from ringify.runtime.masks.plan import heads_group
+from ringify.runtime.collectives.heads import Transport
 
 HEAD_DIM, PER_HOST = 128, 8
 # heads, K/V heads, parameters of one layer (q, k, v, o and the MLP)
@@ -39,9 +39,9 @@ def shape(heads: int, kv_heads: int, seq: int, gpus: int) -> Shape:
     )  # fmt: skip
 
 
-def name(transport: str, gpus: int) -> str:
-    u = heads_group(transport, gpus)
-    return "ring" if u == 1 else "ulysses" if u == gpus else f"hybrid u={u}"
+def name(transport: Transport) -> str:
+    u = transport.heads_group
+    return "ring" if u == 1 else "ulysses" if transport.groups == 1 else f"hybrid u={u}"
 
 
 def rows(seqs: list[int], gpu_counts: list[int]) -> list[dict]:
@@ -51,17 +51,17 @@ def rows(seqs: list[int], gpu_counts: list[int]) -> list[dict]:
             for gpus in gpu_counts:
                 s = shape(heads, kv_heads, seq, gpus)
                 linear = 6 * params * (seq // gpus) / H100.flops
-                attention = seconds(s, "ring", 1, 1)  # its kernels alone, nothing sent
+                attention = seconds(s, Transport(1), 1)  # its kernels alone, nothing sent
                 compute = linear + attention
                 modelled = {
-                    name(t, gpus): seconds(s, t, gpus, PER_HOST) + linear
+                    name(t): seconds(s, t, PER_HOST) + linear
                     for t in transports(heads, kv_heads, gpus)
                 }
                 row = {"model": model, "S": seq, "GPUs": gpus, "compute ms": f"{compute * 1e3:.1f}"}
                 for strategy in ("ring", "ulysses", "hybrid u=2", "hybrid u=4", "hybrid u=8"):
                     t = modelled.get(strategy)
                     row[f"{strategy} eff"] = "-" if t is None else f"{compute / t:.3f}"
-                row["auto"] = name(fastest(s, gpus, PER_HOST), gpus)
+                row["auto"] = name(fastest(s, gpus, PER_HOST))
                 out.append(row)
     return out
 

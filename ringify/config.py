@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.heads import Transport
 from ringify.runtime.collectives.layout import check_layout
 from ringify.runtime.collectives.ring import Ring, ranks_per_host, resolve_ring
 
@@ -107,12 +108,14 @@ class Config:
         return resolve_ring(self.group)
 
     @functools.cached_property
-    def transports(self) -> str | Hybrid | Auto:
-        """The strategy as the pass takes it; ``"auto"`` with the ring, one value for every
-        trace (its hosts are asked once)."""
+    def transports(self) -> Transport | Auto:
+        """The strategy as the pass takes it: every attention's transport, or ``Auto`` with the
+        ring, one value for every trace (its hosts are asked once)."""
         if self.strategy == "auto":
             return Auto(self.ring())
-        return self.strategy
+        if isinstance(self.strategy, Hybrid):
+            return Transport(self.ring_size, self.strategy.u)
+        return Transport(self.ring_size, self.ring_size if self.strategy == "ulysses" else 1)
 
 
 def _mesh_group(mesh, group) -> dist.ProcessGroup:

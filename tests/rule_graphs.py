@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.shifts import fold_shifts
-from ringify.passes.graph.placement import Fallback, Geometry, Seq
+from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry
 from ringify.passes.graph.report import GatherReason
 from ringify.passes.sharding.plan import Plan
 from ringify.passes.sharding.rules import infer_placements
@@ -45,7 +45,7 @@ def infer(fn, inputs, dim):
     """The graph, and the placements with its first input sharded along ``dim``."""
     graph = trace(fn, *inputs)
     x = next(n for n in graph.nodes if n.op == "placeholder")
-    geometry = Geometry(S, S, 2, "contiguous")
+    geometry = SequenceGeometry(S, S, 2, "contiguous")
     return graph, geometry, x, infer_placements(graph, geometry, {x: Seq(dim)})
 
 

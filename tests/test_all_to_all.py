@@ -13,6 +13,7 @@ import torch
 from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
 from ringify.runtime.attention.spec import AttentionSpec
+from ringify.runtime.collectives.heads import Transport
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.testing.attention import document_causal_program, document_inputs, window_program
 from ringify.testing.tolerance import EXACT
@@ -56,11 +57,12 @@ def reference(seq, case, heads, kv_heads, sinks_on, softcap):
     return [out.detach(), q.grad, k.grad, v.grad] + ([sinks.grad] if sinks_on else [])
 
 
-def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap, transport="all-to-all"):
-    """On every rank: the gathered output and gradients, the bytes it sent, its transport."""
+def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap, heads_group=0):
+    """On every rank: the gathered output and gradients, the bytes it sent, its transport (the
+    all-to-all over groups of ``heads_group`` ranks; 0: over every rank)."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.p2p import SentBytes
+    from ringify.runtime.collectives.ring import SentBytes
 
     world = dist.get_world_size()
     seq = ROWS * world
@@ -69,7 +71,7 @@ def all_to_all(layout, case, heads, kv_heads, sinks_on, softcap, transport="all-
     name = dist.group.WORLD.group_name
     local = [shard(t, 2, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout)]
     sinks_l = sinks.clone().requires_grad_() if sinks_on else None
-    geometry = (name, layout, key_len, 2, True, transport)
+    geometry = (name, layout, key_len, 2, True, Transport(world, heads_group or world))
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, causal, *geometry)
     spec = AttentionSpec(name, 0.3, causal, layout, softcap, program, 2)
     with SentBytes() as sent:
@@ -102,7 +104,9 @@ def test_all_to_all_attention_is_exact(ranks, world, case, layout):
     ):
         # nothing went round the ring: the all-to-alls' share of q, k, v, out; dout, out,
         # lse, dq, dk, dv (of every rank's: the others went in the all-to-alls too)
-        assert transport == "all-to-all" and sent == _all_to_all_bytes(world, heads, kv_heads)
+        assert transport == Transport(world, world) and sent == _all_to_all_bytes(
+            world, heads, kv_heads
+        )
         for g, w in zip(got, want, strict=True):
             assert (g - w).abs().max().item() <= EXACT
 
@@ -128,7 +132,7 @@ def test_all_to_all_forms(ranks, heads, kv_heads, sinks_on, softcap):
 @pytest.mark.parametrize("case", ["causal", "packed", "window"])
 def test_the_hybrid_is_exact(ranks, case):
     """All-to-all inside groups of 2 ranks, K/V round the ring of the 2 groups (USP)."""
-    _check_hybrid(ranks(4), 4, "all-to-all:2", case)
+    _check_hybrid(ranks(4), 4, 2, case)
 
 
 @SLOW  # 8 ranks on this machine's 2 cores; the hybrid on 4 ranks is in the default pass
@@ -138,18 +142,18 @@ def test_the_hybrid_on_8_ranks():
 
     pool = RankPool(8)  # oversubscribed: a throwaway pool, not kept for the session
     try:
-        _check_hybrid(pool, 8, "all-to-all:4", "packed")
-        _check_hybrid(pool, 8, "all-to-all:2", "window")
+        _check_hybrid(pool, 8, 4, "packed")
+        _check_hybrid(pool, 8, 2, "window")
     finally:
         pool.close()
 
 
-def _check_hybrid(pool, world: int, transport: str, case: str) -> None:
+def _check_hybrid(pool, world: int, heads_group: int, case: str) -> None:
     heads, kv_heads = 8, 2
     want = reference(ROWS * world, case, heads, kv_heads, True, 0.0)
-    args = ("zigzag", case, heads, kv_heads, True, 0.0, transport)
+    args = ("zigzag", case, heads, kv_heads, True, 0.0, heads_group)
     for got, sent, used in pool.run(all_to_all, *args):
-        assert used == transport and sent > 0
+        assert used == Transport(world, heads_group) and sent > 0
         for g, w in zip(got, want, strict=True):
             assert (g - w).abs().max().item() <= EXACT
 
@@ -164,7 +168,7 @@ def _all_to_all_bytes(world: int, heads: int, kv_heads: int) -> int:
     return (forward + backward) * (world - 1) // world
 
 
-def learned(world: int, transport: str):
+def learned(world: int, heads_group: int):
     """A learned program (a per-key float bias, the same for every head) on the all-to-all:
     the gathered output, q/k/v gradients and the bias's gradient (each rank's heads' part,
     summed over the ring as the graph's ``copy_to_ring`` sums them)."""
@@ -178,6 +182,7 @@ def learned(world: int, transport: str):
     name, layout = dist.group.WORLD.group_name, "zigzag"
     local = [shard(t, 2, layout=layout).requires_grad_(t is not dout) for t in (q, k, v, dout)]
     inputs = [*docs, bias.clone().requires_grad_()]
+    transport = Transport(world, heads_group)
     plan = torch.ops.ringify.attention_plan(program, inputs, ROWS, False, name, layout, seq, 2,
                                             True, transport)  # fmt: skip
     spec = AttentionSpec(name, 0.3, False, layout, 0.0, program, 2)
@@ -188,8 +193,8 @@ def learned(world: int, transport: str):
     return [*got, inputs[2].grad]
 
 
-@pytest.mark.parametrize("transport", [pytest.param("all-to-all", marks=SLOW), "all-to-all:2"])
-def test_a_learned_program_on_the_all_to_all(ranks, transport):
+@pytest.mark.parametrize("heads_group", [pytest.param(4, marks=SLOW), 2])
+def test_a_learned_program_on_the_all_to_all(ranks, heads_group):
     seq = ROWS * 4
     q, k, v, dout, _ = _inputs(seq, 8, 2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -201,7 +206,7 @@ def test_a_learned_program_on_the_all_to_all(ranks, transport):
     out = attention(q, k, v, mask, scale=0.3, enable_gqa=True)
     out.backward(dout)
     want = [out.detach(), q.grad, k.grad, v.grad, bias.grad]
-    for got in ranks(4).run(learned, 4, transport):
+    for got in ranks(4).run(learned, 4, heads_group):
         for a, b in zip(got, want, strict=True):
             assert (a - b).abs().max().item() <= EXACT
 

@@ -106,13 +106,14 @@ def test_a_plan_is_a_value_that_says_what_it_decided():
     chunks of 16 (two tiles of 8) sends each rank's last tile one step on (the last rank's,
     seen by no one further, not at all); an unmasked ring sends every rank's keys round it; the two print so."""
     from ringify.runtime.collectives.ring import Ring
-    from ringify.runtime.masks.plan import plan_for
+    from ringify.runtime.masks.plan import CallGeometry, plan_for
     from ringify.testing.attention import window_program
 
     window_of_8 = window_program(8)
     ring = Ring(None, 0, 4)
-    window = plan_for(ring, 16, None, False, "contiguous", 64, window_of_8, [], 2, True)
-    dense = plan_for(ring, 16, None, False, "contiguous", 64, "", [], 2, True)
+    geometry = CallGeometry(ring.name, 4, 16, False, "contiguous", 64, 2)
+    window = plan_for(ring, geometry, None, window_of_8, [])
+    dense = plan_for(ring, geometry, None, "", [])
     assert window.summary()["K/V rows sent"] == [8, 8, 8, 0]
     assert dense.summary()["K/V rows sent"] == [48, 48, 48, 48]
     assert dense.summary()["tile pairs"] == dense.summary()["dense tile pairs"] == [16] * 4
@@ -188,15 +189,16 @@ def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
     from unittest import mock
 
     from ringify.runtime.collectives.ring import Ring
-    from ringify.runtime.masks import host_inputs
+    from ringify.runtime.masks import captures
     from ringify.runtime.masks import plan as plan_module
     from ringify.testing.attention import document_causal_program, document_inputs
 
     ring, inputs = Ring(None, 0, 2), document_inputs([20, 12])
-    args = (ring, 16, None, True, "contiguous", 32, document_causal_program(), inputs, 2, True)
+    geometry = plan_module.CallGeometry(ring.name, 2, 16, True, "contiguous", 32, 2)
+    args = (ring, geometry, None, document_causal_program(), inputs)
     assert plan_module.plan_for(*args).key is not None
     with (
-        mock.patch.object(host_inputs, "capturing", lambda device: True),
+        mock.patch.object(captures, "capturing", lambda device: True),
         pytest.raises(RuntimeError, match=r"torch\.ops\.ringify\.attention_plan"),
     ):
         plan_module.plan_for(*args)
@@ -216,8 +218,8 @@ def test_two_masks_of_one_site_are_not_recorded():
     ring, program = Ring(None, 0, 2), document_causal_program()
 
     def plan(lengths):
-        args = (ring, 16, None, True, "contiguous", 32, program, document_inputs(lengths))
-        return plan_module.plan_for(*args, 2, True)
+        geometry = plan_module.CallGeometry(ring.name, 2, 16, True, "contiguous", 32, 2)
+        return plan_module.plan_for(ring, geometry, None, program, document_inputs(lengths))
 
     with mock.patch.dict(captures._captured, clear=True):
         first, second = plan([20, 12]), plan([10, 22])

@@ -26,8 +26,7 @@ from ringify.runtime.masks.balance import (
 )
 from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
-from ringify.runtime.tiling.schedule import shard_tiles
-from ringify.runtime.tiling.tiles import all_tiles
+from ringify.runtime.tiling.tiles import all_tiles, shard_tiles
 from ringify.testing.attention import document_causal_program, document_inputs, model_layout
 
 PER_CHUNK = 4
@@ -111,7 +110,7 @@ def balanced_ring(world, lengths, learned, models_layout=False):
     sequence: forward, q/k/v gradients and (``learned``) the per-key bias's."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.p2p import SentBytes
+    from ringify.runtime.collectives.ring import SentBytes
 
     seq, (q_docs, k_docs) = sum(lengths), document_inputs(lengths)
     g = torch.Generator().manual_seed(0)
@@ -173,8 +172,8 @@ def moved_layout(world, lengths):
     tiles that change rank; ``move_home`` brings a plan-laid tensor home in place."""
     import torch.distributed as dist
 
+    from ringify.runtime.attention.transport import move_home, rows_in
     from ringify.runtime.collectives.ring import ring_by_name
-    from ringify.runtime.tiling.moves import move_home, rows_in
 
     rank, seq = dist.get_rank(), sum(lengths)
     ring = ring_by_name(dist.group.WORLD.group_name)
@@ -207,7 +206,7 @@ def test_only_moved_tiles_travel(ranks, world):
 def test_tiles_side_by_side_travel_as_one_message():
     """A balanced plan places arriving tiles in the order their home ranks send them, so that
     tiles side by side on both ranks move as one message, every row once."""
-    from ringify.runtime.tiling.moves import _moves
+    from ringify.runtime.attention.transport import _moves
 
     lengths = UNEVEN[2]
     home = _home(2, sum(lengths))

@@ -186,14 +186,12 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     from plans_made import made_plans
 
     from ringify import ringify
-    from ringify.runtime.masks import host_inputs
+    from ringify.runtime.masks import captures
 
     model, inputs = _llama_case(case, N)
     ringified = ringify(model, ring_size=1)
-    copies, copy = [], host_inputs.host_copy
-    with mock.patch.object(
-        host_inputs, "host_copy", lambda x: copies.append(copy(x)) or copies[-1]
-    ):
+    copies, copy = [], captures.host_copy
+    with mock.patch.object(captures, "host_copy", lambda x: copies.append(copy(x)) or copies[-1]):
         ringified(**inputs).loss.backward()  # on the host: the plans' inputs, recorded
     ringified.to(device="meta", dtype=torch.bfloat16)
     on_meta = {k: v.to("meta") for k, v in inputs.items()}
@@ -201,7 +199,7 @@ def test_a_whole_ringified_llama_runs_on_a_device(case):
     replayed = iter(copies)
     with (
         made_plans() as made,
-        mock.patch.object(host_inputs, "host_copy", lambda x: next(replayed)),
+        mock.patch.object(captures, "host_copy", lambda x: next(replayed)),
         FlashCalls() as log,
         VarlenCalls() as varlen,
         _RingifyBodies() as bodies,

@@ -158,9 +158,8 @@ def windowed_ring(world, layout):
     skipped, ran causal, ran unmasked and ran with a bias; the bytes it sent."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.p2p import SentBytes
-    from ringify.runtime.collectives.ring import resolve_ring
-    from ringify.runtime.masks.plan import plan_for
+    from ringify.runtime.collectives.ring import SentBytes, resolve_ring
+    from ringify.runtime.masks.plan import CallGeometry, plan_for
 
     seq, tiles = 16 * world, 2  # chunks of 16 (contiguous) or 8 (zigzag): tiles of 8 or 4
     g = torch.Generator().manual_seed(0)
@@ -174,9 +173,9 @@ def windowed_ring(world, layout):
     q, k, v = (shard(t, 2, layout=layout).requires_grad_() for t in full)
     name = dist.group.WORLD.group_name
     program = window_program(8)
-    plan = plan_for(
-        resolve_ring(None), seq // world, None, False, layout, seq, program, [], tiles, True
-    )
+    ring = resolve_ring(None)
+    geometry = CallGeometry(ring.name, world, seq // world, False, layout, seq, tiles)
+    plan = plan_for(ring, geometry, None, program, [])
     spec = AttentionSpec(name, 8**-0.5, False, layout, 0.0, program, tiles)
     args = (None, [], seq, spec, plan)
     with SentBytes() as sent_forward:

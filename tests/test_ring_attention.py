@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ringify.runtime import ring_attention, shard
-from ringify.runtime.attention.outputs import is_in_dim_order_of
+from ringify.runtime.attention.protocol import is_in_dim_order_of
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
 from ringify.testing.attention import (

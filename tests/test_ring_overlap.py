@@ -14,14 +14,14 @@ from ringify.testing.attention import make_inputs, ring_forward_backward
 def backward_events(world_inputs):
     """The order of the backward's block kernels, dK/dV exchanges started and waited for."""
     from ringify.runtime.attention import ops as ring_ops
-    from ringify.runtime.collectives import courier
+    from ringify.runtime.collectives import ring as ring_module
 
     events = []
-    start, block = courier.start_exchange, ring_ops.block_backward
+    start, block = ring_module.start_exchange, ring_ops.block_backward
 
     def started(*args, tag, **kwargs):
         pending = start(*args, tag=tag, **kwargs)
-        if tag != courier.Parcel.DKV:  # K/V tiles travelling
+        if tag != ring_module.Parcel.DKV:  # K/V tiles travelling
             return pending
         wait = pending.wait
 
@@ -38,7 +38,7 @@ def backward_events(world_inputs):
         return block(*args, **kwargs)
 
     with (
-        mock.patch.object(courier, "start_exchange", started),
+        mock.patch.object(ring_module, "start_exchange", started),
         mock.patch.object(ring_ops, "block_backward", computed),
     ):
         ring_forward_backward(*world_inputs, "zigzag", {"is_causal": False})

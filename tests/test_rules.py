@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rule_graphs import S, check_inferred, infer, node_of, targets_after, x3
 
 from ringify.passes.graph.crossings import PassState
-from ringify.passes.graph.placement import Geometry, Seq, view_placement
+from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
 from ringify.passes.graph.report import GatherReason
 from ringify.runtime.collectives.reduce import copy_to_ring
 
@@ -326,11 +326,11 @@ def test_inferred_placement(case):
 @pytest.mark.parametrize(
     ("geometry", "columns", "want"),
     [
-        (Geometry(S, S, 2, "contiguous"), 4, Seq(1, 1, 4)),  # chunks of 4: one row each
-        (Geometry(S - 4, S, 2, "contiguous"), 2, Seq(1, 1, 2)),  # 4 positions padded to 8
-        (Geometry(S, S, 2, "zigzag"), 2, Seq(1, 1, 2)),  # 2 chunks of one row per rank
-        (Geometry(S, S, 2, "zigzag"), 4, "chunks of 2"),  # chunks cut the rows
-        (Geometry(S, S, 2, "contiguous", general=True), 4, "chunks of 4"),  # any length
+        (SequenceGeometry(S, S, 2, "contiguous"), 4, Seq(1, 1, 4)),  # chunks of 4: one row each
+        (SequenceGeometry(S - 4, S, 2, "contiguous"), 2, Seq(1, 1, 2)),  # 4 positions padded to 8
+        (SequenceGeometry(S, S, 2, "zigzag"), 2, Seq(1, 1, 2)),  # 2 chunks of one row per rank
+        (SequenceGeometry(S, S, 2, "zigzag"), 4, "chunks of 2"),  # chunks cut the rows
+        (SequenceGeometry(S, S, 2, "contiguous", general=True), 4, "chunks of 4"),  # any length
     ],
 )
 def test_a_view_into_a_grid_keeps_whole_rows(geometry, columns, want):

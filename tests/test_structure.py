@@ -134,3 +134,20 @@ def test_runtime_never_imports_the_passes():
 def test_files_stay_small():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert not {p: n for p, n in sizes.items() if n > 400}
+
+
+def test_every_module_is_on_the_map():
+    """CONTRIBUTING's map names every module of ``ringify/`` in its folder's row."""
+    text = (ROOT.parent / "CONTRIBUTING.md").read_text()
+    rows = {
+        cells[1].strip().strip("`"): cells[2]
+        for line in text.splitlines()
+        if line.startswith("| `ringify/") and len(cells := line.split("|")) > 2
+    }
+    missing = [
+        str(path.relative_to(ROOT.parent))
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.name != "__init__.py"
+        and f"`{path.name}`" not in rows.get(f"{path.parent.relative_to(ROOT.parent)}/", "")
+    ]
+    assert not missing, f"modules missing from CONTRIBUTING.md's map: {missing}"

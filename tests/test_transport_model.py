@@ -13,6 +13,7 @@ import torch
 from benchmarks.strategies import shape
 from ringify.passes.sharding.strategy import auto_transport
 from ringify.passes.sharding.transport_model import Shape, fastest, seconds, sent_bytes, transports
+from ringify.runtime.collectives.heads import Transport
 
 
 def test_sent_bytes():
@@ -27,42 +28,42 @@ def test_sent_bytes():
 
 
 def test_transports_the_heads_allow():
-    assert transports(32, 8, 64) == ["ring", "all-to-all:2", "all-to-all:4", "all-to-all:8",
-                                     "all-to-all:16", "all-to-all:32"]  # fmt: skip
-    assert transports(6, 6, 4) == ["ring", "all-to-all:2"]
+    assert transports(32, 8, 64) == [Transport(64, u) for u in (1, 2, 4, 8, 16, 32)]
+    assert transports(6, 6, 4) == [Transport(4, 1), Transport(4, 2)]
 
 
 def test_a_ring_hidden_behind_its_kernels_costs_its_kernels():
     s = shape(32, 8, 1 << 20, 8)
-    assert seconds(s, "ring", 8, 8) == pytest.approx(seconds(s, "ring", 1, 1))
+    assert seconds(s, Transport(8), 8) == pytest.approx(seconds(s, Transport(1), 1))
     # across hosts at 32K the network does not hide: the ring costs more than its kernels
     short = shape(32, 8, 1 << 15, 64)
-    assert seconds(short, "ring", 64, 8) > 2 * seconds(short, "ring", 1, 1)
+    assert seconds(short, Transport(64), 8) > 2 * seconds(short, Transport(1), 1)
 
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "seq", "gpus", "want"),
     [
-        (32, 8, 1 << 15, 8, "ring"),  # inside a node, hidden
-        (32, 8, 1 << 15, 16, "all-to-all:4"),
-        (32, 8, 1 << 15, 64, "all-to-all:8"),  # Ulysses over 64 cannot split 32 heads
-        (32, 8, 1 << 20, 64, "ring"),  # a million tokens hide the network
-        (64, 8, 1 << 15, 64, "all-to-all:8"),
+        (32, 8, 1 << 15, 8, 1),  # inside a node, hidden
+        (32, 8, 1 << 15, 16, 4),
+        (32, 8, 1 << 15, 64, 8),  # Ulysses over 64 cannot split 32 heads
+        (32, 8, 1 << 20, 64, 1),  # a million tokens hide the network
+        (64, 8, 1 << 15, 64, 8),
     ],
 )
 def test_the_picks_of_the_table(heads, kv_heads, seq, gpus, want):
-    assert fastest(shape(heads, kv_heads, seq, gpus), gpus, 8) == want
+    """``want``: the ranks the picked all-to-all spans (1: the ring)."""
+    assert fastest(shape(heads, kv_heads, seq, gpus), gpus, 8) == Transport(gpus, want)
 
 
 def test_auto_is_the_models_pick_on_gpus_and_the_ring_on_cpu_ranks():
     auto = SimpleNamespace(ring=SimpleNamespace(size=64), per_host=lambda device: 8)
     s = shape(32, 8, 1 << 15, 64)
-    assert auto_transport(s, torch.device("cuda"), auto) == ("all-to-all:8", "")
+    assert auto_transport(s, torch.device("cuda"), auto) == (Transport(64, 8), "")
     picked, note = auto_transport(s, torch.device("cpu"), auto)
-    assert picked == "ring" and "CPU ranks" in note
+    assert picked == Transport(64) and "CPU ranks" in note
     long = shape(32, 8, 1 << 20, 64)
     assert auto_transport(long, torch.device("cuda"), auto) == (
-        "ring", "auto: the ring is modelled fastest")  # fmt: skip
+        Transport(64), "auto: the ring is modelled fastest")  # fmt: skip
 
 
 def test_a_program_that_reads_positions_is_counted_causal():

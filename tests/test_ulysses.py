@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ringify.passes.graph.report import AttentionRun
+from ringify.runtime.collectives.heads import Transport
 from ringify.testing.tolerance import EXACT
 
 S = 24  # per rank
@@ -81,7 +82,7 @@ def test_ulysses_matches_the_model(ranks, world, case):
         for (b, h, s, d), local, layout in r["shapes"]:  # this rank's queries, and their layout
             assert local == (b, h, s // world, d) and layout == "zigzag", r["shapes"]
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
-        assert r["transports"] == [f"all-to-all over {world} (Ulysses)"] * 2, r
+        assert r["transports"] == [Transport(world, world)] * 2, r
         assert r["header"] == [f"# {line}" for line in r["placements"]] and len(r["header"]) == 2
         # a training step in float64: the ring sends K/V P-1 times each way and dK/dV P
         # times; the all-to-all (P-1)/P of q, K/V (2 heads, repeated to 4 on 4 ranks), out
@@ -107,8 +108,7 @@ def test_the_hybrid_matches_the_model(ranks, case):
     for r in ranks(4).run(hf_case, case, 4, False, 2):
         assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
-        want = "all-to-all in groups of 2, ring of 2 groups (hybrid)"
-        assert r["transports"] == [want] * 2, r
+        assert r["transports"] == [Transport(4, 2)] * 2, r
 
 
 def test_auto_keeps_the_ring_on_cpu_ranks(ranks):
@@ -171,7 +171,7 @@ def test_gpt2_and_modernbert_on_the_hybrid(ranks, name):
     """Hybrid(u=2) on 4 ranks: 4 heads, the all-to-all inside pairs, K/V round 2 pairs."""
     for r in ranks(4).run(encoder_and_decoder, name, 2):
         assert r["runs"] == [AttentionRun.ALL_TO_ALL] * 2 and r["gathers"] == 0, r
-        assert set(r["transports"]) == {"all-to-all in groups of 2, ring of 2 groups (hybrid)"}
+        assert set(r["transports"]) == {Transport(4, 2)}
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
 
 
@@ -185,6 +185,6 @@ def test_a_hybrid_the_ring_cannot_split_is_refused():
 def test_heads_the_ring_does_not_divide_keep_the_ring(ranks):
     for r in ranks(4).run(hf_case, "causal", 6):  # 6 heads on 4 ranks
         assert r["runs"] == [AttentionRun.RING] * 2, r
-        assert r["transports"] == ["ring of 4"] * 2, r
+        assert r["transports"] == [Transport(4)] * 2, r
         assert all("do not divide by the all-to-all's 4 ranks" in n for n in r["notes"]), r
         assert r["logits"] <= EXACT and r["grads"] <= EXACT, r

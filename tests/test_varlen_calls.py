@@ -345,9 +345,9 @@ def test_the_varlen_wrappers_take_a_models_layout_as_fa2_does():
     against SDPA with the calls' mask in float64; the output comes back in q's dim order
     (the accumulator then takes a whole result as it is: no copy)."""
     from ringify.runtime.attention import flash
-    from ringify.runtime.attention.outputs import is_in_dim_order_of
+    from ringify.runtime.attention.protocol import is_in_dim_order_of
     from ringify.runtime.masks.varlen import sequences_call
-    from ringify.runtime.tiling.moves import sequence_rows
+    from ringify.runtime.tiling.tiles import sequence_rows
     from ringify.testing.attention import model_layout
 
     g = torch.Generator().manual_seed(0)

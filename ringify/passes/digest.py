@@ -25,7 +25,7 @@ from torch import fx
 
 from ringify.runtime.collectives.reduce import copy_to_ring
 from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
-from ringify.runtime.masks.host_inputs import host_inputs
+from ringify.runtime.masks.captures import host_inputs
 from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.step_masks import step_masks
 

@@ -10,7 +10,8 @@
 
 from ringify.runtime.attention import decode as _decode  # noqa: F401  (registers its op)
 from ringify.runtime.attention.api import ring_attention
-from ringify.runtime.attention.dilation import Dilation, dilated_attention
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.reference import dilated_attention
 from ringify.runtime.collectives.layout import LAYOUTS
 from ringify.runtime.collectives.sharding import gather, shard
 

@@ -25,9 +25,10 @@ from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_o
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
 from ringify.runtime.attention import flash
-from ringify.runtime.attention.outputs import bias_dtype
-from ringify.runtime.masks.host_inputs import host_inputs
-from ringify.runtime.masks.plan import RING, attention_plan
+from ringify.runtime.attention.protocol import bias_dtype
+from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.masks.captures import host_inputs
+from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
 from ringify.runtime.masks.step_masks import step_masks
 
@@ -97,7 +98,7 @@ def _erase_dead(graph: fx.Graph) -> None:
 
 
 def program_inputs(
-    folded: fx.Node, state: PassState, is_causal: bool, transport: str = RING
+    folded: fx.Node, state: PassState, is_causal: bool, transport: Transport | None = None
 ) -> tuple[str, list[fx.Node], fx.Node]:
     """The ring op's ``(mask_program, mask_inputs, plan)`` for a ``program_mask`` node: its
     text, its inputs whole on every rank, padded with the sequence (O(S) each), and the
@@ -113,7 +114,7 @@ def program_inputs(
 
 def step_plan(
     state: PassState, text: str, whole: list[fx.Node], is_causal: bool, like: fx.Node,
-    transport: str = RING,
+    transport: Transport | None = None,
 ) -> fx.Node:  # fmt: skip
     """The ``attention_plan`` node of the ring ops under program ``text`` with inputs
     ``whole`` ("" and none: of every unmasked call of the geometry) and ``transport``, made

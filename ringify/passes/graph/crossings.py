@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ringify.config import Auto, Hybrid
+from ringify.config import Auto
 from ringify.passes.graph.nodes import is_tensor, shape, val
-from ringify.passes.graph.placement import Fallback, Geometry, Placement, Seq
+from ringify.passes.graph.placement import Fallback, Placement, Seq, SequenceGeometry
 from ringify.passes.graph.report import InsertedGather, ReportedAttention, ReshardedRegion
 from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.heads import Transport
 from ringify.runtime.collectives.reduce import copy_to_ring
 from ringify.runtime.collectives.reshard import from_dim_op, to_dim_op
 
@@ -35,15 +36,15 @@ class PassState:
     def __init__(
         self,
         graph: fx.Graph,
-        geometry: Geometry,
+        geometry: SequenceGeometry,
         group_name: str,
         place: dict[fx.Node, Placement],
         dilation: Dilation | None = None,
-        strategy: str | Hybrid | Auto = "ring",
+        strategy: Transport | Auto | None = None,
     ):
         self.graph, self.geo, self.group_name, self.place = graph, geometry, group_name, place
         self.dilation = dilation  # every attention becomes dilated attention
-        self.strategy = strategy  # ``Config.transports``: "ring", "ulysses", Hybrid or Auto
+        self.strategy = strategy  # ``Config.transports`` (None: the ring)
         self.attentions: list[ReportedAttention] = []
         self.gathers: list[InsertedGather] = []
         self.resharded: list[ReshardedRegion] = []

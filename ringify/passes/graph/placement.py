@@ -51,7 +51,7 @@ class Fallback:
 
 
 @dataclass(frozen=True)
-class Geometry:
+class SequenceGeometry:
     """The sequence of one traced graph: true length, padded length, the ring; ``general``:
     the padding steps are inserted whatever the length (a graph for many lengths)."""
 
@@ -70,7 +70,7 @@ class Geometry:
     def local(self) -> int:
         return self.padded // self.ring_size
 
-    def in_units(self, seq: Seq) -> Geometry:
+    def in_units(self, seq: Seq) -> SequenceGeometry:
         """The sequence counted in ``seq``'s units (grid rows): lengths divided by the unit."""
         if seq.unit == 1:
             return self
@@ -104,11 +104,11 @@ class Geometry:
         return [*shape[: seq.dim], outer, length, inner, *shape[seq.dim + 1 :]]
 
 
-def view_placement(in_shape, seq: Seq, out_shape, geometry: Geometry) -> Seq | Fallback:
+def view_placement(in_shape, seq: Seq, out_shape, geometry: SequenceGeometry) -> Seq | Fallback:
     """Where the sequence factor lands after a view from ``in_shape`` to ``out_shape``.
 
     A view that splits the sequence into (rows, columns), an unpatchify, keeps it on the
-    rows where every rank's shard is whole rows (``Geometry.holds_units``). Otherwise the
+    rows where every rank's shard is whole rows (``SequenceGeometry.holds_units``). Otherwise the
     positions would no longer be one block per rank along one dim: a ``Fallback``.
     """
     units = geometry.in_units(seq).length
@@ -139,7 +139,7 @@ class Placements:
     """Every node's placement, as the rules infer them, and where replicated tensors meet the
     sequence (``meetings``: how inputs that never reach attention, such as labels, are found)."""
 
-    geometry: Geometry
+    geometry: SequenceGeometry
     of: dict[fx.Node, Placement] = field(default_factory=dict)
     meetings: list[tuple[fx.Node, Seq]] = field(default_factory=list)
 

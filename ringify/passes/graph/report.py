@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from tabulate import tabulate
 
 from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.heads import Transport
 
 
 class MaskKind(enum.Enum):
@@ -69,11 +70,10 @@ class ReportedAttention:
     layout: str
     dilation: Dilation | None
     bytes_per_step: int
-    # the transport it runs on ("ring of 4", "all-to-all over 4 (Ulysses)", the hybrid's
-    # groups); bytes one rank sends a step (forward, and backward in training) on the ring and
-    # on the all-to-all (``passes/strategy.step_bytes``); and why the ring was kept where the
-    # all-to-all was asked for
-    transport: str = ""
+    # the transport it runs on (None: not sharded); bytes one rank sends a step (forward,
+    # and backward in training) on the ring and on the all-to-all (``strategy.step_bytes``);
+    # and why the ring was kept where the all-to-all was asked for
+    transport: Transport | None = None
     ring_bytes: int = 0
     all_to_all_bytes: int = 0
     strategy_note: str = ""
@@ -181,6 +181,8 @@ def _table(rows) -> str:
             return x.value
         if isinstance(x, Dilation):
             return f"{x.segment_lengths} x {x.dilation_rates}"
+        if isinstance(x, Transport):
+            return str(x)
         return "" if x is None else x
 
     return tabulate(

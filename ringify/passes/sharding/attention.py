@@ -31,10 +31,9 @@ from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
-from ringify.passes.sharding.strategy import choose_transport, described, step_bytes
+from ringify.passes.sharding.strategy import choose_transport, step_bytes
 from ringify.runtime.attention.memory import memory_attention_op
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
-from ringify.runtime.masks.plan import RING
 from ringify.runtime.masks.program import program_mask
 
 aten = torch.ops.aten
@@ -123,13 +122,13 @@ def rewrite_attention(node: fx.Node, out: Placement, state: PassState) -> None:
     kv = [geo.local_shape(shape(x), Seq(2)) for x in (k, v)]
     size = val(att.k).element_size()
     bytes_per_step = sum(math.prod(s) for s in kv) * size
-    run = AttentionRun.RING if transport == RING else AttentionRun.ALL_TO_ALL
+    run = AttentionRun.RING if transport.is_ring else AttentionRun.ALL_TO_ALL
     row = reported(att, run, state, kind, dilation=dilation, bytes=bytes_per_step)
     ring_bytes, all_to_all_bytes = step_bytes(att, state)
     state.attentions.append(
         dataclasses.replace(
             row,
-            transport=described(transport, geo.ring_size),
+            transport=transport,
             ring_bytes=ring_bytes,
             all_to_all_bytes=all_to_all_bytes,
             strategy_note=note,

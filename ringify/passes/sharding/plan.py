@@ -27,7 +27,7 @@ from ringify.passes.folds.handwritten import UNREAD_NOTE
 from ringify.passes.folds.spellings import CASTS_LIKE
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.nodes import ancestors, is_tensor, shape, val
-from ringify.passes.graph.placement import Geometry, Seq, view_placement
+from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
 from ringify.passes.sharding.dims import VIEWS
 from ringify.passes.sharding.rules import SAME_SHAPE, infer_placements
 from ringify.runtime.collectives.layout import padded_length, split_multiple
@@ -42,7 +42,7 @@ _SEQUENCE_PRESERVING = frozenset({
 @dataclass(frozen=True)
 class Plan:
     seeds: dict[fx.Node, Seq]  # the sequence inputs and births, and where their sequence is
-    geometry: Geometry
+    geometry: SequenceGeometry
     # inputs passed sharded that only build attention masks (a padding mask): gathered on
     # entry, O(S) each, so that the (S, S) mask they build is never gathered
     gathered: dict[fx.Node, Seq] = field(default_factory=dict)
@@ -61,7 +61,7 @@ def sharded_input_dims(gm: fx.GraphModule, config: Config) -> tuple[dict[int, in
     seeds = _sequence_sources(gm.graph, config)
     node, seq = next(iter(seeds.items()))
     length = shape(node)[seq.dim]  # this trace's (local) sequence length
-    geometry = Geometry(length, length, config.ring_size, config.layout)
+    geometry = SequenceGeometry(length, length, config.ring_size, config.layout)
     seeds |= _companion_inputs(gm.graph, seeds, geometry)
     masks = _mask_inputs(gm.graph, seeds, geometry)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -206,7 +206,7 @@ def _sequence_sources(graph: fx.Graph, config: Config) -> dict[fx.Node, Seq]:
         for dim, size in enumerate(shape(node)):
             if not isinstance(size, int) or size < 2:
                 continue
-            geometry = Geometry(size, size, config.ring_size, config.layout)
+            geometry = SequenceGeometry(size, size, config.ring_size, config.layout)
             place = infer_placements(graph, geometry, {node: Seq(dim)}).place
             if any(place[x] == Seq(2) for x in reached):
                 seeds[node] = Seq(dim)
@@ -241,7 +241,7 @@ def _births(
     lengths = {shape(t)[2] for t in targets}
     if not lengths:
         return {}
-    geometry = Geometry(max(lengths), max(lengths), config.ring_size, config.layout)
+    geometry = SequenceGeometry(max(lengths), max(lengths), config.ring_size, config.layout)
     place = infer_placements(graph, geometry, seeds).place
 
     def reached(p) -> set[fx.Node]:
@@ -259,7 +259,7 @@ def _births(
         for dim, size in enumerate(shape(node)):
             if not isinstance(size, int) or size < 2 or size not in lengths:
                 continue
-            geometry = Geometry(size, size, config.ring_size, config.layout)
+            geometry = SequenceGeometry(size, size, config.ring_size, config.layout)
             trial = infer_placements(graph, geometry, seeds | found | {node: Seq(dim)}).place
             if reached(trial) > reached(place):  # a strict superset
                 found[node], place = Seq(dim), trial
@@ -292,7 +292,7 @@ def _check_attention_shapes(attentions: list, config: Config) -> None:
 
 
 def _companion_inputs(
-    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: Geometry
+    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: SequenceGeometry
 ) -> dict[fx.Node, Seq]:
     """Inputs that never reach attention but meet the sharded sequence (labels, say)."""
     found: dict[fx.Node, Seq] = {}
@@ -312,7 +312,7 @@ def _companion_inputs(
 
 
 def _mask_inputs(
-    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: Geometry
+    graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: SequenceGeometry
 ) -> dict[fx.Node, Seq]:
     """Inputs, besides ``seeds``, that some attention's mask is computed from, and their dim
     as long as this trace's sequence. Masks index their inputs by positions (HF's mask
@@ -328,7 +328,7 @@ def _mask_inputs(
     return found
 
 
-def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> Geometry:
+def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> SequenceGeometry:
     """The sequence's length, and the padded length the ring splits (the padding decision);
     ``general``: the padding steps kept where this length needs none."""
     attentions, tokens = find_attention(graph), _tokens(graph)
@@ -351,4 +351,4 @@ def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> Geometr
             f"padding would reach the outputs: pad the inputs to a multiple of {multiple}, "
             "or use outputs='full'"
         )
-    return Geometry(length, padded, config.ring_size, config.layout, general)
+    return SequenceGeometry(length, padded, config.ring_size, config.layout, general)

@@ -27,7 +27,7 @@ from torch import fx
 
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, is_tensor, shape, val
-from ringify.passes.graph.placement import Fallback, Geometry, Seq
+from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry
 from ringify.passes.graph.report import ReshardedRegion
 from ringify.passes.sharding.rules import infer_placements
 from ringify.passes.sharding.shares import SHAPED, Resharded, mesh_of, nbytes, propagated
@@ -65,7 +65,7 @@ def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
 
 
 def plan_region(
-    nodes: list[fx.Node], place: dict, geo: Geometry, group_name: str, cut: bool = True
+    nodes: list[fx.Node], place: dict, geo: SequenceGeometry, group_name: str, cut: bool = True
 ) -> Resharded | Cut | str:
     """The region's plan that gathers fewest bytes, or why it stays gathered. From each dim
     of its first input, the others' dims are chosen one input at a time (each input's dims
@@ -127,7 +127,7 @@ def _inputs(nodes: list[fx.Node], members: set) -> list[fx.Node]:
 MAX_CUTS = 3  # inferences again after cutting regions (each cut ends one region early)
 
 
-def reshard_plans(graph: fx.Graph, geo: Geometry, seeds: dict, group_name: str):
+def reshard_plans(graph: fx.Graph, geo: SequenceGeometry, seeds: dict, group_name: str):
     """``(inference, plans, why)``: the placements, every gathered region's plan where one
     moves bytes off the gather (by member node), and for the members of the others why they
     stay gathered. A region whose op needs its dim whole (a norm over heads merged with the
@@ -169,7 +169,9 @@ class Cut:
     why: str
 
 
-def _cut(nodes: list[fx.Node], failed: fx.Node, place, geo: Geometry, group_name: str, why: str):
+def _cut(
+    nodes: list[fx.Node], failed: fx.Node, place, geo: SequenceGeometry, group_name: str, why: str
+):
     """The cut of a region before ``failed``, or ``why`` where its first part plans nothing
     or a value it hands on has no sequence dim of its own."""
     head = nodes[: nodes.index(failed)]

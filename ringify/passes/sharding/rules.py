@@ -41,10 +41,10 @@ from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.placement import (
     Fallback,
-    Geometry,
     Placement,
     Placements,
     Seq,
+    SequenceGeometry,
     sharded_first,
 )
 from ringify.passes.graph.report import GatherReason
@@ -370,7 +370,9 @@ class Inference:
     decisions: dict[fx.Node, Placement | Fallback]
 
 
-def infer_placements(graph: fx.Graph, geometry: Geometry, seeds: dict[fx.Node, Seq]) -> Inference:
+def infer_placements(
+    graph: fx.Graph, geometry: SequenceGeometry, seeds: dict[fx.Node, Seq]
+) -> Inference:
     """Placements of every node from those of the ``seeds`` (inputs, or nodes where the
     sequence is born; the other inputs are replicated)."""
     place = Placements(geometry)

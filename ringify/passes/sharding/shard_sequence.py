@@ -26,7 +26,7 @@ import dataclasses
 
 from torch import fx
 
-from ringify.config import Auto, Hybrid
+from ringify.config import Auto
 from ringify.passes.graph.attention_nodes import Attention, find_attention
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.placement import Fallback
@@ -36,6 +36,7 @@ from ringify.passes.sharding.plan import Plan
 from ringify.passes.sharding.resharded import reshard_plans, rewrite_member
 from ringify.passes.sharding.rules import rule_for
 from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.heads import Transport
 
 
 def shard_sequence(
@@ -47,7 +48,7 @@ def shard_sequence(
     outputs_full: bool = True,
     local_outputs: int = 0,
     dilation: Dilation | None = None,
-    strategy: str | Hybrid | Auto = "ring",
+    strategy: Transport | Auto | None = None,
 ) -> Report:
     """Rewrite ``graph`` in place into what one rank of the ring runs; what was done."""
     attentions = find_attention(graph)

@@ -21,9 +21,8 @@ from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.placement import Seq
 from ringify.passes.sharding.transport_model import Shape, fastest, sent_bytes
-from ringify.runtime.attention.outputs import accumulation_dtype
-from ringify.runtime.collectives.heads import kv_repeats
-from ringify.runtime.masks.plan import ALL_TO_ALL, RING, heads_group
+from ringify.runtime.attention.protocol import accumulation_dtype
+from ringify.runtime.collectives.heads import Transport, kv_repeats
 from ringify.runtime.masks.program import parse, program_mask
 
 
@@ -39,50 +38,39 @@ def _trained(state: PassState) -> bool:
     return state._cache["trained",]
 
 
-def choose_transport(att, state: PassState) -> tuple[str, str]:
+def choose_transport(att, state: PassState) -> tuple[Transport, str]:
     """``(transport, why the ring was kept)`` of a sharded attention under the strategy asked
     for: the all-to-all where its heads divide by the ranks it spans (GQA's K/V repeated as
     far as needed) and its mask is the same for every head (a program or none). ``"auto"``:
     the transport the paper model makes fastest on GPUs; the ring on CPU ranks."""
-    strategy, size = state.strategy, state.geo.ring_size
-    if strategy == "ring" or state.dilation is not None or size == 1:
-        return RING, ""
-    heads, kv_heads = shape(att.q)[1], shape(att.k)[1]
+    strategy, ring = state.strategy, Transport(state.geo.ring_size)
+    if strategy in (None, ring) or state.dilation is not None or ring.size == 1:
+        return ring, ""
+    picked = strategy
     if isinstance(strategy, Auto):
         picked, note = auto_transport(attention_shape(att, state), val(att.q).device, strategy)
-        if picked == RING:
-            return RING, note
-        u = heads_group(picked, size)
-    else:
-        u = size if strategy == "ulysses" else strategy.u
+        if picked.is_ring:
+            return ring, note
+    heads, kv_heads, u = shape(att.q)[1], shape(att.k)[1], picked.heads_group
     if kv_repeats(heads, kv_heads, u) is None:
-        return RING, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
+        return ring, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
     if att.mask is not None and att.mask.target is not program_mask:
-        return RING, "its mask is a tensor of this rank's rows (not a program)"
+        return ring, "its mask is a tensor of this rank's rows (not a program)"
     if att.mask is not None and len(shape(att.mask)) == 4 and shape(att.mask)[1] > 1:
-        return RING, "its mask differs per head"
-    return (ALL_TO_ALL if u == size else f"{ALL_TO_ALL}:{u}"), ""
+        return ring, "its mask differs per head"
+    return picked, ""
 
 
-def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[str, str]:
+def auto_transport(shape: Shape, device: torch.device, auto: Auto) -> tuple[Transport, str]:
     """``strategy="auto"``: ``(transport, why the ring)`` for an attention of this shape on
     ``device``: what the paper model makes fastest on a GPU cluster of the ring's hosts; the
     ring on CPU ranks, where gloo's all-to-all ran no faster beyond the machine's noise and
     held 1.4-1.5 times the ring's memory (``benchmarks/RESULTS.md``, 8K-32K)."""
     if device.type == "cpu":
-        return RING, "auto: the ring on CPU ranks (gloo's all-to-all is no faster, and holds more)"
+        note = "auto: the ring on CPU ranks (gloo's all-to-all is no faster, and holds more)"
+        return Transport(auto.ring.size), note
     picked = fastest(shape, auto.ring.size, auto.per_host(device))
-    return picked, "auto: the ring is modelled fastest" if picked == RING else ""
-
-
-def described(transport: str, size: int) -> str:
-    """A transport as the report and ``graph_diff`` print it."""
-    u = heads_group(transport, size)
-    if u == 1:
-        return f"ring of {size}"
-    if u == size:
-        return f"all-to-all over {size} (Ulysses)"
-    return f"all-to-all in groups of {u}, ring of {size // u} groups (hybrid)"
+    return picked, "auto: the ring is modelled fastest" if picked.is_ring else ""
 
 
 def attention_shape(att, state: PassState) -> Shape:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringify.runtime.collectives.heads import kv_repeats
-from ringify.runtime.masks.plan import ALL_TO_ALL, RING, heads_group
+from ringify.runtime.collectives.heads import Transport, kv_repeats
 
 
 @dataclass(frozen=True)
@@ -63,24 +62,19 @@ def sent_bytes(shape: Shape, size: int) -> tuple[int, int]:
     return ring, heads * (size - 1) // size
 
 
-def transports(heads: int, kv_heads: int, size: int) -> list[str]:
+def transports(heads: int, kv_heads: int, size: int) -> list[Transport]:
     """Every transport these heads allow on ``size`` ranks: the ring, the all-to-all over
     all of them, and the hybrid over each group size u that divides the ring."""
-    found = [RING]
-    for u in range(2, size + 1):
-        if size % u == 0 and kv_repeats(heads, kv_heads, u) is not None:
-            found.append(ALL_TO_ALL if u == size else f"{ALL_TO_ALL}:{u}")
-    return found
+    allowed = [u for u in range(2, size + 1) if size % u == 0 and kv_repeats(heads, kv_heads, u)]
+    return [Transport(size, u) for u in (1, *allowed)]
 
 
-def seconds(
-    shape: Shape, transport: str, size: int, per_host: int, cluster: Cluster = H100
-) -> float:
+def seconds(shape: Shape, transport: Transport, per_host: int, cluster: Cluster = H100) -> float:
     """Modelled seconds of one rank's attention step on ``transport``, the ring's ranks in
     equal blocks of ``per_host`` consecutive ranks per host."""
     forward = 4 * shape.q * shape.keys * (0.5 if shape.causal else 1.0) / cluster.flops
     backward = 2.5 * forward if shape.trained else 0.0
-    u = heads_group(transport, size)
+    size, u = transport.size, transport.heads_group
     exchange = 0.0
     if u > 1:  # the all-to-all over u ranks, some of it to other hosts where u > per_host
         moved = sent_bytes(shape, u)[1]
@@ -102,7 +96,7 @@ def seconds(
     return ring + exchange
 
 
-def fastest(shape: Shape, size: int, per_host: int, cluster: Cluster = H100) -> str:
+def fastest(shape: Shape, size: int, per_host: int, cluster: Cluster = H100) -> Transport:
     """The transport the model gives the fewest seconds (the ring where it ties)."""
     options = transports(shape.heads, shape.kv_heads, size)
-    return min(options, key=lambda t: seconds(shape, t, size, per_host, cluster))
+    return min(options, key=lambda t: seconds(shape, t, per_host, cluster))

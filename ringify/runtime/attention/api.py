@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ringify.runtime.attention.dilated_ops import dilated_attention_op
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_op
-from ringify.runtime.attention.outputs import DTYPES
+from ringify.runtime.attention.protocol import DTYPES
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 from ringify.runtime.collectives.agreement import check_ranks_agree
 from ringify.runtime.collectives.layout import check_layout

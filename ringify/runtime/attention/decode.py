@@ -24,9 +24,9 @@ from ringify.runtime.attention.blocks import (
     merge_block,
 )
 from ringify.runtime.attention.memory import merge_over_ring
-from ringify.runtime.attention.outputs import accumulation_dtype, empty_attention_outputs
+from ringify.runtime.attention.protocol import accumulation_dtype, empty_attention_outputs
 from ringify.runtime.attention.sinks import with_sinks
-from ringify.runtime.masks.additive import additive_mask
+from ringify.runtime.masks.program import additive_mask
 
 
 @torch.library.custom_op("ringify::decode_attention", mutates_args=())

@@ -125,7 +125,7 @@ def runs_varlen(q: torch.Tensor, softcap: float) -> bool:
 def varlen_forward(q_sHD, k_tKD, v_tKD, varlen: Varlen, *, scale: float):
     """``(out, lse)``, (1, H, s, D) and (1, H, s), of one varlen call on FA2's layout: q's rows
     and k/v's keys its sequences', side by side, (rows, heads, D) views of a batch of one
-    (``moves.sequence_rows``: FA2 takes the row and head strides as arguments), GQA's K/V
+    (``tiles.sequence_rows``: FA2 takes the row and head strides as arguments), GQA's K/V
     heads as they are."""
     q, k, v = unit_last_stride(q_sHD, k_tKD, v_tKD)
     cu_q, cu_k = varlen.cu_seqlens

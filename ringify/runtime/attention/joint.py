@@ -25,7 +25,7 @@ import torch
 from ringify.runtime.attention.blocks import block_backward, block_forward, merge_block
 from ringify.runtime.attention.memory import memory_attention_backward_op, memory_attention_op
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
-from ringify.runtime.attention.outputs import (
+from ringify.runtime.attention.protocol import (
     accumulation_dtype,
     empty_attention_outputs,
     empty_gradients_of,
@@ -33,8 +33,8 @@ from ringify.runtime.attention.outputs import (
     in_dim_order_of,
 )
 from ringify.runtime.attention.spec import SPEC_TYPE, AttentionSpec
-from ringify.runtime.masks.additive import additive_mask
 from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
+from ringify.runtime.masks.program import additive_mask
 
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, SymInt key_len, "

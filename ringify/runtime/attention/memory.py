@@ -24,17 +24,17 @@ from ringify.runtime.attention.blocks import (
     block_backward,
     block_forward,
 )
-from ringify.runtime.attention.outputs import (
+from ringify.runtime.attention.protocol import (
     accumulation_dtype,
+    attention_ops,
     empty_attention_outputs,
     gradients_of,
 )
-from ringify.runtime.attention.protocol import attention_ops
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import shard_for_rank
 from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
 from ringify.runtime.collectives.ring import LOCAL, ring_by_name
-from ringify.runtime.masks.additive import additive_mask
+from ringify.runtime.masks.program import additive_mask
 
 
 def _bias(q, k, attn_mask, key_len: int, spec: AttentionSpec):

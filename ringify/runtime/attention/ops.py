@@ -13,7 +13,7 @@ key/value shard with K kv heads (H % K == 0: GQA/MQA travel unexpanded).
 ``spec.mask_program`` / ``mask_inputs``: a mask as a program (``masks/program.py``, its
 text, or "" for none) and its O(S) inputs; the op bounds it per tile pair
 (``masks/tile_masks.py``). ``spec.tiles_per_chunk``: 0 lets the op choose
-(``tiling/schedule.py``); tests and benchmarks force a tiling with it.
+(``tiling/tiles.py``); tests and benchmarks force a tiling with it.
 
 Forward, P ranks: the K/V tiles of each sub-ring (see ``tiling/tiles.py``) travel round
 the ring for P-1 steps; at step i this rank holds the tiles of rank
@@ -22,10 +22,10 @@ kernel while the next tiles are already in flight, and merges the results into
 float32 accumulators by log-sum-exp.
 Backward: K/V tiles travel again; the dK/dV accumulator of each tile travels
 with it, every rank adds its contribution, and after P steps it arrives home
-(``tiling/grad_trip.py``).
+(``attention/transport.py``).
 Under a mask program whose work zigzag leaves unequal (packed documents of uneven
 length), both run on a balanced plan (``masks/balance.py``): some query tiles change rank,
-their rows move there first and their results move back (``tiling/moves.py``), while
+their rows move there first and their results move back (``attention/transport.py``), while
 K/V tiles travel from home as ever; ``spec.balance=False`` keeps the shard's own tiling
 (tests and benchmarks compare the two).
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from ringify.runtime.attention import flash
-from ringify.runtime.attention.accumulator import Accumulator, RowSum
 from ringify.runtime.attention.blocks import (
     QueryNaNs,
     bias_backward,
@@ -48,23 +47,23 @@ from ringify.runtime.attention.flash import (
     varlen_backward,
     varlen_forward,
 )
-from ringify.runtime.attention.outputs import (
+from ringify.runtime.attention.protocol import (
+    Accumulator,
+    RowSum,
     accumulation_dtype,
+    attention_ops,
     bias_dtype,
     gradients_of,
     in_dim_order_of,
 )
-from ringify.runtime.attention.protocol import attention_ops
 from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
-from ringify.runtime.attention.transport import transport_for
+from ringify.runtime.attention.transport import GradSlots, narrow_rows, transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.captures import capturing, note_captured
 from ringify.runtime.masks.grads import add_program_grads
-from ringify.runtime.masks.plan import RingPlan, plan_for
+from ringify.runtime.masks.plan import CallGeometry, RingPlan, plan_for
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.grad_trip import GradSlots
-from ringify.runtime.tiling.moves import narrow_rows
 from ringify.runtime.tiling.tiles import Visibility
 
 
@@ -205,16 +204,16 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
     """``(transport, CallMasks)`` of this call from its plan (``masks/plan.py``): the step's,
     which the graph made once, else one made here (on the ring); ``given``: the step's
     masks (``ringify::step_masks``) or None."""
-    rows, is_causal, layout = q.shape[2], spec.is_causal, spec.layout
+    geometry = CallGeometry(
+        ring.name, ring.size, q.shape[2], spec.is_causal, spec.layout, key_len,
+        spec.tiles_per_chunk, spec.balance, q.device.type,
+    )  # fmt: skip
     if plan is None:
-        args = (attn_mask, is_causal, layout, key_len, spec.mask_program, inputs)
-        args += (spec.tiles_per_chunk, spec.balance)
-        plan = plan_for(ring, rows, *args, device_type=q.device.type)
-    elif plan.geometry[:6] != (ring.name, ring.size, rows, is_causal, layout, key_len):
+        plan = plan_for(ring, geometry, attn_mask, spec.mask_program, inputs)
+    elif plan.geometry.call() != geometry.call():
         raise ValueError(
-            f"the plan given was made for another call ({plan!r}, geometry "
-            f"{plan.geometry[:6]}); make it with attention_plan for this call's ring, rows, "
-            "causality, layout and key length"
+            f"the plan given was made for another call ({plan!r}, {plan.geometry}); make it "
+            "with attention_plan for this call's ring, rows, causality, layout and key length"
         )
     recording = capturing(q.device)  # a CUDA graph will replay this plan's blocks
     if recording:

@@ -8,6 +8,8 @@ is an argument of SDPA, so the pass reads such attention (written by hand) into 
 ``softcap`` (``ops.py``). Called on full tensors, it is the definition: the math on the
 whole scores, as a model that runs unsharded (or gathered) computes them.
 
+``dilated_attention`` is LongNet's dilated attention on full tensors, the same way.
+
 Shapes: q_BHsD, k_BKtD and v_BKtD (H a multiple of K with ``enable_gqa``), ``attn_mask``
 as SDPA takes it, ``sinks`` broadcastable to (B, H, 1, 1).
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.attention.protocol import accumulation_dtype
 from ringify.runtime.attention.spec import sdpa_scale
 
 
@@ -75,3 +79,50 @@ def joint_attention(
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale
     )
+
+
+def kept_mask(
+    seq_len: int, heads: int, w: int, r: int, is_causal: bool, device=None
+) -> torch.Tensor:
+    """(heads, S, S) bool: which key each query of each head attends to under pair (w, r)."""
+    pos = torch.arange(seq_len, device=device)
+    segment, offset = pos // w, pos % w
+    head_offset = (torch.arange(heads, device=device) % r)[:, None]
+    kept = offset[None, :] % r == head_offset  # (heads, S)
+    allowed = (segment[:, None] == segment[None, :]) & kept[:, :, None] & kept[:, None, :]
+    if is_causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    return allowed
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dilation: Dilation,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dilated attention on full ``(B, H, S, D)`` tensors, written for clarity (O(S^2) memory).
+
+    The reference the ring version is tested against: each pair is dense attention
+    under its mask, its (out, lse) merged into the result by log-sum-exp.
+    """
+    h, s, d = q.shape[1:]
+    dilation.check_length(s)
+    scale = d**-0.5 if scale is None else scale
+    acc = accumulation_dtype(q.dtype)
+    outs, lses = [], []
+    for w, r in dilation.pairs(s):
+        allowed = kept_mask(s, h, w, r, is_causal, q.device)
+        scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # -inf on rows the pair does not keep
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(probs @ v.to(acc))
+        lses.append(lse)
+    lses = torch.stack(lses)
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total).nan_to_num(0.0)  # a row no pair keeps: all weights 0
+    return (weights.unsqueeze(-1) * torch.stack(outs)).sum(0).to(q.dtype)

@@ -7,17 +7,67 @@ permuted; the caller's tiles say where each row sits). ``to_sequence`` is its in
 Per rank each moves (P-1)/P of the tensor, in one ``all_to_all_single``; the P2P ring moves
 K and V P-1 times. Heads must divide by the ring: ``kv_repeats`` says how far K/V heads (GQA)
 are repeated first so that they do, and every query head keeps its own K/V head.
+
+``Transport`` names which of the two a call runs on, from the pass's choice to the plan op,
+the op's loop (``attention/transport.py``) and the report: one value, printed here.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 
-from ringify.runtime.collectives.p2p import count_sent
-from ringify.runtime.collectives.ring import Ring
+from ringify.runtime.collectives.ring import Ring, count_sent
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How a call's K/V reach its queries on a ring of ``size`` ranks: an all-to-all onto
+    heads inside groups of ``heads_group`` consecutive ranks (1: none, K/V travel round the
+    P2P ring; ``size``: DeepSpeed-Ulysses over the whole ring; between: USP's hybrid, the K/V
+    then travelling round the ring of the size / heads_group groups). A ``torch.library``
+    opaque value: the plan op takes it, and a graph holds it as a constant."""
+
+    size: int
+    heads_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.heads_group < 1 or self.size % self.heads_group:
+            raise ValueError(
+                f"an all-to-all over groups of {self.heads_group} ranks needs groups that "
+                f"divide the ring of {self.size}"
+            )
+
+    @classmethod
+    def ulysses(cls, size: int) -> Transport:
+        return cls(size, size)
+
+    @property
+    def is_ring(self) -> bool:
+        return self.heads_group == 1
+
+    @property
+    def groups(self) -> int:
+        """The ranks of the ring the K/V travel round: the groups of ``heads_group``."""
+        return self.size // self.heads_group
+
+    def __str__(self) -> str:
+        if self.is_ring:
+            return f"ring of {self.size}"
+        if self.groups == 1:
+            return f"all-to-all over {self.size} (Ulysses)"
+        return f"all-to-all in groups of {self.heads_group}, ring of {self.groups} groups (hybrid)"
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        return repr(self), {"Transport": Transport}
+
+
+register_opaque_type(Transport, typ="value")
+TRANSPORT_TYPE = get_opaque_type_name(Transport)  # its name in an op's schema
 
 
 def to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:

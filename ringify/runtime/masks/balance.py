@@ -18,7 +18,7 @@ it changes:
 - only queries move: K/V tiles travel round the ring from their home rank (their
   gradients arrive there), as far as the farthest rank whose queries see them; a query
   tile that stays keeps its local rows, so that only the moved tiles' q rows travel,
-  and their outputs and dq back (``tiling/moves.py``).
+  and their outputs and dq back (``attention/transport.py``).
 
 The time model counts kernel work, not bytes: the K/V that a plan sends further (keys
 whose queries moved) are taken to hide behind the kernels, as they do for tiles of
@@ -188,7 +188,7 @@ def _longest_first(work, home, sub_rings, ring_size) -> torch.Tensor:
 
 def _in_home_slots(home: list[Tile], mine: list[Tile], homes: dict[tuple, tuple]) -> list[Tile]:
     """``mine`` placed in the local rows of ``home``: a tile that stays keeps its own
-    rows (nothing to copy, ``tiling/moves.py``); the others take the slots that the tiles
+    rows (nothing to copy, ``attention/transport.py``); the others take the slots that the tiles
     leaving free, in local order, a slot of its own length to each, in the order their
     home ranks send them (``homes``: a tile's (home rank, local rows start) by key), so that
     tiles side by side on their home arrive side by side and travel as one message."""

@@ -8,7 +8,7 @@ FlexAttention answers it once per step with one ``BlockMask``, which travels int
 ``flex_attention`` call as an argument. So does a ``RingPlan``:
 
 - ``ringify::host_inputs`` copies the program's inputs to the host in one copy (the only
-  device-to-host read of a plan, ``host_inputs.py``) and ``ringify::attention_plan`` builds
+  device-to-host read of a plan, ``captures.py``) and ``ringify::attention_plan`` builds
   the plan there, where every decision reads host tensors for free and none is mixed with
   a device tensor;
 - the graph pass emits one such node per distinct program, inputs and geometry, before the
@@ -29,43 +29,63 @@ new step's plan is a new value around them, with its own counts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
+from ringify.runtime.collectives.heads import TRANSPORT_TYPE, Transport
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
-from ringify.runtime.masks.call_masks import CallMasks
-from ringify.runtime.masks.captures import check_captured
-from ringify.runtime.masks.host_inputs import host_copy
+from ringify.runtime.masks.captures import check_captured, host_copy
 from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
-from ringify.runtime.masks.step_layout import Capacity, GivenMasks, StepLayout, step_layout
+from ringify.runtime.masks.step_layout import (
+    CallMasks,
+    Capacity,
+    GivenMasks,
+    StepLayout,
+    step_layout,
+)
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles
-from ringify.runtime.tiling.schedule import needs_positions, shard_tiles
-from ringify.runtime.tiling.tiles import Tile, Tiling, Visibility, all_tiles, sub_ring_tiles
+from ringify.runtime.tiling.tiles import (
+    Tile,
+    Tiling,
+    Visibility,
+    all_tiles,
+    needs_positions,
+    shard_tiles,
+    sub_ring_tiles,
+)
 
-RING, ALL_TO_ALL = "ring", "all-to-all"  # how the K/V of a call reach its queries
 
+@dataclass(frozen=True)
+class CallGeometry:
+    """The calls a plan serves: their ring (its group's ``ring`` name and ``ring_size``), each
+    rank's query ``rows``, causality, the sequence's ``layout`` over the ring and ``key_len``
+    (keys at or beyond it are padding); and what shapes the plan's tiles: a forced
+    ``tiles_per_chunk`` (0: the op's choice), whether it may ``balance``, and the
+    ``device_type`` its calls run on."""
 
-def heads_group(transport: str, ring_size: int) -> int:
-    """The ranks an all-to-all onto heads spans under ``transport``: ``"ring"``, 1 (none);
-    ``"all-to-all"``, the whole ring; ``"all-to-all:u"`` (the hybrid), groups of u
-    consecutive ranks, the K/V then travelling round a ring of the ring_size / u groups."""
-    if transport == RING:
-        return 1
-    name, _, u = transport.partition(":")
-    if name != ALL_TO_ALL or (u and (not u.isdigit() or ring_size % int(u))):
-        raise ValueError(
-            f"transport must be 'ring', 'all-to-all' or 'all-to-all:u' with u dividing the "
-            f"ring of {ring_size}, got {transport!r}"
-        )
-    return int(u) if u else ring_size
+    ring: str
+    ring_size: int
+    rows: int
+    is_causal: bool
+    layout: str
+    key_len: int
+    tiles_per_chunk: int = 0
+    balance: bool = True
+    device_type: str = "cpu"
+
+    def call(self) -> tuple:
+        """What a call must share with the plan it is given: all but the tiling options."""
+        return (self.ring, self.ring_size, self.rows, self.is_causal, self.layout, self.key_len)
 
 
 MAX_LAYOUTS = 32  # host-side answers memoised: a model has a few programs, a step one each
@@ -75,26 +95,26 @@ class RingPlan(OpaqueBase):
     """How the calls of one step run: ``home(rank)`` tiles that rank's shard (its K/V tiles
     travel so), ``queries(rank)`` the query tiles it works on (``home`` unless balanced),
     ``masks`` every pair's visibility. ``balanced``: None where balancing does not apply.
-    ``geometry``: the ring, rows and options it was made for. ``key``: its site and the
-    content of its program's inputs (``plan_for``), None where it reads no tensor's values.
-    ``transport``: ``RING``, K/V tiles travel round the ring; ``ALL_TO_ALL`` (or
-    ``"all-to-all:u"``, the hybrid), an all-to-all inside groups of u ranks gives each rank
+    ``geometry``: the calls it was made for. ``key``: its site and the content of its
+    program's inputs (``plan_for``), None where it reads no tensor's values. ``transport``:
+    under an all-to-all onto heads (``Transport``: Ulysses or the hybrid), each rank holds
     every row of its group's shards for its share of the heads, and the plan is that of the
-    ring of the groups (one rank's over the whole sequence where u is the ring). ``calls``
+    ring of the groups (one rank's over the whole sequence under Ulysses). ``calls``
     and ``tile_pairs``: the ring calls (forward and backward) that ran on it, balanced or
     not, and the tile pairs they saw."""
 
     def __init__(self, home: Tiling | None, queries: Tiling | None, masks: TileMasks | None,
-                 balanced: bool | None, geometry: tuple, transport: str = RING,
-                 key: tuple | None = None) -> None:  # fmt: skip
+                 balanced: bool | None, geometry: CallGeometry | None,
+                 transport: Transport | None = None, key: tuple | None = None) -> None:  # fmt: skip
         self.home, self.queries, self.masks = home, queries, masks
         self.key = key
-        self.balanced, self.geometry, self.transport = balanced, geometry, transport
+        self.balanced, self.geometry = balanced, geometry
+        self.transport = transport or Transport(geometry.ring_size if geometry else 1)
         self.calls: Counter = Counter()
         self.tile_pairs: Counter = Counter()  # by the value of each pair's ``Visibility``
 
     @classmethod
-    def unbuilt(cls, geometry: tuple = ()) -> RingPlan:
+    def unbuilt(cls, geometry: CallGeometry | None = None) -> RingPlan:
         """The value a fake kernel gives: a plan's place in a traced graph, with no content."""
         return cls(None, None, None, None, geometry)
 
@@ -109,8 +129,8 @@ class RingPlan(OpaqueBase):
         masks = self.masks
         if masks is None:
             return StepLayout(dtype)
-        rank = ring_by_name(self.geometry[0]).rank
-        if masks.mask is not None or self.transport != RING:
+        rank = ring_by_name(self.geometry.ring).rank
+        if masks.mask is not None or not self.transport.is_ring:
             capacity = Capacity(0, 0)
         key = (rank, dtype, varlen, capacity)
         if key not in masks.layouts:  # host answers shared by every plan of the content
@@ -176,7 +196,7 @@ class RingPlan(OpaqueBase):
             "K/V rows sent": sent,
             "balanced": self.balanced,
             "ring": size,
-            "transport": self.transport,
+            "transport": str(self.transport),
         }
 
     def __repr__(self) -> str:
@@ -197,23 +217,24 @@ PLAN_TYPE = get_opaque_type_name(RingPlan)  # its name in an op's schema
 
 
 def plan_for(
-    ring: Ring, rows: int, attn_mask, is_causal: bool, layout: str, key_len: int,
-    program: str, inputs: list[torch.Tensor], per_chunk: int, balance: bool,
-    device_type: str = "cpu", transport: str = RING,
+    ring: Ring, geometry: CallGeometry, attn_mask, program: str, inputs: list[torch.Tensor],
+    transport: Transport | None = None,
 ) -> RingPlan:  # fmt: skip
-    """A new plan of a call on ``device_type`` (its tile size, ``tiles.tiles_per_chunk``)."""
-    geometry = (ring.name, ring.size, rows, is_causal, layout, key_len, per_chunk, balance)
-    geometry += (device_type,)
-    transport = RING if heads_group(transport, ring.size) == 1 else transport
+    """A new plan of calls of ``geometry`` on ``ring`` (their tile size: the device's,
+    ``tiles.tiles_per_chunk``), K/V reaching their queries by ``transport`` (the ring's)."""
+    transport = transport or Transport(ring.size)
+    if transport.size != ring.size:
+        raise ValueError(f"a transport over {transport.size} ranks for a ring of {ring.size}")
     if attn_mask is not None:  # a mask tensor: its tiles are the call's own
         home = _home(ring, geometry, attn_mask, program)
-        masks = TileMasks(home, ring.size, attn_mask, is_causal, key_len, "", [])
+        args = (attn_mask, geometry.is_causal, geometry.key_len, "", [])
+        masks = TileMasks(home, ring.size, *args)
         return RingPlan(home, home, masks, None, geometry)
     # the plan keeps copies of its own: the plan op's inputs are host tensors already, but
     # Inductor may reuse their buffers once the op has run
     host = host_copy(inputs)
     # what the device's tiles and calls are (tests switch an accelerator's on for CPU tensors)
-    site = key = (geometry, tiles.on_accelerator(device_type), transport, program)
+    site = key = (geometry, tiles.on_accelerator(geometry.device_type), transport, program)
     if host:  # decided from the inputs' values, which a recorded graph's replay must have
         key = _content_key(site, host)
         check_captured(site, key)
@@ -222,33 +243,31 @@ def plan_for(
     return RingPlan(*_layouts.get(key), geometry, transport, key=(site, key) if host else None)
 
 
-def _decided(ring: Ring, geometry: tuple, program: str, host, transport: str) -> tuple:
+def _decided(ring: Ring, g: CallGeometry, program: str, host, transport: Transport) -> tuple:
     """``(home, queries, masks, balanced)``: what a plan decides on the host."""
-    if transport != RING:
-        return _over_heads(ring, geometry, program, host, heads_group(transport, ring.size))
-    _, _, _, is_causal, _, key_len, _, balance, device_type = geometry
-    home = _program_home(ring, geometry, program, host)
-    varlen = tiles.on_accelerator(device_type)  # FA2 varlen calls for open pairs (GPU tiles)
-    masks = TileMasks(home, ring.size, None, is_causal, key_len, program, host, varlen)
-    if not (program and balance and ring.size > 1):
+    if not transport.is_ring:
+        return _over_heads(ring, g, program, host, transport.heads_group)
+    home = _program_home(ring, g, program, host)
+    varlen = tiles.on_accelerator(g.device_type)  # FA2 varlen calls for open pairs (GPU tiles)
+    masks = TileMasks(home, ring.size, None, g.is_causal, g.key_len, program, host, varlen)
+    if not (program and g.balance and ring.size > 1):
         return home, home, masks, None
-    queries = balanced_tiling(masks, min_gain_area(device_type))
+    queries = balanced_tiling(masks, min_gain_area(g.device_type))
     if queries is None:
         return home, home, masks, False
     return home, queries, masks.working_on(queries), True
 
 
-def _over_heads(ring: Ring, geometry: tuple, program: str, host, u: int) -> tuple:
+def _over_heads(ring: Ring, g: CallGeometry, program: str, host, u: int) -> tuple:
     """What a call decides whose all-to-all spans groups of ``u`` ranks: the plan of a ring of
     the P / u groups (one rank's, over every row, where u = P), group j holding every row of
     its ranks' shards side by side, in rank order, as the all-to-all lays them."""
-    _, _, rows, is_causal, _, key_len, _, _, device_type = geometry
     if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
         raise ValueError(
             "the all-to-all transport splits the heads, and this mask program differs per "
             "head (a learned per-head bias); use the ring for this attention"
         )
-    home = _program_home(ring, geometry, program, host)
+    home, rows = _program_home(ring, g, program, host), g.rows
 
     @functools.cache
     def group_rows(j: int) -> list[Tile]:
@@ -258,29 +277,31 @@ def _over_heads(ring: Ring, geometry: tuple, program: str, host, u: int) -> tupl
             for t in home(j * u + m)
         ]
 
-    varlen = tiles.on_accelerator(device_type)
+    varlen = tiles.on_accelerator(g.device_type)
     groups = ring.size // u
-    masks = TileMasks(group_rows, groups, None, is_causal, key_len, program, host, varlen)
+    masks = TileMasks(group_rows, groups, None, g.is_causal, g.key_len, program, host, varlen)
     return group_rows, group_rows, masks, None
 
 
-def _program_home(ring: Ring, geometry: tuple, program: str, host) -> Tiling:
+def _program_home(ring: Ring, g: CallGeometry, program: str, host) -> Tiling:
     """Every rank's tiles under ``program`` (finer where it leaves each query a short span of
     keys, unless the call forced a tiling), or with no program."""
-    _, _, rows, _, layout, _, per_chunk, _, device_type = geometry
-    if program and not per_chunk:
-        per_chunk = program_tiles_per_chunk(program, host, rows, ring.size, layout, device_type)
-    return _home(ring, (*geometry[:6], per_chunk, *geometry[7:]), None, program)
+    if program and not g.tiles_per_chunk:
+        per_chunk = program_tiles_per_chunk(
+            program, host, g.rows, ring.size, g.layout, g.device_type
+        )
+        g = dataclasses.replace(g, tiles_per_chunk=per_chunk)
+    return _home(ring, g, None, program)
 
 
-def _home(ring: Ring, geometry: tuple, attn_mask, program: str) -> Tiling:
-    _, _, rows, is_causal, layout, key_len, per_chunk, _, device_type = geometry
+def _home(ring: Ring, g: CallGeometry, attn_mask, program: str) -> Tiling:
     masked = attn_mask is not None or bool(program)
-    positional = needs_positions(masked, is_causal, key_len, rows * ring.size)
+    positional = needs_positions(masked, g.is_causal, g.key_len, g.rows * ring.size)
+    args = (ring.size, g.rows, g.layout, positional, g.tiles_per_chunk, g.device_type)
 
     @functools.cache  # asked at every step of every call: the same tiles each time
     def home(rank: int):
-        return shard_tiles(rank, ring.size, rows, layout, positional, per_chunk, device_type)
+        return shard_tiles(rank, *args)
 
     return home
 
@@ -318,7 +339,14 @@ def _content_key(key: tuple, host: list[torch.Tensor]) -> int:
 
 # Its inputs' values decide: Inductor runs it outside any CUDA graph (``captures.py``).
 @torch.library.custom_op(
-    "ringify::attention_plan", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+    "ringify::attention_plan",
+    mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,),
+    schema=(  # written out: an optional opaque argument is beyond ``infer_schema``
+        "(str mask_program, Tensor[] mask_inputs, SymInt rows, bool is_causal, str group_name, "
+        "str layout, SymInt key_len, int tiles_per_chunk=0, bool balance=True, "
+        f"{TRANSPORT_TYPE}? transport=None, str device_type='') -> {PLAN_TYPE}"
+    ),
 )
 def attention_plan(
     mask_program: str,
@@ -330,17 +358,20 @@ def attention_plan(
     key_len: int,
     tiles_per_chunk: int = 0,
     balance: bool = True,
-    transport: str = RING,
+    transport: Transport | None = None,
     device_type: str = "",
 ) -> RingPlan:
     """The plan of every ring call under this program with these inputs (for a call with no
     program, of every call of this geometry); the ring ops take it as their ``plan``. The
-    graph gives it ``mask_inputs`` on the host (``host_inputs.py``) and names the
+    graph gives it ``mask_inputs`` on the host (``captures.py``) and names the
     ``device_type`` its ring calls run on."""
     ring = ring_by_name(group_name)
-    args = (None, is_causal, layout, key_len, mask_program, mask_inputs, tiles_per_chunk, balance)
     device_type = device_type or _device_type(ring, mask_inputs)
-    return plan_for(ring, rows, *args, device_type=device_type, transport=transport)
+    geometry = CallGeometry(
+        group_name, ring.size, rows, is_causal, layout, key_len, tiles_per_chunk, balance,
+        device_type,
+    )  # fmt: skip
+    return plan_for(ring, geometry, None, mask_program, mask_inputs, transport)
 
 
 def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
@@ -355,4 +386,5 @@ def _device_type(ring: Ring, inputs: list[torch.Tensor]) -> str:
 
 @attention_plan.register_fake
 def _(mask_program, mask_inputs, rows, is_causal, group_name, layout, key_len, *options):
-    return RingPlan.unbuilt((group_name, rows, is_causal, layout, key_len))
+    size = ring_by_name(group_name).size
+    return RingPlan.unbuilt(CallGeometry(group_name, size, rows, is_causal, layout, key_len))

@@ -19,6 +19,8 @@ Per tile pair the op first *bounds* the program (interval arithmetic over the
 inputs' per-tile minima and maxima, for all pairs at once): a pair surely all masked
 is skipped and one surely all visible runs with no mask, without evaluating
 anything of S x S size. Only the rest is evaluated, at the size of one tile pair.
+
+An SDPA ``attn_mask`` as the float bias the block kernels add to the scores.
 """
 
 from __future__ import annotations
@@ -210,3 +212,17 @@ def _(text, inputs, shape, device):
 
 
 program_mask = program_mask_op._opoverload
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An SDPA ``attn_mask`` (bool: True attends; float: added to the scores) as a float bias;
+    on an accelerator with rows 16-byte aligned, as the efficient kernel takes it as it is
+    (``_cuda_bias``: a bias made once is then never copied again)."""
+    if mask.device.type == "cpu":
+        bias = mask.to(dtype)
+    else:
+        t = mask.shape[-1]
+        padded = torch.empty(*mask.shape[:-1], t + (-t % 8), dtype=dtype, device=mask.device)
+        bias = padded[..., :t].copy_(mask)
+    # log(1) = 0 and log(0) = -inf, exactly (IEEE)
+    return bias.log_() if mask.dtype == torch.bool else bias

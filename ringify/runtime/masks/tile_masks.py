@@ -10,7 +10,7 @@ From the same answers, without evaluating anything, ``last_steps`` says how far
 round the ring each rank's key tiles are needed: beyond that step they are not sent
 (a sliding window's keys go one rank on, not round the whole ring).
 
-All of it is decided on the host, once per plan; ``call_masks.CallMasks`` binds the
+All of it is decided on the host, once per plan; ``step_layout.CallMasks`` binds the
 answers to one call on its device.
 """
 
@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-from ringify.runtime.masks.additive import additive_mask
 from ringify.runtime.masks.calls import (
     Block,
     as_varlen,
@@ -32,7 +31,7 @@ from ringify.runtime.masks.calls import (
 )
 from ringify.runtime.masks.open_blocks import OpenPair, open_pair
 from ringify.runtime.masks.pair_bounds import settled_pairs
-from ringify.runtime.masks.program import parse
+from ringify.runtime.masks.program import additive_mask, parse
 from ringify.runtime.masks.varlen import VarlenCall
 from ringify.runtime.tiling.tiles import Tile, Visibility, all_tiles, sub_ring_tiles, visibility
 
@@ -57,7 +56,7 @@ class TileMasks:
     host copies of its inputs (``masks/plan.py`` makes them once per model call), so
     that nothing here reads a device tensor or mixes one with a host tensor. The blocks
     that need their mask evaluate it from the inputs of the call they run in, on its
-    device (``call_masks.CallMasks``): device work, no host read."""
+    device (``step_layout.CallMasks``): device work, no host read."""
 
     def __init__(
         self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, varlen=False
