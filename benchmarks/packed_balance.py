@@ -39,7 +39,7 @@ from ringify.runtime.masks.balance import (
     tile_costs,
     tile_owners,
 )
-from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
+from ringify.runtime.masks.bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.tiles import Visibility, all_tiles, shard_tiles, sub_ring_tiles

@@ -9,7 +9,7 @@ sequence dims differ), ``lift_lengths`` traces it once for all lengths:
    model's graph is one graph for every length: the dims must stay symbolic, and every
    size must be affine in the length (a ``Min`` from a fixed-size slice, say, is not).
    Its range constraints are the lengths the graph holds for.
-2. The pass runs at four lengths with its padding steps always in (``general``), and the
+2. The pass runs at four lengths with its padding steps always in (``MANY_LENGTHS``), and the
    four graphs must match node for node. Every integer that differs is an affine function
    of the length L and the padded length Lp, fitted exactly on three and checked on the
    fourth; any other difference (a float, a string) refuses.
@@ -43,6 +43,7 @@ from ringify.passes.length_integers import (
     padded,
     read_at_run_time,
 )
+from ringify.passes.pipeline import MANY_LENGTHS
 from ringify.runtime.collectives.layout import split_multiple
 from ringify.tensor_parallel import local_for_trace, tp_layers
 from ringify.trace import Rewritten, rewrite
@@ -120,7 +121,7 @@ def lift_lengths(
     for n in probes:
         shapes = {i: _resized(flat[i].shape, d, n) for i, d in dims} if n != length else {}
         try:
-            done.append(rewrite(model, config, args, kwargs, shapes, general=True))
+            done.append(rewrite(model, config, args, kwargs, shapes, MANY_LENGTHS))
         except Exception as e:  # e.g. a length the model's position table cannot hold
             raise NotLiftable(f"the pass at length {n} failed ({type(e).__name__})") from e
     for r in done:

@@ -6,7 +6,7 @@ module as the root) is kept. Its units' parameters are sharded DTensors between 
 while ringify traces (``unsharded_for_trace``), each unit's sharded parameters are seen
 as fake tensors of their full shape and FSDP's own forward hooks are set aside (the
 model's other hooks run); both are restored after. After the pass, each unit's span of
-the rewritten graph runs inside that unit's FSDP forward hooks (``passes/fsdp_units.py``).
+the rewritten graph runs inside that unit's FSDP forward hooks (``passes/regions.py``).
 
 FSDP mixed precision is kept (parameters all-gathered in ``param_dtype``, the blocks'
 inputs cast as FSDP casts them, gradients reduced in ``reduce_dtype``). Refused, naming

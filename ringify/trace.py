@@ -31,7 +31,14 @@ from ringify.observers import Observed, Observers
 from ringify.parallelized import fsdp_units, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.graph.report import Report
-from ringify.passes.pipeline import folded, named_state, runnable, sharded
+from ringify.passes.pipeline import (
+    ONE_LENGTH,
+    Composition,
+    folded,
+    named_state,
+    runnable,
+    sharded,
+)
 from ringify.passes.sharding.plan import sharded_input_dims
 from ringify.passes.tensor_parallel import reported_collectives
 from ringify.tensor_parallel import (
@@ -122,11 +129,11 @@ def trace(model: nn.Module, config: Config, args, kwargs, outer: nn.Module | Non
 
 
 def rewrite(
-    model: nn.Module, config: Config, args, kwargs, shapes: dict | None = None, general=False
-) -> Rewritten:
-    """Export and rewrite: the inputs at ``shapes`` (flat index -> shape) where given, and
-    with ``general`` the padding steps inserted even where the length needs none (the
-    graphs that ``lengths.py`` compares across lengths)."""
+    model: nn.Module, config: Config, args, kwargs, shapes: dict | None = None,
+    composition: Composition = ONE_LENGTH,
+) -> Rewritten:  # fmt: skip
+    """Export and rewrite on ``composition``'s way through the pass (``pipeline.py``): the
+    inputs at ``shapes`` (flat index -> shape) where given."""
     units, layers = fsdp_units(model), tp_layers(model)
     ring = config.ring()
     check_beside(layers, ring.group)
@@ -139,7 +146,7 @@ def rewrite(
         exported, checkpoints, observers = _export(model, units, layers, spec, flat, scaled)
     else:
         exported, checkpoints, observers = _export(model, units, layers, spec, flat, shapes or {})
-    gm = folded(exported, layers)
+    gm = folded(exported, composition, layers)
     if observers.calls:
         log.info(
             "ringify: hooks that observe, run after each call on this rank's shard: %s",
@@ -147,7 +154,7 @@ def rewrite(
         )
     _refuse_backward_hooks(model)
     observed = len(observers.tensors)  # the graph's last outputs: left on this rank's shard
-    plan, before, report = sharded(gm, config, dims or None, gathered, general, observed)
+    plan, before, report = sharded(gm, config, composition, dims or None, gathered, observed)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # inputs the model does not read (HF's labels beside shift_labels) need not agree
     unread = {i for i, n in enumerate(placeholders) if not n.users}
@@ -212,14 +219,15 @@ def _sharded_inputs(
     cut to the local length: an integer or bool input whose dim is ring-size times the
     same dim of another input of as many dims. Inputs passed full stay full."""
     try:
-        structure = folded(_export(model, units, layers, spec, flat, {})[0], layers)
+        structure = folded(_export(model, units, layers, spec, flat, {})[0], ONE_LENGTH, layers)
         full = {}
     except RuntimeError as error:
         full = _passed_full(flat, config.ring_size)
         if not full:
             raise
         try:
-            structure = folded(_export(model, units, layers, spec, flat, full)[0], layers)
+            exported = _export(model, units, layers, spec, flat, full)[0]
+            structure = folded(exported, ONE_LENGTH, layers)
         except RuntimeError:
             raise error from None
     dims, gathered = sharded_input_dims(structure, config)

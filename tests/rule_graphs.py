@@ -31,9 +31,9 @@ class _Fn(torch.nn.Module):
 
 
 def trace(fn, *inputs) -> fx.Graph:
-    graph = torch.export.export(_Fn(fn), inputs, strict=False).module().graph
-    fold_shifts(graph)  # as ringify's trace does
-    return graph
+    gm = torch.export.export(_Fn(fn), inputs, strict=False).module()
+    fold_shifts(gm)  # as ringify's trace does
+    return gm.graph
 
 
 def node_of(graph: fx.Graph, target) -> fx.Node:

@@ -61,7 +61,7 @@ VARLEN = {
 
 
 class VarlenCalls(TorchDispatchMode):
-    """Every FA2 varlen call (``masks/varlen.py``): (direction, its arguments by name)."""
+    """Every FA2 varlen call (``masks/calls.py``): (direction, its arguments by name)."""
 
     def __init__(self):
         super().__init__()

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from ringify.passes.graph.report import AttentionRun, MaskKind
-from ringify.testing.graphs import quadratic_nodes
-from ringify.testing.runs import ringified_run
+from ringify.testing.runs import quadratic_nodes, ringified_run
 
 TOL = 1e-10
 

@@ -47,7 +47,7 @@ class ThroughAPermute(torch.nn.Module):
 def rewritten(module: torch.nn.Module, x: torch.Tensor):
     program = torch.export.export(module, (x,), strict=False)
     gm = program.module()
-    writes = functionalize_writes(gm.graph)
+    writes = functionalize_writes(gm)
     gm.graph.lint()
     gm.recompile()
     left = [

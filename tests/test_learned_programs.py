@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from ringify.passes.folds.mask_reader import read_program
 from ringify.runtime import shard
 from ringify.runtime.attention.spec import AttentionSpec
-from ringify.runtime.masks.grads import DIFFERENTIABLE
-from ringify.runtime.masks.program import MaskProgram
+from ringify.runtime.masks.program import DIFFERENTIABLE, MaskProgram
 
 HEADS, BUCKETS = 2, 5
 _CAUSAL = [

@@ -28,7 +28,7 @@ def hf_case(model_name, case, world, compiled=False, window=0):
 
     from ringify import ringify
     from ringify.testing import hf_models
-    from ringify.testing.graphs import quadratic_nodes
+    from ringify.testing.runs import quadratic_nodes
 
     torch.manual_seed(0)
     seq = S * world

@@ -376,7 +376,7 @@ def ring_shift_matches_shifted(layout):
     gradients, shifts both ways, scalar and start-token fills, a padded sequence."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.shift import ring_shift, shifted
+    from ringify.runtime.collectives.along import ring_shift, shifted
 
     name = dist.group.WORLD.group_name
     world = dist.get_world_size()

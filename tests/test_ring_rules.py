@@ -12,9 +12,8 @@ from rule_graphs import S, check_inferred, node_of, targets_after, x3
 
 from ringify.passes.graph.placement import Seq
 from ringify.passes.graph.report import GatherReason
+from ringify.runtime.collectives.along import ring_cumsum, ring_shift, shifted
 from ringify.runtime.collectives.reduce import copy_to_ring, reduce_from_ring, ring_amax
-from ringify.runtime.collectives.scan import ring_cumsum
-from ringify.runtime.collectives.shift import ring_shift, shifted
 
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify

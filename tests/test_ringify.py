@@ -7,7 +7,6 @@ import torch
 
 from ringify import ringify
 from ringify.passes.graph.report import GatherReason, MaskKind
-from ringify.testing.graphs import quadratic_nodes
 from ringify.testing.hf_models import falcon, gpt2, llama, t5
 from ringify.testing.models import (
     BiasedAttention,
@@ -15,6 +14,7 @@ from ringify.testing.models import (
     RunningModel,
     transformer_encoder,
 )
+from ringify.testing.runs import quadratic_nodes
 
 
 def _build(name: str, dtype, seq: int = 0):

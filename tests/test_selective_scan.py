@@ -17,8 +17,7 @@ from torch import nn
 
 from ringify.passes.folds.scans import fold_selective_scans
 from ringify.runtime import shard
-from ringify.runtime.scan_kernel import selective_scan_op
-from ringify.runtime.selective_scan import selective_scan
+from ringify.runtime.selective_scan import selective_scan, selective_scan_op
 
 F64 = torch.float64
 
@@ -141,9 +140,10 @@ class _Mixer(nn.Module):
 @pytest.mark.parametrize("keep_last", [False, True])
 def test_the_unrolled_loop_folds_into_one_node(keep_last):
     a, b, c, _ = inputs(6)
-    graph = torch.export.export(_Mixer(keep_last), (a, b, c), strict=False).module().graph
+    gm = torch.export.export(_Mixer(keep_last), (a, b, c), strict=False).module()
+    graph = gm.graph
     steps = sum(n.target is torch.ops.aten.select.int for n in graph.nodes)
-    assert fold_selective_scans(graph) == (0 if keep_last else 1)
+    assert fold_selective_scans(gm) == (0 if keep_last else 1)
     scans = [n for n in graph.nodes if n.target is selective_scan]
     assert len(scans) == (0 if keep_last else 1)
     left = sum(n.target is torch.ops.aten.select.int for n in graph.nodes)

@@ -83,7 +83,7 @@ def _compare(model, inputs, world):
 
 
 def masked(kind, world):
-    from ringify.testing.graphs import quadratic_nodes
+    from ringify.testing.runs import quadratic_nodes
 
     torch.manual_seed(0)
     model = MaskedAttention(kind).double()

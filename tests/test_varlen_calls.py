@@ -1,4 +1,4 @@
-"""Open tile pairs as FlashAttention-2 varlen calls (``ringify/runtime/masks/varlen.py``).
+"""Open tile pairs as FlashAttention-2 varlen calls (``ringify/runtime/masks/calls.py``).
 
 FA2 runs only on a GPU, so its documented semantics stand in for it here, written out
 independently of the code under test (``fa2_visible``): sequences side by side by
@@ -22,7 +22,7 @@ from test_flash_contracts import VarlenCalls
 from ringify.runtime import shard
 from ringify.runtime.attention.blocks import math_backward, math_forward
 from ringify.runtime.attention.spec import AttentionSpec
-from ringify.runtime.masks.varlen import RowSpans, Varlen
+from ringify.runtime.masks.calls import RowSpans, Varlen
 from ringify.testing.tolerance import EXACT, relative_difference
 
 N = 40
@@ -101,8 +101,7 @@ def test_rows_that_see_more_than_one_run_of_keys_make_no_calls(mask):
 def test_a_causal_call_with_its_padding_keys_cut_off_is_one_sequence_where_fa2_can(s, t):
     """Top-left causal on s rows and t < s keys is FA2's window (-1, s - t), unless that side
     is as wide as the keys (FA2 reads it as no bound): then it stays squared in two calls."""
-    from ringify.runtime.masks.calls import Block, as_varlen
-    from ringify.runtime.masks.varlen import sequences_call
+    from ringify.runtime.masks.calls import Block, as_varlen, sequences_call
     from ringify.runtime.tiling.tiles import Visibility
 
     got = as_varlen(Block(0, slice(0, s), slice(0, t), Visibility.DIAGONAL, None, None))
@@ -346,7 +345,7 @@ def test_the_varlen_wrappers_take_a_models_layout_as_fa2_does():
     (the accumulator then takes a whole result as it is: no copy)."""
     from ringify.runtime.attention import flash
     from ringify.runtime.attention.protocol import is_in_dim_order_of
-    from ringify.runtime.masks.varlen import sequences_call
+    from ringify.runtime.masks.calls import sequences_call
     from ringify.runtime.tiling.tiles import sequence_rows
     from ringify.testing.attention import model_layout
 

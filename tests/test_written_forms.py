@@ -45,7 +45,7 @@ def _model(case: str):
 def compare(case: str):
     import torch.distributed as dist
 
-    from ringify.testing.graphs import quadratic_nodes
+    from ringify.testing.runs import quadratic_nodes
 
     model = _model(case)
     seq = 20 * dist.get_world_size()  # no dim of the models is this long

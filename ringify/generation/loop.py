@@ -4,7 +4,7 @@ The prompt is prefilled by the ringified model (``outputs="sharded"``): each ran
 its part of every layer's K/V, never the whole cache. Each new token then runs the
 decode step (``generation/step.py``, traced once) on every rank: its query, key and
 value replicated (one row), attention over each rank's part merged by log-sum-exp, and
-its K/V stored on one rank (``generation/cache.py``).
+its K/V stored on one rank (``generation/step.py``).
 
 It follows HF ``GenerationMixin.generate`` for what it supports: ``max_new_tokens`` /
 ``max_length``, greedy or ``do_sample`` with ``temperature``, ``top_k``, ``top_p`` and
@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringify.caches import cache_field, cache_keyword, cache_of
-from ringify.generation.cache import ShardedCache
-from ringify.generation.step import DecodeStep
+from ringify.generation.step import DecodeStep, ShardedCache
 from ringify.passes.decode import SUPPORTED
 from ringify.runtime.collectives.layout import shard_for_rank, split_multiple
 from ringify.runtime.collectives.ring import Ring

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from ringify.passes.regions import module_span, outline
-from ringify.runtime.checkpointed import Checkpointed
+from ringify.runtime.regions import Checkpointed
 
 _CHECKPOINT = inspect.unwrap(checkpoint).__code__
 

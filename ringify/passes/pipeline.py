@@ -1,19 +1,24 @@
 """The pass, in order: what happens to an exported graph before one rank of the ring runs it.
 
 1. ``folded``: each form attention, masks, shifts, convolutions and a loss are written in
-   becomes the canonical op the rules read (the folds, docs/design.md section 3.1), and
-   each tensor-parallel layer gets its collectives;
+   becomes the canonical op the rules read: ``FOLDS``, one tuple of one signature (a fold
+   takes the graph module, rewrites it in place and says how many sites it folded; docs/
+   design.md section 3.1), then each tensor-parallel layer gets its collectives;
 2. ``sharded``: where the sequence is (the plan), then every node rewritten for one rank
    (rules, crossings, attention on its transport), with what was done (the report);
 3. ``runnable``: the graph's values recorded, the model's state lifted to inputs, and the
    checkpointed spans and FSDP2 units kept.
 
-``trace.py`` exports the model and calls these three in turn; ``lengths.py`` runs the first
-two at several lengths before the third; a decode step (``generation/step.py``) folds and
-then rewrites its own way.
+A ``Composition`` names a way through them, and is what a caller picks: ``ONE_LENGTH``
+(``trace.py``: a call's graph), ``MANY_LENGTHS`` (``lengths.py``: the graphs at several
+lengths whose integers are fitted, then one made runnable) and ``DECODE_STEP``
+(``generation/step.py``: folded, then the decode step's own rewrite, ``passes/decode.py``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -35,10 +40,10 @@ from ringify.passes.folds.loss_shift import fold_sliced_loss
 from ringify.passes.folds.mask_programs import fold_mask_programs
 from ringify.passes.folds.scans import fold_selective_scans
 from ringify.passes.folds.shifts import fold_shifts
-from ringify.passes.folds.synonyms import fold_synonyms
-from ringify.passes.fsdp_units import keep_fsdp_units
+from ringify.passes.folds.spellings import fold_synonyms
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.report import Report
+from ringify.passes.regions import keep_fsdp_units
 from ringify.passes.sharding.plan import Plan, plan_sequence
 from ringify.passes.sharding.shard_sequence import shard_sequence
 from ringify.passes.tensor_parallel import place_tp_collectives
@@ -46,30 +51,55 @@ from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring
 from ringify.tensor_parallel import TpLayer
 
+Fold = Callable[[fx.GraphModule], int]
+
+# In order; where an order matters, the line says why.
+FOLDS: tuple[Fold, ...] = (
+    inline_autocast_regions,  # first: the other folds read the regions' ops as the graph's
+    fold_flex_attention,  # before functionalize_writes: its BlockMask is built by vmapped writes
+    functionalize_writes,
+    fold_synonyms,  # before the folds that read cat, expand and views in one spelling
+    fold_identity_indexing,  # before fold_mask_programs: a mask reads the view as an O(S) input
+    fold_shifts,
+    fold_sliced_loss,
+    fold_sequence_convs,
+    fold_selective_scans,
+    fold_handwritten_attention,
+    fold_repeated_kv,  # after fold_handwritten_attention: it reads the SDPA that one makes
+    fold_joint_sequences,  # after every attention is SDPA: it splits SDPA over joint keys
+    fold_mask_programs,  # last: it reads the mask of every attention the folds above left
+)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A way through the pass: the folds it runs, in order, and ``general``: the padding
+    steps go in whatever the length (a graph whose integers ``lengths.py`` fits)."""
+
+    folds: tuple[Fold, ...]
+    general: bool = False
+
+
+# a decode step reads its cache through cats of empty constants, which the others drop
+ONE_LENGTH = Composition((*FOLDS, drop_empty_concatenated))
+MANY_LENGTHS = Composition((*FOLDS, drop_empty_concatenated), general=True)
+DECODE_STEP = Composition(FOLDS)
+
 
 def folded(
-    exported: torch.export.ExportedProgram, layers: dict[str, TpLayer] | None = None
+    exported: torch.export.ExportedProgram,
+    composition: Composition = ONE_LENGTH,
+    layers: dict[str, TpLayer] | None = None,
 ) -> fx.GraphModule:
-    """1. The exported graph with every form the rules read folded in (docs/design.md, 3.1),
-    and tensor parallelism's collectives around its TP ``layers``."""
+    """1. The exported graph with ``composition``'s folds run (docs/design.md, 3.1), and
+    tensor parallelism's collectives around its TP ``layers``."""
     gm = exported.module()
     # export's input-shape guards check global shapes; the signature key already pins them.
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)
     _check_no_attention_without_grad(gm)
-    inline_autocast_regions(gm)
-    fold_flex_attention(gm)  # (first: the BlockMask it drops is built by vmapped writes)
-    functionalize_writes(gm.graph)
-    fold_synonyms(gm.graph)
-    fold_identity_indexing(gm.graph)
-    fold_shifts(gm.graph)
-    fold_sliced_loss(gm.graph)
-    fold_sequence_convs(gm.graph)
-    fold_selective_scans(gm.graph)
-    fold_handwritten_attention(gm.graph)
-    fold_repeated_kv(gm.graph)
-    fold_joint_sequences(gm)
-    fold_mask_programs(gm.graph, find_attention(gm.graph))
+    for fold in composition.folds:
+        fold(gm)
     place_tp_collectives(gm, layers or {})
     return gm
 
@@ -92,17 +122,15 @@ def _check_no_attention_without_grad(gm: fx.GraphModule) -> None:
 def sharded(
     gm: fx.GraphModule,
     config: Config,
+    composition: Composition,
     dims: dict | None,
     gathered: dict,
-    general: bool,
     local_outputs: int = 0,
 ) -> tuple[Plan, str, Report]:
     """2. ``gm`` rewritten in place for one rank: its plan, its code before, the report.
-    ``dims``/``gathered``: the inputs passed sharded (``inputs="sharded"``); ``general``:
-    the padding steps in whatever the length (the graphs ``lengths.py`` compares);
+    ``dims``/``gathered``: the inputs passed sharded (``inputs="sharded"``);
     ``local_outputs``: the graph's last outputs that stay on this rank's shard."""
-    drop_empty_concatenated(gm)  # (a decode step reads its cache through those cats)
-    plan = plan_sequence(gm, config, dims, gathered, general=general)
+    plan = plan_sequence(gm, config, dims, gathered, general=composition.general)
     before = gm.code
     report = shard_sequence(
         gm.graph,

@@ -22,11 +22,12 @@ _PASSED_ON = {aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.de
               aten.alias.default, aten.clone.default}  # fmt: skip
 
 
-def drop_empty_concatenated(gm: fx.GraphModule) -> None:
+def drop_empty_concatenated(gm: fx.GraphModule) -> int:
     """Leave out of every ``cat`` the 1-D empty tensor constants of its output's dtype, where
     its other tensors have that dtype too (a start that promotes them stays); erase what
-    only they used.
-    Every node it inserts carries the ``meta`` of the cat it replaces."""
+    only they used; how many cats. Every node it inserts carries the ``meta`` of the cat it
+    replaces."""
+    folded = 0
     for node in [n for n in gm.graph.nodes if n.target is aten.cat.default]:
         tensors = node.args[0]
         dtype = node.meta["val"].dtype if "val" in node.meta else None
@@ -46,6 +47,8 @@ def drop_empty_concatenated(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         for source in dropped:
             _erase_unused(gm.graph, source)
+        folded += 1
+    return folded
 
 
 def _dtype(node) -> torch.dtype | None:

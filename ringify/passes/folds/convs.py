@@ -1,11 +1,11 @@
-"""Convolutions along the sequence, folded into one node; and their sharding rule.
+"""Convolutions along the sequence, folded into one node (its rule: ``sharding/along.py``).
 
 A model convolves along its sequence keeping its length: a stride-1 ``conv1d`` padded
 by ``(kernel - 1) / 2`` on each side, or padded more and its output cut back to the
 sequence's length: by ``kernel / 2`` with the last position cut off (Wav2Vec2's positional
 convolution and its ``SamePad``), by ``kernel - 1`` with the first ``S`` kept (a causal
 convolution: Mamba's, in hybrids such as Bamba and Jamba). ``fold_sequence_convs``
-rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/halo.py``)
+rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/along.py``)
 before the plan reads the graph. Along the sharded sequence it becomes ``ring_conv1d``:
 a halo exchange of kernel-width rows per chunk, not a gather; along the batch, local.
 """
@@ -15,17 +15,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import replace_by_call, shape, slice_bounds
-from ringify.passes.graph.placement import Fallback, Seq, sharded_first
-from ringify.passes.graph.report import GatherReason
-from ringify.runtime.collectives.halo import ring_conv1d, same_conv1d
+from ringify.runtime.collectives.along import same_conv1d
 
 aten = torch.ops.aten
 
 
-def fold_sequence_convs(graph: fx.Graph) -> int:
+def fold_sequence_convs(gm: fx.GraphModule) -> int:
     """Replace every length-keeping stride-1 ``conv1d`` (and its cut) by ``same_conv1d``."""
+    graph = gm.graph
     folded = 0
     for node in list(graph.nodes):
         found = _same_conv(node)
@@ -62,27 +60,3 @@ def _same_conv(node: fx.Node) -> tuple[fx.Node, tuple] | None:
     if step != 1 or end - start != length or not (0 <= left <= pad and 0 <= right <= pad):
         return None
     return cut, (x, weight, bias, left, right, groups)
-
-
-@sharded_first
-def infer_conv(node, place, p: Seq, ndim: int):
-    """Along the sequence: a halo each side; along the batch: local."""
-    x, weight, bias = node.args[:3]
-    if any(place.sharded(w) for w in (weight, bias)):
-        return Fallback(GatherReason.PRODUCT, "(a sharded kernel)")
-    if p.dim == 0:
-        return p
-    geometry = place.geometry
-    if p.dim != ndim - 1 or not geometry.alone(shape(x)[p.dim], p):
-        return Fallback(GatherReason.FEATURE_DIM)
-    return p
-
-
-def rewrite_conv(node: fx.Node, out: Seq, state: PassState) -> None:
-    """Along the sequence: the halo exchange; the kernel used whole on every rank."""
-    state.fit_replicated_inputs(node, None)
-    if out.dim == 0:
-        return
-    geo = state.geo
-    node.target = ring_conv1d
-    node.args = (*node.args, geo.padded, geo.length, state.group_name, geo.layout)

@@ -32,8 +32,9 @@ aten = torch.ops.aten
 _VIEWS = frozenset({aten.slice.Tensor, aten.select.int, aten.alias.default})
 
 
-def functionalize_writes(graph: fx.Graph) -> int:
+def functionalize_writes(gm: fx.GraphModule) -> int:
     """Rewrite the writes described above; how many."""
+    graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
         if not _writes(node) or _vmapped(node):

@@ -27,8 +27,9 @@ aten = torch.ops.aten
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
-def fold_repeated_kv(graph: fx.Graph) -> int:
+def fold_repeated_kv(gm: fx.GraphModule) -> int:
     """Rewrite every SDPA whose K and V are repeated per head as above; how many."""
+    graph = gm.graph
     folded = 0
     for node in graph.nodes:
         if node.target not in (aten.scaled_dot_product_attention.default, reference_attention):

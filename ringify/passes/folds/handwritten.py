@@ -66,14 +66,16 @@ class _NotAttention(Exception):
     """This softmax is not the middle of an attention; the message says why."""
 
 
-def fold_handwritten_attention(graph: fx.Graph) -> list[fx.Node]:
-    """Rewrite every hand-written attention of ``graph`` into SDPA; the new SDPA nodes."""
-    folded = []
+def fold_handwritten_attention(gm: fx.GraphModule) -> int:
+    """Rewrite every hand-written attention of ``gm`` into SDPA; how many."""
+    graph = gm.graph
+    folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _SOFTMAXES:
             continue
         try:
-            folded.append(_fold(graph, node))
+            _fold(graph, node)
+            folded += 1
         except _NotAttention as e:
             node.meta[UNREAD_NOTE] = str(e)
     return folded

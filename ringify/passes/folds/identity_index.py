@@ -28,10 +28,11 @@ _KEEPING = frozenset({
 })  # fmt: skip
 
 
-def fold_identity_indexing(graph: fx.Graph) -> int:
+def fold_identity_indexing(gm: fx.GraphModule) -> int:
     """Replace every ``aten.index`` whose indices are each the whole ``arange`` of the dim
     they index, on increasing dims of their broadcast shape, by ``unsqueeze``s of the
     indexed tensor; how many."""
+    graph = gm.graph
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.index.Tensor:

@@ -22,15 +22,16 @@ from torch import fx
 
 from ringify.passes.graph.losses import LOSSES, MEAN, NONE, loss_arg
 from ringify.passes.graph.nodes import call, evaluate, norm_dim, shape, slice_bounds
-from ringify.runtime.collectives.shift import shifted
+from ringify.runtime.collectives.along import shifted
 
 aten = torch.ops.aten
 _PASSING = frozenset({aten.contiguous.default, aten.clone.default})
 _RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
 
 
-def fold_sliced_loss(graph: fx.Graph) -> int:
+def fold_sliced_loss(gm: fx.GraphModule) -> int:
     """Rewrite every loss of sliced logits and labels as above; how many."""
+    graph = gm.graph
     folded = 0
     for loss in [n for n in graph.nodes if n.op == "call_function" and n.target in LOSSES]:
         if loss_arg(loss, 0, MEAN) == NONE:

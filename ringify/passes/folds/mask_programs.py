@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
+from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
 from ringify.runtime.attention import flash
@@ -36,10 +37,11 @@ aten = torch.ops.aten
 MASK_NOTE = "ringify_mask"  # node.meta key: why an attention's mask is (not) a program
 
 
-def fold_mask_programs(graph: fx.Graph, attentions) -> None:
-    """Replace the mask of every attention in ``attentions`` (read ``Attention`` rows) by a
-    ``program_mask`` node where it is a program; note on each attention node why not."""
-    sizes = _symbolic_sizes(graph)
+def fold_mask_programs(gm: fx.GraphModule) -> int:
+    """Replace the mask of every attention of ``gm`` by a ``program_mask`` node where it is a
+    program; note on each attention node why not; how many."""
+    graph, attentions = gm.graph, find_attention(gm.graph)
+    sizes, count = _symbolic_sizes(graph), 0
     for att in attentions:
         if att.mask is None:
             continue
@@ -58,7 +60,9 @@ def fold_mask_programs(graph: fx.Graph, attentions) -> None:
         folded.meta["val"] = val(att.mask)
         att.node.replace_input_with(att.mask, folded)
         att.node.meta[MASK_NOTE] = _summary(program)
+        count += 1
     _erase_dead(graph)
+    return count
 
 
 def _symbolic_sizes(graph: fx.Graph) -> dict:
@@ -184,11 +188,3 @@ def _whole_inputs(folded: fx.Node, state: PassState) -> tuple[str, list[fx.Node]
             x = state.copy_to_ring(x)
         whole.append(x)
     return text, whole
-
-
-def rewrite_program_mask(node: fx.Node, out, state: PassState) -> None:
-    """A mask program computed whole (its attention is not a ring): its O(S) inputs are
-    gathered."""
-    for a in list(node.all_input_nodes):
-        if state.sharded(a):
-            node.replace_input_with(a, state.gather(a))

@@ -13,8 +13,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, is_tensor, shape, slice_bounds, val
-from ringify.runtime.masks.grads import DIFFERENTIABLE
-from ringify.runtime.masks.program import ELEMENTWISE, MaskProgram
+from ringify.runtime.masks.program import DIFFERENTIABLE, ELEMENTWISE, MaskProgram
 
 aten = torch.ops.aten
 _IDENTITY = frozenset({

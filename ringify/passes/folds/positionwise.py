@@ -5,20 +5,19 @@ a position of that dim reads only that position of its inputs gives the ``cat`` 
 results on the parts: ``distributed`` makes those results, or says ``None`` where the op
 is not such an op (or its inputs are not joint alike), so that the caller puts the value
 back together. The op's own kernel runs on each part, with its shape arguments (a view's
-sizes) made the part's.
+sizes) made the part's; where a joint dim lands is the op table's (``graph/op_dims.py``).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
-from ringify.passes.folds.spellings import CASTS_LIKE
-from ringify.passes.graph.nodes import argument, call, is_tensor, norm_dim, norm_dims, shape
+from ringify.passes.graph.nodes import call, is_tensor, norm_dim, shape
+from ringify.passes.graph.op_dims import CASTS_LIKE, SIZED_VIEWS, SPLITS, result_dim
 
 aten = torch.ops.aten
 
@@ -47,28 +46,6 @@ class Items:
     seeds: frozenset = field(default=frozenset())
 
 
-# ops of one tensor whose result has its input's shape (casts, copies, dropout)
-_SAME = frozenset({
-    aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-    aten.dropout.default, aten.lift_fresh_copy.default, aten.type_as.default,
-})  # fmt: skip
-_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
-# views whose arguments name dims, not sizes: the same arguments for every part
-_DIM_VIEWS = frozenset({aten.flatten.using_ints, aten.unflatten.int})
-_REDUCTIONS = frozenset({
-    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-    aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim, aten.logsumexp.default,
-    aten.any.dim, aten.all.dim,
-})  # fmt: skip
-_ALONG = frozenset({
-    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-    aten.cumsum.default,
-})  # fmt: skip
-_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
-_MULTI = frozenset({aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default})
-
-
 def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
     """``node`` on the parts of its joint inputs: a ``Joint`` (``Items`` for a split), or
     ``None``."""
@@ -92,10 +69,10 @@ def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
     if x not in found or len(found) > 1:
         return None
     d, nd = found[x].dim, len(shape(x))
-    out = _result_dim(node, d, nd)
+    out = result_dim(node, d, nd)
     if out is None:
         return None
-    if target in _MULTI:
+    if target in SPLITS:
         return _items(graph, node, found[x], out, seeds)
     parts = []
     for i, part in enumerate(found[x].parts):
@@ -104,78 +81,14 @@ def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
     return Joint(out, tuple(parts), seeds)
 
 
-def _result_dim(node: fx.Node, d: int, nd: int) -> int | None:
-    """The dim of ``node``'s result where its input's joint dim ``d`` lands, or ``None``."""
-    target, args = node.target, node.args
-    if target in _SAME:
-        return d
-    if target in _VIEWS or target in _DIM_VIEWS:
-        return _view_dim(shape(args[0]), shape(node), d)
-    if target is aten.expand.default:
-        return d + len(args[1]) - nd
-    if target is aten.transpose.int:
-        a, b = norm_dims(args[1:3], nd)
-        return b if d == a else a if d == b else d
-    if target is aten.permute.default:
-        return norm_dims(args[1], nd).index(d)
-    if target is aten.t.default:
-        return 1 - d
-    if target is aten.unsqueeze.default:
-        return d + (norm_dim(args[1], nd + 1) <= d)
-    if target in (aten.squeeze.dim, aten.squeeze.dims):
-        dims = norm_dims(args[1], nd)
-        return None if d in dims else d - sum(k < d for k in dims)
-    if target is aten.select.int:
-        k = norm_dim(args[1], nd)
-        return None if k == d else d - (k < d)
-    if target is aten.slice.Tensor:
-        return None if norm_dim(argument(node, "dim"), nd) == d else d
-    if target in _REDUCTIONS:
-        dims = argument(node, "dim")
-        if dims is None or (not isinstance(dims, int) and len(dims) == 0):  # every dim
-            return None
-        dims = norm_dims(dims, nd)
-        keep = argument(node, "keepdim")
-        return None if d in dims else d if keep else d - sum(k < d for k in dims)
-    if target in _ALONG:
-        return None if norm_dim(args[1], nd) == d else d
-    if target in _NORMS:
-        return d if d < nd - len(args[1]) else None
-    if target is aten.outer.default:
-        return d
-    if target is aten.repeat_interleave.self_int:
-        dim = argument(node, "dim")
-        return None if dim is None or norm_dim(dim, nd) == d else d
-    if target in (aten.linear.default, aten.matmul.default, aten.mm.default):
-        return d if d < nd - 1 and len(shape(args[1])) <= 2 else None
-    if target in _MULTI:
-        k = norm_dim(argument(node, "dim"), nd)
-        if k == d:
-            return None
-        return d - (k < d) if target is aten.unbind.int else d
-    return None
-
-
-def _view_dim(before: list, after: list, d: int) -> int | None:
-    """Where dim ``d`` of ``before`` is a dim of ``after``: the same elements before it and
-    its own size; else ``None`` (the view splits or merges it)."""
-    if not all(isinstance(s, int) for s in (*before, *after)):
-        return None
-    leading = math.prod(before[:d])
-    for e in range(len(after)):
-        if math.prod(after[:e]) == leading and after[e] == before[d]:
-            return e
-    return None
-
-
 def _part_sizes(node: fx.Node, out: int, length: int) -> tuple:
     """``node``'s arguments after its input, its sizes made a part's (``length`` at ``out``)."""
     rest = node.args[1:]
-    if node.target in _VIEWS:
+    if node.target in SIZED_VIEWS:
         sizes = list(shape(node))
         sizes[out] = length
         return (sizes, *rest[1:])
-    if node.target is aten.expand.default:
+    if node.target in (aten.expand.default, aten.broadcast_to.default):
         sizes = list(rest[0])
         sizes[out] = length
         return (sizes, *rest[1:])

@@ -1,5 +1,5 @@
-"""Scans along the sequence: a running sum's rule, and Mamba-1's recurrence, which export
-unrolls over the positions, folded into one node, and its rule.
+"""Mamba-1's recurrence, which export unrolls over the positions, folded into one node (its
+rule, and a running sum's: ``sharding/along.py``).
 
 A ``cumsum`` along the sequence is a scan over the ring (``ring_cumsum``: each chunk's total
 gathered, an exclusive sum of those before it added); off the sequence it stays local.
@@ -29,19 +29,16 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.spellings import CASTS
-from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import erase_unused, norm_dim, replace_by_call, shape, uses, val
-from ringify.passes.graph.placement import Fallback, Seq, sharded_first
-from ringify.passes.graph.report import GatherReason
-from ringify.runtime.collectives.scan import ring_cumsum
-from ringify.runtime.selective_scan import ring_selective_scan, selective_scan
+from ringify.runtime.selective_scan import selective_scan
 
 aten = torch.ops.aten
 _ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
 
 
-def fold_selective_scans(graph: fx.Graph) -> int:
+def fold_selective_scans(gm: fx.GraphModule) -> int:
     """Replace every unrolled Mamba-1 scan (a ``stack`` of its per-position outputs)."""
+    graph = gm.graph
     folded = 0
     for node in list(graph.nodes):
         found = _scan_of(node) if node.op == "call_function" else None
@@ -145,37 +142,3 @@ def _read_only_by(h: fx.Node, readers: set) -> bool:
         elif user not in readers:
             return False
     return True
-
-
-@sharded_first
-def infer_cumsum(node, place, p: Seq, ndim: int):
-    """A running sum: local off the sequence, a scan over the ring along it."""
-    if norm_dim(node.args[1], ndim) != p.dim:
-        return p
-    if not place.geometry.alone(shape(node.args[0])[p.dim], p):
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
-    return p
-
-
-def rewrite_cumsum(node, out: Seq, state: PassState) -> None:
-    x, dim = node.args[:2]
-    if norm_dim(dim, len(shape(x))) == out.dim:
-        node.target = ring_cumsum
-        node.args = (x, dim, state.group_name, state.geo.layout)
-
-
-@sharded_first
-def infer_selective_scan(node, place, p: Seq, ndim: int):
-    """Along the sequence (a and b on dim 2, c on dim 1): state passing over the ring."""
-    a, b, c = node.args[:3]
-    if (place[a], place[b], place[c]) != (Seq(2), Seq(2), Seq(1)):
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(a scan's inputs sharded off its sequence)")
-    if not place.geometry.alone(shape(a)[2], p):
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
-    return Seq(2)
-
-
-def rewrite_selective_scan(node: fx.Node, out: Seq, state: PassState) -> None:
-    geo = state.geo
-    node.target = ring_selective_scan
-    node.args = (*node.args, geo.padded, geo.length, state.group_name, geo.layout)

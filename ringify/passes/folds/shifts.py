@@ -1,10 +1,10 @@
-"""Shifts along a dim, as models write them, folded into one node; and their sharding rule.
+"""Shifts along a dim, as models write them, folded into one node (its rule: ``sharding/along.py``).
 
 A model shifts a sequence by padding it and slicing the padding's length off the
 other end (HF's causal-LM loss: ``pad(labels, (0, 1), value=-100)[..., 1:]``), or
 by putting a start token in front of all but its last positions (a decoder's input:
 ``cat([start, ids[:, :-1]], 1)``). ``fold_shifts`` rewrites each such pair of
-nodes into one call of ``shifted`` (``ringify/runtime/collectives/shift.py``), before the
+nodes into one call of ``shifted`` (``ringify/runtime/collectives/along.py``), before the
 plan reads the graph. Off the sequence it stays local; along it, it becomes
 ``ring_shift``: a halo exchange of ``|shift|`` positions per chunk, not a gather.
 
@@ -19,30 +19,30 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import call, norm_dim, replace_by_call, shape, slice_bounds, val
-from ringify.passes.graph.placement import Fallback, Seq, sharded_first
-from ringify.passes.graph.report import GatherReason
-from ringify.runtime.collectives.layout import chunks_per_rank
-from ringify.runtime.collectives.shift import ring_shift, shifted
+from ringify.runtime.collectives.along import shifted
 
 aten = torch.ops.aten
 _PADS = (aten.pad.default, aten.constant_pad_nd.default)
 
 
-def fold_shifts(graph: fx.Graph) -> None:
+def fold_shifts(gm: fx.GraphModule) -> int:
     """Replace every pad-then-slice and start-token cat that shifts a tensor by ``shifted``,
-    and every length-keeping ``diff`` by a difference with ``shifted``."""
+    and every length-keeping ``diff`` by a difference with ``shifted``; how many."""
+    graph, folded = gm.graph, 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.diff.default:
             _fold_diff(graph, node)
+            folded += 1
             continue
         found = _shift_of(node)
         if found is None:
             continue
         replace_by_call(graph, node, shifted, found)
         graph.erase_node(node)
+        folded += 1
     graph.eliminate_dead_code()
+    return folded
 
 
 def _fold_diff(graph: fx.Graph, node: fx.Node) -> None:
@@ -120,30 +120,3 @@ def _start_then_slice(node: fx.Node) -> tuple | None:
     if shape(start)[:dim] + shape(start)[dim + 1 :] != shape(x)[:dim] + shape(x)[dim + 1 :]:
         return None  # a start token that broadcasts: not a plain shift
     return (x, dim, -k, start)
-
-
-@sharded_first
-def infer_shift(node, place, p: Seq, ndim: int):
-    x, dim, shift, fill = node.args
-    sharded_fill = isinstance(fill, fx.Node) and place.sharded(fill)
-    if norm_dim(dim, ndim) != p.dim:  # along another dim (e.g. rotate_half): local
-        return Fallback(GatherReason.MIXED_DIMS) if sharded_fill and place[fill] != p else p
-    if sharded_fill:  # a start token that is itself sharded along the sequence
-        return Fallback(GatherReason.MIXED_DIMS)
-    geometry = place.geometry
-    if not geometry.alone(shape(x)[p.dim], p):
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(the sequence dim also holds other dims)")
-    if abs(shift) > geometry.local // chunks_per_rank(geometry.layout):
-        return Fallback(GatherReason.ALONG_SEQUENCE, f"(a shift by {shift}: more than a chunk)")
-    return p
-
-
-def rewrite_shift(node: fx.Node, out: Seq, state: PassState) -> None:
-    """Along the sequence: the halo exchange; along another dim: local as it is."""
-    x, dim, shift, fill = node.args
-    if norm_dim(dim, len(shape(x))) != out.dim:
-        state.fit_replicated_inputs(node, out)
-        return
-    geo = state.geo
-    node.target = ring_shift
-    node.args = (x, dim, shift, fill, geo.padded, geo.length, state.group_name, geo.layout)

@@ -1,7 +1,22 @@
-"""How models spell the parts of attention written by hand: products of q and k (``matmul``,
-``bmm``, ``einsum``), constant scales, casts, soft caps, the row maximum a softmax is guarded
-by, and views of the scores between (B * H, S, S) and (B, H, S, S). Small matchers, each
-answering whether a node is one such part (``handwritten.py`` reads attention with them)."""
+"""How models spell ops: the parts of attention written by hand, and ops with two spellings.
+
+Small matchers answer whether a node is a part of hand-written attention (``handwritten.py``
+reads attention with them): products of q and k (``matmul``, ``bmm``, ``einsum``), constant
+scales, casts, soft caps, the row maximum a softmax is guarded by, and views of the scores
+between (B * H, S, S) and (B, H, S, S).
+
+``fold_synonyms`` rewrites ops a model may spell another way as the one spelling the rules
+and folds read:
+
+- ``concat`` and ``concatenate`` (Zamba joins its hidden states with ``torch.concatenate``)
+  are ``cat``.
+- Ops that take their sizes from another tensor (``expand_as``, ``view_as``, ``reshape_as``)
+  become the ops that name them (``expand``, ``reshape``). The other tensor is read for its
+  shape alone; as an argument it would tie the result's placement to it. With the sizes
+  written out, the rules treat the op as any expand or view: a replicated
+  ``arange(n).expand_as(ids)`` stays whole, to be cut where it meets the sequence, and a
+  sharded input gets its local sizes.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +32,6 @@ aten = torch.ops.aten
 PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
 CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
 # casts to another tensor's dtype (and device): that tensor is read for them alone
-CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
 WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 
 
@@ -137,3 +151,24 @@ def splits_heads(x: fx.Node) -> bool:
         and after[0] * after[1] == before[0]
         and (after[2:] == before[1:])
     )
+
+
+aten = torch.ops.aten
+_CATS = (aten.concat.default, aten.concatenate.default)
+_AS = {
+    aten.expand_as.default: aten.expand.default,
+    aten.view_as.default: aten.reshape.default,
+    aten.reshape_as.default: aten.reshape.default,
+}
+
+
+def fold_synonyms(gm: fx.GraphModule) -> int:
+    """Rewrite each op above in its one spelling, in place; how many."""
+    folded = 0
+    for node in gm.graph.nodes:
+        if node.target in _CATS:
+            node.target, folded = aten.cat.default, folded + 1
+        elif node.target in _AS:
+            x, other = node.args[:2]
+            node.target, node.args = _AS[node.target], (x, shape(other))
+            folded += 1

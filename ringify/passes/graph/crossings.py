@@ -14,12 +14,15 @@ the *global* value of the tensor they stand for, like every node of the graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
 from ringify.config import Auto
 from ringify.passes.graph.nodes import is_tensor, shape, val
-from ringify.passes.graph.placement import Fallback, Placement, Seq, SequenceGeometry
+from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, SequenceGeometry
 from ringify.passes.graph.report import InsertedGather, ReportedAttention, ReshardedRegion
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.heads import Transport
@@ -227,3 +230,34 @@ class PassState:
         self.gathers.append(
             InsertedGather(node.name, str(node.target), fallback.reason, fallback.detail)
         )
+
+
+Infer = Callable[[fx.Node, Placements], "Placement | Fallback"]
+Rewrite = Callable[[fx.Node, Placement, PassState], None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An op's sequence-sharding rule, its two halves side by side (as torch's
+    context-parallel rules and DTensor's op strategies hold them): ``infer`` gives the
+    placement of the op's output(s) from its inputs' (``placement.py``), or a ``Fallback``
+    with the reason it cannot run on shards; ``rewrite`` makes each rank compute exactly
+    its part. Each family of ops keeps its rules beside it, in a ``RULES`` table
+    (``sharding/rules.py`` joins them)."""
+
+    infer: Infer
+    rewrite: Rewrite
+
+
+def fit_broadcast(node, out, state: PassState) -> None:
+    """Replicated operands that line up with the sequence are sliced, the rest copied."""
+    state.fit_replicated_inputs(node, out if isinstance(out, Seq) else None)
+
+
+def fit_whole(node, out, state: PassState) -> None:
+    """Replicated operands (weights, tables) are used whole by every position."""
+    state.fit_replicated_inputs(node, None)
+
+
+def as_it_is(node, out, state: PassState) -> None:
+    """Nothing to rewrite: the op computes this rank's part from its inputs' parts."""

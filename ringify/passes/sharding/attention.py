@@ -26,8 +26,8 @@ from ringify.passes.folds.mask_programs import (
     step_masks_of,
     step_plan,
 )
-from ringify.passes.graph.attention_nodes import Attention, read_attention
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.attention_nodes import ATTENTION_OPS, Attention, read_attention
+from ringify.passes.graph.crossings import PassState, Rule
 from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
@@ -290,3 +290,18 @@ def local_mask(mask: fx.Node, state: PassState) -> fx.Node:
     if len(mask_shape) >= 2 and mask_shape[-2] > 1:
         return state.slice(mask, Seq(len(mask_shape) - 2), 0)
     return mask
+
+
+def _rewrite_program_mask(node: fx.Node, out, state: PassState) -> None:
+    """A mask program computed whole (its attention is not a ring): its O(S) inputs are
+    gathered."""
+    for a in list(node.all_input_nodes):
+        if state.sharded(a):
+            node.replace_input_with(a, state.gather(a))
+
+
+RULES = {
+    **dict.fromkeys(ATTENTION_OPS, Rule(infer_attention, rewrite_attention)),
+    # a mask program whose attention is not a ring (it is gathered, or local): computed whole
+    program_mask: Rule(lambda node, place: None, _rewrite_program_mask),
+}

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import torch
 
-from ringify.passes.graph.crossings import PassState
-from ringify.passes.graph.nodes import norm_dim, norm_dims, shape, val
+from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadcast, fit_whole
+from ringify.passes.graph.nodes import norm_dim, shape, val
+from ringify.passes.graph.op_dims import VIEWS, result_dim
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first, view_placement
 from ringify.passes.graph.report import GatherReason
 
 aten = torch.ops.aten
 
-VIEWS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
-    aten.flatten.using_ints,
+# ops whose output keeps the sequence where its dim goes (``infer_moved``)
+MOVED = frozenset({
+    aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
 })  # fmt: skip
 
 
@@ -74,38 +76,11 @@ def infer_view(node, place, p: Seq, ndim: int):
 
 
 @sharded_first
-def infer_transpose(node, place, p: Seq, ndim: int):
-    a, b = (norm_dim(d, ndim) for d in node.args[1:3])
-    return p.at({a: b, b: a}.get(p.dim, p.dim))
-
-
-@sharded_first
-def infer_t(node, place, p: Seq, ndim: int):
-    return p.at(ndim - 1 - p.dim)
-
-
-@sharded_first
-def infer_permute(node, place, p: Seq, ndim: int):
-    return p.at(norm_dims(node.args[1], ndim).index(p.dim))
-
-
-@sharded_first
-def infer_unsqueeze(node, place, p: Seq, ndim: int):
-    k = norm_dim(node.args[1], ndim + 1)
-    return p.at(p.dim + (k <= p.dim))
-
-
-@sharded_first
-def infer_squeeze(node, place, p: Seq, ndim: int):
-    x = node.args[0]
-    named = range(ndim) if node.target is aten.squeeze.default else norm_dims(node.args[1], ndim)
-    dropped = [d for d in named if shape(x)[d] == 1]
-    return p.at(p.dim - sum(d < p.dim for d in dropped))
-
-
-@sharded_first
-def infer_expand(node, place, p: Seq, ndim: int):
-    return p.at(p.dim + val(node).dim() - ndim)
+def infer_moved(node, place, p: Seq, ndim: int):
+    """Transposes, permutes, ``t``, (un)squeezes and expands: the sequence goes where its dim
+    goes (``op_dims.result_dim``)."""
+    d = result_dim(node, p.dim, ndim)
+    return Fallback(GatherReason.ALONG_SEQUENCE) if d is None else p.at(d)
 
 
 @sharded_first
@@ -126,3 +101,19 @@ def infer_repeat(node, place, p: Seq, ndim: int):
     if reps[p.dim + lead] != 1:
         return Fallback(GatherReason.ALONG_SEQUENCE, "(repeated along the sequence)")
     return p.at(p.dim + lead)
+
+
+RULES = {
+    aten.cat.default: Rule(infer_cat, fit_broadcast),
+    aten.repeat.default: Rule(infer_repeat, as_it_is),
+    aten.stack.default: Rule(infer_stack, as_it_is),
+    **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
+    **dict.fromkeys(
+        (aten.expand.default, aten.broadcast_to.default), Rule(infer_moved, rewrite_local_size)
+    ),
+    **dict.fromkeys(MOVED, Rule(infer_moved, fit_whole)),
+    **dict.fromkeys(
+        (aten.view_as_complex.default, aten.view_as_real.default),
+        Rule(infer_complex_view, as_it_is),
+    ),
+}

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.crossings import PassState, Rule, fit_broadcast, fit_whole
 from ringify.passes.graph.nodes import norm_dim, shape, slice_bounds, val
 from ringify.passes.graph.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
@@ -204,3 +204,17 @@ def rewrite_scatter(node, out: Seq, state: PassState) -> None:
     """A replicated base, or a replicated part written into a sharded one, is sliced to this
     rank's positions."""
     state.fit_replicated_inputs(node, out, aligned=list(node.args[:2]))
+
+
+RULES = {
+    **dict.fromkeys(
+        INDEXING.keys() - {aten.select.int, aten.slice.Tensor}, Rule(infer_indexing, fit_whole)
+    ),
+    **dict.fromkeys((aten.select.int, aten.slice.Tensor), Rule(infer_indexing, rewrite_indexing)),
+    aten.index_select.default: Rule(infer_index_select, rewrite_indexing),
+    aten.gather.default: Rule(infer_gather, fit_broadcast),
+    **dict.fromkeys(
+        (aten.slice_scatter.default, aten.select_scatter.default),
+        Rule(infer_scatter, rewrite_scatter),
+    ),
+}

@@ -17,13 +17,15 @@ from torch import fx
 
 from ringify.passes.folds.mask_programs import step_plan
 from ringify.passes.graph.attention_nodes import read_joint_attention
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.crossings import PassState, Rule, as_it_is
 from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason
 from ringify.passes.sharding.attention import local_mask, reported
 from ringify.runtime.attention.joint import joint_attention_op
+from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
+from ringify.runtime.zero_grads import with_zero_grads
 
 aten = torch.ops.aten
 
@@ -105,3 +107,9 @@ def _sharded_keys_mask(mask: fx.Node, queries_sharded: bool, state: PassState) -
 def infer_with_zero_grads(node: fx.Node, place: Placements) -> Placement:
     """``with_zero_grads(x, dropped)``: placed as ``x`` (the dropped inputs as they are)."""
     return place[node.args[0]]
+
+
+RULES = {
+    joint_attention: Rule(infer_joint_attention, rewrite_joint_attention),
+    with_zero_grads: Rule(infer_with_zero_grads, as_it_is),
+}

@@ -24,19 +24,12 @@ from torch import fx
 
 from ringify.config import Config
 from ringify.passes.folds.handwritten import UNREAD_NOTE
-from ringify.passes.folds.spellings import CASTS_LIKE
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.nodes import ancestors, is_tensor, shape, val
+from ringify.passes.graph.op_dims import CASTS_LIKE, KEEPS_POSITIONS, SAME_SHAPE, VIEWS
 from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
-from ringify.passes.sharding.dims import VIEWS
-from ringify.passes.sharding.rules import SAME_SHAPE, infer_placements
+from ringify.passes.sharding.rules import infer_placements
 from ringify.runtime.collectives.layout import padded_length, split_multiple
-from ringify.runtime.collectives.shift import shifted
-
-_SEQUENCE_PRESERVING = frozenset({
-    torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.pad.default,
-    shifted,
-})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -303,7 +296,7 @@ def _companion_inputs(
                 break
             if node.target in VIEWS:
                 seq = view_placement(list(val(node).shape), seq, shape(x), geometry)
-            elif node.target not in SAME_SHAPE | CASTS_LIKE | _SEQUENCE_PRESERVING:
+            elif node.target not in SAME_SHAPE | CASTS_LIKE | KEEPS_POSITIONS:
                 break
             node = x
         if node.op == "placeholder" and isinstance(seq, Seq) and node not in seeds:

@@ -13,7 +13,7 @@ import string
 
 import torch
 
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.crossings import PassState, Rule
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.placement import Fallback, Placements
 from ringify.passes.graph.report import GatherReason, InsertedGather
@@ -126,3 +126,17 @@ def _einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str] | 
         return terms, rhs.replace("...", fresh)
     once = [c for c in sorted(set("".join(terms)) - set(fresh)) if "".join(terms).count(c) == 1]
     return terms, fresh + "".join(once)
+
+
+RULES = {
+    **dict.fromkeys(
+        (aten.mm.default, aten.matmul.default, aten.bmm.default),
+        Rule(infer_matmul, rewrite_product),
+    ),
+    # addmm's bias broadcasts against the output
+    aten.addmm.default: Rule(
+        infer_addmm, lambda n, out, s: s.fit_replicated_inputs(n, out, aligned=[n.args[0]])
+    ),
+    aten.baddbmm.default: Rule(infer_baddbmm, rewrite_product),
+    aten.einsum.default: Rule(infer_einsum, lambda n, out, s: s.fit_replicated_inputs(n, None)),
+}

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.crossings import PassState, Rule, fit_broadcast
 from ringify.passes.graph.losses import LOSSES, MEAN, NONE, SUM, loss_arg
 from ringify.passes.graph.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, sharded_first
@@ -253,3 +253,24 @@ def rewrite_loss(node: fx.Node, out: Placement, state: PassState) -> None:
             count = g.call_function(reduce_from_ring, (count, state.group_name))
             total = g.call_function(aten.div.Tensor, (total, count))
     state.replace(node, total, None)
+
+
+@sharded_first
+def _infer_softmax(node, place, p: Seq, ndim: int):
+    """softmax / log_softmax keep the placement (along the sequence: normalised over the ring)."""
+    return p
+
+
+def _first_sharded(infer):
+    """``infer``, for an op whose first input must carry the sequence (else it falls back)."""
+    return sharded_first(lambda node, place, p, ndim: infer(node, place))
+
+
+RULES = {
+    **dict.fromkeys(REDUCTIONS, Rule(_first_sharded(infer_reduction), rewrite_reduction)),
+    **dict.fromkeys(LOCAL_REDUCTIONS, Rule(infer_local_reduction, fit_broadcast)),
+    **dict.fromkeys(EXTREMA, Rule(_first_sharded(infer_reduction), rewrite_extremum)),
+    **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
+    aten.argmax.default: Rule(_first_sharded(infer_argmax), rewrite_argmax),
+    **dict.fromkeys(LOSSES, Rule(_first_sharded(infer_loss), rewrite_loss)),
+}

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState
+from ringify.passes.graph.crossings import PassState, Rule, as_it_is
 from ringify.passes.graph.nodes import norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
@@ -222,3 +222,15 @@ def is_table_lookup(node: fx.Node, place: Placements) -> bool:
     return not place.sharded(node.args[0]) and any(
         i is not None and place.sharded(i) for i in node.args[1]
     )
+
+
+RULES = {
+    **dict.fromkeys(SELECTIONS, Rule(infer_selection, as_it_is)),
+    aten.repeat_interleave.self_int: Rule(infer_repeat_interleave, rewrite_repeat_interleave),
+    aten.one_hot.default: Rule(infer_one_hot, as_it_is),
+    aten.histc.default: Rule(infer_histc, rewrite_histc),
+    aten.bincount.default: Rule(infer_bincount, rewrite_bincount),
+    aten.scatter_add.default: Rule(infer_scatter_add, rewrite_scatter_add),
+    **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, as_it_is)),
+    **dict.fromkeys(LIKE, Rule(infer_like, as_it_is)),
+}

@@ -1,6 +1,6 @@
 """One decode step's attention over a KV cache split across the ring: ``ringify::decode_attention``.
 
-Each rank holds its part of every layer's cache (``ringify/generation/cache.py``); the
+Each rank holds its part of every layer's cache (``ringify/generation/step.py``); the
 new token's query, key and value are computed on every rank (one row: cheap). Each rank
 attends with that query to its cached keys, and to the new key where it is the rank
 that stores it (``own_new``: so that the new key counts once; a block of its own, merged

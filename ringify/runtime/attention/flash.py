@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ringify.runtime.masks.varlen import Varlen
+from ringify.runtime.masks.calls import Varlen
 
 aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def _backward_kernel(dout, q, k, v, out, lse, is_causal, scale):
 
 
 def serves_varlen(q: torch.Tensor) -> bool:
-    """Whether a block of ``q`` may run as FA2 varlen calls (``masks/varlen.py``): FA2's own
+    """Whether a block of ``q`` may run as FA2 varlen calls (``masks/calls.py``): FA2's own
     blocks (fp16/bf16 off the CPU), one sequence (the calls' rows are the batch's), and a
     head dim FA2 takes as it is (a multiple of 8, at most 256)."""
     fa2 = q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)

@@ -61,8 +61,8 @@ from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import GradSlots, narrow_rows, transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
 from ringify.runtime.masks.captures import capturing, note_captured
-from ringify.runtime.masks.grads import add_program_grads
 from ringify.runtime.masks.plan import CallGeometry, RingPlan, plan_for
+from ringify.runtime.masks.program import add_program_grads
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.tiles import Visibility
 

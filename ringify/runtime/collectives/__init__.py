@@ -1,1 +1,1 @@
-"""What moves between ranks: the ring, its courier and P2P transport, sharding, reductions, scan, shift, agreement."""
+"""What moves between ranks: the ring and its transfer seam, layouts, the all-to-all onto heads, sharding, reductions, ops along the sequence, agreement."""

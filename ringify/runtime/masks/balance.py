@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.masks.pair_bounds import settled_pairs
+from ringify.runtime.masks.bounds import settled_pairs
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling import tiles as tiling_sizes

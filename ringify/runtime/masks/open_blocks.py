@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from ringify.runtime.masks.pair_bounds import settled_pairs
+from ringify.runtime.masks.bounds import settled_pairs
+from ringify.runtime.masks.calls import RowSpans, VarlenCall
 from ringify.runtime.masks.program import MaskProgram, evaluate
-from ringify.runtime.masks.varlen import RowSpans, VarlenCall
 from ringify.runtime.tiling.tiles import DEVICE_TILE_ROWS, MIN_TILE_ROWS, Tile, Visibility
 
 _HOST = torch.device("cpu")

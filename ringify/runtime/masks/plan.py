@@ -42,8 +42,8 @@ from torch._opaque_base import OpaqueBase
 from ringify.runtime.collectives.heads import TRANSPORT_TYPE, Transport
 from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
+from ringify.runtime.masks.bounds import program_tiles_per_chunk
 from ringify.runtime.masks.captures import check_captured, host_copy
-from ringify.runtime.masks.pair_bounds import program_tiles_per_chunk
 from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_layout import (
     CallMasks,

@@ -22,17 +22,17 @@ from typing import NamedTuple
 
 import torch
 
+from ringify.runtime.masks.bounds import settled_pairs
 from ringify.runtime.masks.calls import (
     Block,
+    VarlenCall,
     as_varlen,
     cut_causal_as_varlen,
     joined,
     joined_varlen,
 )
 from ringify.runtime.masks.open_blocks import OpenPair, open_pair
-from ringify.runtime.masks.pair_bounds import settled_pairs
 from ringify.runtime.masks.program import additive_mask, parse
-from ringify.runtime.masks.varlen import VarlenCall
 from ringify.runtime.tiling.tiles import Tile, Visibility, all_tiles, sub_ring_tiles, visibility
 
 
@@ -147,7 +147,7 @@ class TileMasks:
         (a learned program's gradient needs it). The step's unmasked whole pairs come last,
         joined into few calls (``calls.py``; ``joinable``: the held tiles lie side by side in
         memory). ``varlen``: an open pair whose rows each see one run of keys is instead FA2
-        varlen calls (``masks/varlen.py``), where the plan worked them out (on an
+        varlen calls (``masks/calls.py``), where the plan worked them out (on an
         accelerator); a step's varlen calls, and its square causal pairs with them, join as
         one call's sequences where they run on (``calls.joined_varlen``). A mask tensor's
         blocks carry their biases, made as they are asked for."""

@@ -1,1 +1,1 @@
-"""How a shard is cut and scheduled: layouts, tiles, the ring schedule, balancing, and moving tiles."""
+"""How a shard is cut into tiles and how its K/V tiles walk round the ring."""
