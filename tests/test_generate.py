@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringify.runtime.attention.spec import AttentionSpec
 from ringify.testing.hf_models import gemma3, gpt2, llama, mistral
 from ringify.testing.hf_moe import deepseek_v3, gpt_oss, qwen3_moe
 
@@ -227,7 +228,7 @@ def test_decode_attention_reads_the_cache_with_its_own_heads_on_cuda_kernels(dty
     with _KernelCalls() as log:  # the body itself: a meta tensor given to the op runs its fake
         out = decode_attention_op._init_fn(
             t(2, 8, 1, 16), t(2, 2, 10, 16), t(2, 2, 10, 16), t(2, 2, 1, 16), t(2, 2, 1, 16),
-            keep, True, 0.25, "",
+            keep, True, AttentionSpec("", 0.25),
         )  # fmt: skip
     assert out.shape == (2, 8, 1, 16) and out.dtype == dtype
     assert len(log.calls) == 2, log.calls  # the cache's block and the new key's
@@ -250,7 +251,8 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new, sinks,
     keep = torch.rand(2, 1, 1, 11, generator=g) > 0.3
     keep[..., -1] = True
     logits = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64) if sinks else None
-    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, 0.25, "", logits, softcap)
+    spec = AttentionSpec("", 0.25, softcap=softcap)
+    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, spec, logits)
     keys = 11 if own_new else 10
     want = attention(
         q, torch.cat([k, k_new], 2)[:, :, :keys], torch.cat([v, v_new], 2)[:, :, :keys],

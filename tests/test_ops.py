@@ -129,10 +129,10 @@ def opcheck_beside_the_ring(name: str) -> None:
     )
     keep = torch.rand(2, 1, 1, 6, generator=g) > 0.3
     for own_new in (False, True):  # a decode step over this rank's cache part
-        args = (q, k, v, k_new, v_new, keep, own_new, 0.5, name)
+        args = (q, k, v, k_new, v_new, keep, own_new, AttentionSpec(name, 0.5))
         torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
     sinks = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64)  # and soft-capped
-    args = (q, k, v, k_new, v_new, keep, True, 0.5, name, sinks, 2.0)
+    args = (q, k, v, k_new, v_new, keep, True, AttentionSpec(name, 0.5, softcap=2.0), sinks)
     torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
     (q, k, v), _ = ring_args(16)
     k, v = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))

@@ -20,8 +20,6 @@ cache type, attention that reads the cache twice) is refused with what is suppor
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
@@ -30,6 +28,7 @@ from ringify.passes.graph.attention_nodes import read_attention
 from ringify.passes.graph.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
 from ringify.runtime.attention.decode import decode_attention
 from ringify.runtime.attention.reference import attention as reference_attention
+from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 
 aten = torch.ops.aten
 SUPPORTED = (
@@ -89,10 +88,10 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
                 with graph.inserting_before(node):
                     rows[mask] = _row(graph, mask, positions)
             keep = rows[mask]
-        scale = scale if scale is not None else 1 / math.sqrt(shape(q)[-1])
-        args = (q, k_local, v_local, k_new, v_new, keep, own_new, scale, group_name)
+        spec = AttentionSpec(group_name, sdpa_scale(scale, shape(q)[-1]), softcap=softcap)
+        args = (q, k_local, v_local, k_new, v_new, keep, own_new, spec, att.sinks)
         with graph.inserting_before(node):
-            out = call(graph, decode_attention, (*args, att.sinks, softcap))
+            out = call(graph, decode_attention, args)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     if len(done) != layers:

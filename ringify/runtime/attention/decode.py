@@ -9,9 +9,10 @@ ring by log-sum-exp (``memory.merge_over_ring``: two all-reduces of (B, H, 1) an
 (B, H, 1, D + 1)). No K/V travel.
 
 ``keep``: the mask row at this rank's key columns, its cached keys' positions then the new
-token's (bool: kept; float: added), or ``None`` where every key is visible. ``sinks`` (a
-logit per head, gpt-oss) join each row's softmax once, after the ring's merge; ``softcap``
-caps each block's scores (Gemma 2).
+token's (bool: kept; float: added), or ``None`` where every key is visible. ``spec`` is the
+``AttentionSpec`` every attention op takes (its ring, scale and ``softcap``, which caps each
+block's scores: Gemma 2); ``sinks`` (a logit per head, gpt-oss) join each row's softmax
+once, after the ring's merge.
 """
 
 from __future__ import annotations
@@ -26,10 +27,18 @@ from ringify.runtime.attention.blocks import (
 from ringify.runtime.attention.memory import merge_over_ring
 from ringify.runtime.attention.protocol import accumulation_dtype, empty_attention_outputs
 from ringify.runtime.attention.sinks import with_sinks
+from ringify.runtime.attention.spec import SPEC_TYPE, AttentionSpec
 from ringify.runtime.masks.program import additive_mask
 
 
-@torch.library.custom_op("ringify::decode_attention", mutates_args=())
+@torch.library.custom_op(
+    "ringify::decode_attention",
+    mutates_args=(),
+    schema=(  # written out: an opaque argument is beyond ``infer_schema``
+        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor? keep, "
+        f"bool own_new, {SPEC_TYPE} spec, Tensor? sinks=None) -> Tensor"
+    ),
+)
 def decode_attention_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -38,18 +47,16 @@ def decode_attention_op(
     v_new: torch.Tensor,
     keep: torch.Tensor | None,
     own_new: bool,
-    scale: float,
-    group_name: str,
+    spec: AttentionSpec,
     sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
 ) -> torch.Tensor:
     cached = None if keep is None else keep[..., : k_cache.shape[2]]
-    out, lse = _block(q, k_cache, v_cache, cached, scale, softcap)
+    out, lse = _block(q, k_cache, v_cache, cached, spec.scale, spec.softcap)
     if own_new:  # the new key's block merged in: the cache is not copied to append it
         out, lse = out.to(accumulation_dtype(q.dtype)), lse.to(accumulation_dtype(q.dtype))
         new = None if keep is None else keep[..., k_cache.shape[2] :]
-        merge_block(out, lse, *_block(q, k_new, v_new, new, scale, softcap))
-    out, lse = merge_over_ring(q, out, lse, group_name)
+        merge_block(out, lse, *_block(q, k_new, v_new, new, spec.scale, spec.softcap))
+    out, lse = merge_over_ring(q, out, lse, spec.group_name)
     if sinks is not None:  # once per row, after the ring's merge
         out, _ = with_sinks(out, lse, sinks)
     return empty_attention_outputs(q, v_cache.shape[-1])[0].copy_(out)
@@ -76,7 +83,7 @@ def _block(q, k, v, keep, scale, softcap):
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, scale, group_name, sinks=None, softcap=0.0):
+def _(q, k_cache, v_cache, k_new, v_new, keep, own_new, spec, sinks=None):
     return empty_attention_outputs(q, v_cache.shape[-1])[0]
 
 

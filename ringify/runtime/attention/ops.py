@@ -32,6 +32,8 @@ K/V tiles travel from home as ever; ``spec.balance=False`` keeps the shard's own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ringify.runtime.attention import flash
@@ -94,6 +96,7 @@ def _forward(
     mine = transport.mine
     merged = Accumulator(q_at.tensor, acc)
     nans = QueryNaNs(q_at) if q.device.type == "cpu" else None  # the CPU kernel's NaN check
+    kernel = BlockKernel(scale, softcap, nans)
     # Each sub-ring's K/V tiles make their own trip round the ring (as far as they are
     # seen); at each step this rank attends to the tiles it holds from its query tiles.
     for own, _, _, held, kv in transport.visits(*transport.keys_in(k, v)):
@@ -101,17 +104,7 @@ def _forward(
             masks.skip(mine, len(own.tiles))
             continue
         for b in masks.pairs(mine, held, count=True, joinable=kv.joined):
-            if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
-                q_seq, (k_seq, v_seq) = q_at.sequence(b.rows), kv.sequences(b.held, b.tiles, b.cols)
-                out_blk, lse_blk = varlen_forward(q_seq, k_seq, v_seq, b.varlen, scale=scale)
-            else:
-                k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
-                out_blk, lse_blk = block_forward(
-                    q_at[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL,
-                    scale=scale, bias=b.bias, empty_rows=b.empty_rows, softcap=softcap,
-                    query_nans=None if nans is None else nans.of(b.rows), nan_out=False,
-                )  # fmt: skip
-            merged.merge(b.rows, out_blk, lse_blk)
+            merged.merge(b.rows, *kernel.forward(q_at, kv, b))
     out_acc, lse_acc = merged.results()
     if nans is not None and nans.asked:  # the CPU kernel's NaN rows, marked in lse alone
         mark_nan_rows(out_acc, lse_acc)
@@ -230,39 +223,70 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
     queries' share is added into ``dq_sum`` (a ``RowSum``), the mask's into ``dmask`` (a
     learned bias) or, with ``learned`` = (program, inputs, their gradients), into the
     program's."""
-    grad_out, q, out, lse = saved
-    scale, softcap = spec.scale, spec.softcap
+    kernel = BlockKernel(spec.scale, spec.softcap)
     here: list[list] = [[] for _ in slots.shapes]
     biased = learned is not None
     for b in masks.pairs(mine, held, biased=biased, joinable=kv.joined):
-        i, r, cols = b.held, b.rows, b.cols
-        if b.varlen is not None:  # FA2's layout, viewed straight from the shard and buffers
-            rows = (grad_out.sequence(r), q.sequence(r), *kv.sequences(i, b.tiles, cols))
-            dq_blk, dk_blk, dv_blk = varlen_backward(
-                *rows, out.sequence(r), lse[r], b.varlen, scale=scale
-            )
-        else:
-            block = (grad_out[r], q[r], *kv.keys(i, b.tiles, cols), out[r], lse[r])
-            causal = b.seen is Visibility.DIAGONAL
-            dq_blk, dk_blk, dv_blk = block_backward(
-                *block, is_causal=causal, scale=scale, bias=b.bias, empty_rows=b.empty_rows,
-                softcap=softcap,
-            )  # fmt: skip
-            if b.bias is not None and (dmask is not None or learned is not None):
-                dbias = bias_backward(
-                    *block, is_causal=causal, scale=scale, bias=b.bias, softcap=softcap
-                )
-                if dmask is not None:
-                    tile = tile_of(dmask, r, held[i], cols.stop)
-                    broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
-                    tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
-                if learned is not None:
-                    add_program_grads(*learned, *b.at, dbias)
+        r = b.rows
+        dq_blk, dk_blk, dv_blk, dbias = kernel.backward(saved, kv, b, dmask is not None or biased)
+        if dbias is not None and dmask is not None:
+            tile = tile_of(dmask, r, held[b.held], b.cols.stop)
+            broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
+            tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+        if dbias is not None and learned is not None:
+            add_program_grads(*learned, *b.at, dbias)
         dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in slots.parts(which, b):
                 here[slot].append((rows, narrow_rows(grad, part) if part else grad))
     return here
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """The seam between the loops and the kernels: what runs one ``Block`` of a call (its
+    ``scale`` and soft cap, chosen once per call; ``nans``: the CPU kernel's NaN check, for
+    the forward). A block with sequences runs as FA2 varlen calls, viewed straight from the
+    shard and the buffers; any other as one fused kernel (``blocks.py``: biased where masked,
+    soft-capped, FA2 on fp16/bf16 CUDA). The loops ask it per block and branch on nothing."""
+
+    scale: float
+    softcap: float
+    nans: QueryNaNs | None = None
+
+    def forward(self, q, kv, b) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of block ``b``: queries ``q`` (``ShardRows``), held tiles ``kv``."""
+        if b.varlen is not None:
+            k_seq, v_seq = kv.sequences(b.held, b.tiles, b.cols)
+            return varlen_forward(q.sequence(b.rows), k_seq, v_seq, b.varlen, scale=self.scale)
+        k_blk, v_blk = kv.keys(b.held, b.tiles, b.cols)
+        return block_forward(
+            q[b.rows], k_blk, v_blk, is_causal=b.seen is Visibility.DIAGONAL, scale=self.scale,
+            bias=b.bias, empty_rows=b.empty_rows, softcap=self.softcap,
+            query_nans=None if self.nans is None else self.nans.of(b.rows), nan_out=False,
+        )  # fmt: skip
+
+    def backward(self, saved, kv, b, bias_grad: bool) -> tuple:
+        """``(dq, dk, dv, dbias)`` of block ``b`` from ``saved`` (dout, q, out, lse as
+        ``ShardRows``); ``dbias`` where the block is biased and ``bias_grad`` asks, else None."""
+        grad_out, q, out, lse = saved
+        r, scale = b.rows, self.scale
+        if b.varlen is not None:
+            rows = (grad_out.sequence(r), q.sequence(r), *kv.sequences(b.held, b.tiles, b.cols))
+            grads = varlen_backward(*rows, out.sequence(r), lse[r], b.varlen, scale=scale)
+            return *grads, None
+        block = (grad_out[r], q[r], *kv.keys(b.held, b.tiles, b.cols), out[r], lse[r])
+        causal, bias = b.seen is Visibility.DIAGONAL, b.bias
+        grads = block_backward(
+            *block, is_causal=causal, scale=scale, bias=bias, empty_rows=b.empty_rows,
+            softcap=self.softcap,
+        )  # fmt: skip
+        if bias is None or not bias_grad:
+            return *grads, None
+        dbias = bias_backward(
+            *block, is_causal=causal, scale=scale, bias=bias, softcap=self.softcap
+        )
+        return *grads, dbias
 
 
 def _added(dkv, here: list[list], slots: GradSlots, acc, device) -> list[torch.Tensor]:
