@@ -43,6 +43,7 @@ def _attention(impl: str, is_causal: bool, layout: str):
 
     from ringify.runtime import ring_attention
     from ringify.runtime.attention.spec import AttentionSpec
+    from ringify.runtime.collectives.heads import Transport
 
     if impl in ("sdpa", "sdpa_concurrent"):
         fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
@@ -66,7 +67,7 @@ def _attention(impl: str, is_causal: bool, layout: str):
 
         def ulysses(q, k, v):
             rows, seq = q.shape[2], q.shape[2] * world
-            geometry = (name, layout, seq, 0, True, "all-to-all")
+            geometry = (name, layout, seq, 0, True, Transport(world, world))
             plan = torch.ops.ringify.attention_plan("", [], rows, is_causal, *geometry)
             spec = AttentionSpec(name, q.shape[-1] ** -0.5, is_causal, layout)
             return torch.ops.ringify.ring_attention(q, k, v, None, [], seq, spec, plan)[0]

@@ -27,6 +27,7 @@ from tabulate import tabulate
 
 from benchmarks.strategies import shape
 from ringify.passes.sharding.transport_model import H100, seconds, sent_bytes
+from ringify.runtime.collectives.heads import Transport
 
 HIDDEN, HEADS, KV_HEADS = 8192, 64, 8
 PARAMS = HIDDEN * (2 * HIDDEN + 2 * 1024) + 3 * HIDDEN * 28672  # one layer's
@@ -42,8 +43,8 @@ def row(seq: int, tp: int, cp: int) -> dict:
     tokens = seq // cp
     attn = shape(HEADS // tp, KV_HEADS // tp, seq, cp)
     linear = 6 * PARAMS * tokens / tp / H100.flops
-    kernels = seconds(attn, "ring", 1, 1)  # the attention's kernels alone
-    ring = seconds(attn, "ring", cp, 1)  # one CP rank per node
+    kernels = seconds(attn, Transport(1), 1)  # the attention's kernels alone
+    ring = seconds(attn, Transport(cp), 1)  # one CP rank per node
     tp_time = tp_bytes(tokens, tp) / H100.host_bandwidth
     compute = linear + kernels
     modelled = linear + ring + tp_time

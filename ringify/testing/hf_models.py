@@ -7,21 +7,12 @@ from __future__ import annotations
 def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128, attn_implementation="sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=dim,
-        n_head=heads,
-        vocab_size=vocab,
-        n_positions=max_len,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=0,
+    return _built(
+        GPT2LMHeadModel, GPT2Config, attn_implementation,
+        n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=max_len,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, bos_token_id=0,
         eos_token_id=0,
-    )
-    config._attn_implementation = attn_implementation
-    return GPT2LMHeadModel(config)
+    )  # fmt: skip
 
 
 def llama(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, max_len=128, attn_implementation="sdpa"):
@@ -53,44 +44,25 @@ def _decoder(
     **extra,
 ):
     """A Llama-family causal LM (no cache) of the given shape, SDPA unless told."""
-    config = config_class(
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=dim // heads,
-        vocab_size=vocab,
-        max_position_embeddings=max_len,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        **extra,
-    )
-    config._attn_implementation = attn_implementation
-    return model_class(config)
+    return _built(
+        model_class, config_class, attn_implementation,
+        hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
+        vocab_size=vocab, max_position_embeddings=max_len, use_cache=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, **extra,
+    )  # fmt: skip
 
 
 def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
     """HF T5: a learned relative-position bias added to every attention's scores."""
     from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
-    config = T5Config(
-        vocab_size=vocab,
-        d_model=dim,
-        d_kv=dim // heads,
-        d_ff=2 * dim,
-        num_layers=layers,
-        num_heads=heads,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        use_cache=False,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return (T5EncoderModel if encoder_only else T5ForConditionalGeneration)(config)
+    return _built(
+        T5EncoderModel if encoder_only else T5ForConditionalGeneration, T5Config, "sdpa",
+        vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=2 * dim, num_layers=layers,
+        num_heads=heads, relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
 
 
 def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
@@ -98,42 +70,27 @@ def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
     q, k and v are picked out of the fused projection with a constant index on the head dim."""
     from transformers import FalconConfig, FalconForCausalLM
 
-    config = FalconConfig(
-        vocab_size=vocab,
-        hidden_size=dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    return _built(
+        FalconForCausalLM, FalconConfig, "sdpa",
+        vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         num_kv_heads=2 if new_decoder_architecture else None,
         new_decoder_architecture=new_decoder_architecture,
         multi_query=not new_decoder_architecture,
-        alibi=False,
-        use_cache=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        bos_token_id=0,
+        alibi=False, use_cache=False, attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=0,
         eos_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return FalconForCausalLM(config)
+    )  # fmt: skip
 
 
 def vit(layers=2, dim=32, heads=4, image_size=32, patch_size=8):
     """HF ViT: a conv patch embedding, then a cls token concatenated in front of the patches."""
     from transformers import ViTConfig, ViTModel
 
-    config = ViTConfig(
-        hidden_size=dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=2 * dim,
-        image_size=image_size,
-        patch_size=patch_size,
-        num_channels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    return ViTModel(config, add_pooling_layer=True)
+    return _built(
+        ViTModel, ViTConfig, "sdpa",
+        hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=2 * dim, image_size=image_size, patch_size=patch_size, num_channels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
 
 
 def whisper_encoder(layers=2, dim=32, heads=4, mel_bins=8, frames=32):
@@ -141,18 +98,11 @@ def whisper_encoder(layers=2, dim=32, heads=4, mel_bins=8, frames=32):
     from transformers import WhisperConfig
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    config = WhisperConfig(
-        d_model=dim,
-        encoder_layers=layers,
-        encoder_attention_heads=heads,
-        encoder_ffn_dim=2 * dim,
-        num_mel_bins=mel_bins,
-        max_source_positions=frames // 2,
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    return WhisperEncoder(config)
+    return _built(
+        WhisperEncoder, WhisperConfig, "sdpa",
+        d_model=dim, encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=2 * dim,
+        num_mel_bins=mel_bins, max_source_positions=frames // 2, dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
 
 
 def modernbert(layers=2, dim=32, heads=4, vocab=64, window=8):
@@ -160,26 +110,15 @@ def modernbert(layers=2, dim=32, heads=4, vocab=64, window=8):
     built in ``set`` order (so in another order under another ``PYTHONHASHSEED``)."""
     from transformers import ModernBertConfig, ModernBertForMaskedLM
 
-    config = ModernBertConfig(
-        vocab_size=vocab,
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
+    return _built(
+        ModernBertForMaskedLM, ModernBertConfig, "sdpa",
+        vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads,
         layer_types=[("full_attention", "sliding_attention")[i % 2] for i in range(layers)],
-        local_attention=window,
-        max_position_embeddings=128,
-        attention_dropout=0.0,
-        mlp_dropout=0.0,
-        embedding_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-        cls_token_id=0,
-        sep_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return ModernBertForMaskedLM(config)
+        local_attention=window, max_position_embeddings=128,
+        attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+    )  # fmt: skip
 
 
 def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
@@ -187,24 +126,14 @@ def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
     ``set`` order."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=dim // heads,
+    return _built(
+        Gemma3ForCausalLM, Gemma3TextConfig, "sdpa",
+        vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
-        sliding_window=window,
-        max_position_embeddings=128,
-        use_cache=False,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    return Gemma3ForCausalLM(config)
+        sliding_window=window, max_position_embeddings=128, use_cache=False, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
 
 
 def wav2vec2(layers=2, dim=32, heads=4, kernel=8, groups=4):
@@ -213,26 +142,14 @@ def wav2vec2(layers=2, dim=32, heads=4, kernel=8, groups=4):
     ``kernel`` is even) before the encoder."""
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
-    config = Wav2Vec2Config(
-        hidden_size=dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=2 * dim,
-        conv_dim=(16, 16),
-        conv_stride=(2, 2),
-        conv_kernel=(2, 2),
-        num_conv_pos_embeddings=kernel,
-        num_conv_pos_embedding_groups=groups,
-        feat_extract_norm="group",
-        apply_spec_augment=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        feat_proj_dropout=0.0,
-        layerdrop=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    return Wav2Vec2Model(config)
+    return _built(
+        Wav2Vec2Model, Wav2Vec2Config, "sdpa",
+        hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=2 * dim, conv_dim=(16, 16), conv_stride=(2, 2), conv_kernel=(2, 2),
+        num_conv_pos_embeddings=kernel, num_conv_pos_embedding_groups=groups,
+        feat_extract_norm="group", apply_spec_augment=False, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+    )  # fmt: skip
 
 
 def siglip_vision(layers=2, dim=32, heads=4, image_size=16, patch_size=4):
@@ -240,18 +157,12 @@ def siglip_vision(layers=2, dim=32, heads=4, image_size=16, patch_size=4):
     every patch through ``nn.MultiheadAttention`` (its weights computed, then dropped)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config = SiglipVisionConfig(
-        hidden_size=dim,
-        intermediate_size=2 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        image_size=image_size,
-        patch_size=patch_size,
-        num_channels=3,
+    return _built(
+        SiglipVisionModel, SiglipVisionConfig, "sdpa",
+        hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=heads, image_size=image_size, patch_size=patch_size, num_channels=3,
         vision_use_head=True,
-    )
-    config._attn_implementation = "sdpa"
-    return SiglipVisionModel(config)
+    )  # fmt: skip
 
 
 def gemma2(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
@@ -259,15 +170,14 @@ def gemma2(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
     before the mask, sliding and full layers, and the final logits capped too."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(
+    return _built(
+        Gemma2ForCausalLM, Gemma2Config, "eager",
         vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=window,
         query_pre_attn_scalar=dim // heads, max_position_embeddings=256, use_cache=False,
         pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    config._attn_implementation = "eager"
-    return Gemma2ForCausalLM(config)
 
 
 def bloom(layers=2, dim=32, heads=4, vocab=64):
@@ -275,9 +185,15 @@ def bloom(layers=2, dim=32, heads=4, vocab=64):
     4-D for the causal mask and back for the product with v."""
     from transformers import BloomConfig, BloomForCausalLM
 
-    config = BloomConfig(
+    return _built(
+        BloomForCausalLM, BloomConfig, "eager",
         vocab_size=vocab, hidden_size=dim, n_layer=layers, n_head=heads, use_cache=False,
         pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    config._attn_implementation = "eager"
-    return BloomForCausalLM(config)
+
+
+def _built(model_class, config_class, attn_implementation: str, **fields):
+    """``model_class`` with random weights, from ``config_class(**fields)``."""
+    config = config_class(**fields)
+    config._attn_implementation = attn_implementation
+    return model_class(config)

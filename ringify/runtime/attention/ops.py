@@ -197,13 +197,11 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
     """``(transport, CallMasks)`` of this call from its plan (``masks/plan.py``): the step's,
     which the graph made once, else one made here (on the ring); ``given``: the step's
     masks (``ringify::step_masks``) or None."""
-    geometry = CallGeometry(
-        ring.name, ring.size, q.shape[2], spec.is_causal, spec.layout, key_len,
-        spec.tiles_per_chunk, spec.balance, q.device.type,
-    )  # fmt: skip
+    call = (ring.name, ring.size, q.shape[2], spec.is_causal, spec.layout, key_len)
     if plan is None:
+        geometry = CallGeometry(*call, spec.tiles_per_chunk, spec.balance, q.device.type)
         plan = plan_for(ring, geometry, attn_mask, spec.mask_program, inputs)
-    elif plan.geometry.call() != geometry.call():
+    elif plan.geometry.call() != call:
         raise ValueError(
             f"the plan given was made for another call ({plan!r}, {plan.geometry}); make it "
             "with attention_plan for this call's ring, rows, causality, layout and key length"
