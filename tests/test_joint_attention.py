@@ -96,3 +96,23 @@ def test_joint_attention_compiled(ranks, name):
     for r in ranks(2).run(compare, name, "aot_eager", CASES[name, 2]):
         assert r["out"] < TOL and r["grads"] < TOL, r
         assert r["gathers"] == [], r["gathers"]
+
+
+@pytest.mark.parametrize("text_len", [1, 2])
+def test_a_squeeze_runs_on_the_parts_only_where_no_part_loses_the_joint_dim(text_len):
+    """``squeeze()`` of a joint (1, T + 8, 4) value: on the parts where each keeps the joint
+    dim; put back together first where the text is one position long (its part's squeeze
+    would drop the dim the whole keeps). Exact either way."""
+    from ringify.passes.folds.joints import fold_joint_sequences
+
+    class Joint(torch.nn.Module):
+        def forward(self, text, image):
+            y = torch.cat([text, image], 1).squeeze() * 2
+            return y[:text_len], y[text_len:]
+
+    text, image = torch.randn(1, text_len, 4), torch.randn(1, 8, 4)
+    gm = torch.export.export(Joint(), (text, image), strict=False).module()
+    assert fold_joint_sequences(gm) == (0 if text_len == 1 else 1)
+    gm.recompile()
+    for got, want in zip(gm(text, image), Joint()(text, image), strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)

@@ -81,8 +81,9 @@ class Composition:
 
 
 # a decode step reads its cache through cats of empty constants, which the others drop
-ONE_LENGTH = Composition((*FOLDS, drop_empty_concatenated))
-MANY_LENGTHS = Composition((*FOLDS, drop_empty_concatenated), general=True)
+_FORWARD_FOLDS = (*FOLDS, drop_empty_concatenated)
+ONE_LENGTH = Composition(_FORWARD_FOLDS)
+MANY_LENGTHS = Composition(_FORWARD_FOLDS, general=True)
 DECODE_STEP = Composition(FOLDS)
 
 

@@ -8,7 +8,7 @@ def gpt2(layers=2, dim=32, heads=4, vocab=64, max_len=128, attn_implementation="
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return _built(
-        GPT2LMHeadModel, GPT2Config, attn_implementation,
+        GPT2Config, GPT2LMHeadModel, attn_implementation,
         n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=max_len,
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, bos_token_id=0,
         eos_token_id=0,
@@ -45,7 +45,7 @@ def _decoder(
 ):
     """A Llama-family causal LM (no cache) of the given shape, SDPA unless told."""
     return _built(
-        model_class, config_class, attn_implementation,
+        config_class, model_class, attn_implementation,
         hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
         vocab_size=vocab, max_position_embeddings=max_len, use_cache=False, bos_token_id=0,
@@ -58,7 +58,7 @@ def t5(encoder_only: bool = False, layers=2, dim=32, heads=4, vocab=64):
     from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
     return _built(
-        T5EncoderModel if encoder_only else T5ForConditionalGeneration, T5Config, "sdpa",
+        T5Config, T5EncoderModel if encoder_only else T5ForConditionalGeneration, "sdpa",
         vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=2 * dim, num_layers=layers,
         num_heads=heads, relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False,
         decoder_start_token_id=0, pad_token_id=0,
@@ -71,7 +71,7 @@ def falcon(new_decoder_architecture: bool, layers=2, dim=32, heads=4, vocab=64):
     from transformers import FalconConfig, FalconForCausalLM
 
     return _built(
-        FalconForCausalLM, FalconConfig, "sdpa",
+        FalconConfig, FalconForCausalLM, "sdpa",
         vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         num_kv_heads=2 if new_decoder_architecture else None,
         new_decoder_architecture=new_decoder_architecture,
@@ -86,7 +86,7 @@ def vit(layers=2, dim=32, heads=4, image_size=32, patch_size=8):
     from transformers import ViTConfig, ViTModel
 
     return _built(
-        ViTModel, ViTConfig, "sdpa",
+        ViTConfig, ViTModel, "sdpa",
         hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=2 * dim, image_size=image_size, patch_size=patch_size, num_channels=3,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -99,7 +99,7 @@ def whisper_encoder(layers=2, dim=32, heads=4, mel_bins=8, frames=32):
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     return _built(
-        WhisperEncoder, WhisperConfig, "sdpa",
+        WhisperConfig, WhisperEncoder, "sdpa",
         d_model=dim, encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=2 * dim,
         num_mel_bins=mel_bins, max_source_positions=frames // 2, dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
@@ -111,7 +111,7 @@ def modernbert(layers=2, dim=32, heads=4, vocab=64, window=8):
     from transformers import ModernBertConfig, ModernBertForMaskedLM
 
     return _built(
-        ModernBertForMaskedLM, ModernBertConfig, "sdpa",
+        ModernBertConfig, ModernBertForMaskedLM, "sdpa",
         vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads,
         layer_types=[("full_attention", "sliding_attention")[i % 2] for i in range(layers)],
@@ -127,7 +127,7 @@ def gemma3(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return _built(
-        Gemma3ForCausalLM, Gemma3TextConfig, "sdpa",
+        Gemma3TextConfig, Gemma3ForCausalLM, "sdpa",
         vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
@@ -143,7 +143,7 @@ def wav2vec2(layers=2, dim=32, heads=4, kernel=8, groups=4):
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
     return _built(
-        Wav2Vec2Model, Wav2Vec2Config, "sdpa",
+        Wav2Vec2Config, Wav2Vec2Model, "sdpa",
         hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=2 * dim, conv_dim=(16, 16), conv_stride=(2, 2), conv_kernel=(2, 2),
         num_conv_pos_embeddings=kernel, num_conv_pos_embedding_groups=groups,
@@ -158,7 +158,7 @@ def siglip_vision(layers=2, dim=32, heads=4, image_size=16, patch_size=4):
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     return _built(
-        SiglipVisionModel, SiglipVisionConfig, "sdpa",
+        SiglipVisionConfig, SiglipVisionModel, "sdpa",
         hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, image_size=image_size, patch_size=patch_size, num_channels=3,
         vision_use_head=True,
@@ -171,7 +171,7 @@ def gemma2(layers=2, dim=32, heads=4, kv_heads=2, vocab=64, window=8):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     return _built(
-        Gemma2ForCausalLM, Gemma2Config, "eager",
+        Gemma2Config, Gemma2ForCausalLM, "eager",
         vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=window,
@@ -186,14 +186,15 @@ def bloom(layers=2, dim=32, heads=4, vocab=64):
     from transformers import BloomConfig, BloomForCausalLM
 
     return _built(
-        BloomForCausalLM, BloomConfig, "eager",
+        BloomConfig, BloomForCausalLM, "eager",
         vocab_size=vocab, hidden_size=dim, n_layer=layers, n_head=heads, use_cache=False,
         pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
 
 
-def _built(model_class, config_class, attn_implementation: str, **fields):
-    """``model_class`` with random weights, from ``config_class(**fields)``."""
+def _built(config_class, model_class, attn_implementation: str, **fields):
+    """``model_class`` with random weights, from ``config_class(**fields)`` (as ``hf_moe.py``'s,
+    without its MoE defaults)."""
     config = config_class(**fields)
     config._attn_implementation = attn_implementation
     return model_class(config)

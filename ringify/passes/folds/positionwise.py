@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, is_tensor, norm_dim, shape
-from ringify.passes.graph.op_dims import CASTS_LIKE, SIZED_VIEWS, SPLITS, result_dim
+from ringify.passes.graph.op_dims import CASTS_LIKE, SIZED_VIEWS, SPLITS, SQUEEZES, result_dim
 
 aten = torch.ops.aten
 
@@ -70,8 +70,8 @@ def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
         return None
     d, nd = found[x].dim, len(shape(x))
     out = result_dim(node, d, nd)
-    if out is None:
-        return None
+    if out is None or (target in SQUEEZES and any(shape(p)[d] == 1 for p in found[x].parts)):
+        return None  # (a part one position long would lose the dim the whole keeps)
     if target in SPLITS:
         return _items(graph, node, found[x], out, seeds)
     parts = []

@@ -41,6 +41,7 @@ KEEPS_POSITIONS = frozenset({
     aten.slice.Tensor, aten.constant_pad_nd.default, aten.pad.default, shifted,
 })  # fmt: skip
 SPLITS = frozenset({aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default})
+SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
 _REDUCTIONS = frozenset({
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
     aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim, aten.logsumexp.default,
@@ -118,7 +119,7 @@ DIM_MAPS: dict[object, DimMap] = {
     aten.permute.default: lambda node, d, nd: norm_dims(node.args[1], nd).index(d),
     aten.t.default: lambda node, d, nd: nd - 1 - d,
     aten.unsqueeze.default: lambda node, d, nd: d + (norm_dim(node.args[1], nd + 1) <= d),
-    **dict.fromkeys((aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default), _squeeze),
+    **dict.fromkeys(SQUEEZES, _squeeze),
     aten.select.int: _select,
     aten.slice.Tensor: lambda node, d, nd: None if norm_dim(argument(node, "dim"), nd) == d else d,
     **dict.fromkeys(_REDUCTIONS, _reduction),
