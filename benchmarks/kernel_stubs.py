@@ -20,7 +20,7 @@ def ringify_stubs(sent: list[float]):
     (``sent``: the bytes they would send, the FLOPs they would run); and the tiles a GPU
     would use and the masks it would keep for a step (``tiles.on_accelerator``), on these
     CPU tensors."""
-    from ringify.runtime.attention import flash
+    from ringify.runtime.attention import blocks, flash, protocol
     from ringify.runtime.collectives import ring as ring_module
     from ringify.runtime.tiling import tiles
 
@@ -42,14 +42,14 @@ def ringify_stubs(sent: list[float]):
             return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
         # bf16 on a GPU: FA2's wrappers run for real (their views and dense copies are host
         # work a GPU pays), only the ATen kernels under them are stubbed (``_FlashKernels``)
-        q, k, v = flash.unit_last_stride(q, k, v)
+        q, k, v = protocol.unit_last_stride(q, k, v)
         return flash.flash_forward(q, k, v, is_causal=is_causal, scale=scale)
 
     def backward(dout, q, k, v, out, lse, *, is_causal, scale, bias=None, **_):
         sent[1] += 2.5 * work(q, k, is_causal)
         if bias is not None:
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dout, q, k, v, out = flash.unit_last_stride(dout, q, k, v, out)
+        dout, q, k, v, out = protocol.unit_last_stride(dout, q, k, v, out)
         return flash.flash_backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale)
 
     def varlen_forward(q, k, v, varlen, *, scale):  # FA2's layout: (rows, heads, D)
@@ -81,7 +81,7 @@ def ringify_stubs(sent: list[float]):
     stack.enter_context(mock.patch.object(tiles, "on_accelerator", lambda _: True))
     stack.enter_context(mock.patch.object(flash, "aten", _FlashKernels))
     # these CPU tensors stand for bf16 ones on a GPU: open pairs run as FA2 varlen calls
-    stack.enter_context(mock.patch.object(flash, "serves_varlen", lambda q: True))
+    stack.enter_context(mock.patch.object(blocks, "serves_varlen", lambda q: True))
     for name in (
         "attention.ops",
         "attention.protocol",

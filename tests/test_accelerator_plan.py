@@ -65,7 +65,7 @@ def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
     import torch.distributed as dist
 
     from ringify.runtime.attention import ops
-    from ringify.runtime.masks import step_layout
+    from ringify.runtime.masks import step_layout, tile_masks
     from ringify.runtime.tiling import tiles
 
     program, inputs, mask = _case(name)
@@ -77,7 +77,7 @@ def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
     expected = [want.detach(), *(x.grad for x in leaves)]
     group, rows = dist.group.WORLD.group_name, SEQ // 2
     worst, calls, evaluated = 0.0, [], []
-    block, evaluate = ops.block_forward, step_layout.evaluate
+    block, evaluate = ops.block_forward, tile_masks.evaluate
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[2])
@@ -86,12 +86,8 @@ def two_layers_on_an_accelerator_plan(name: str, budget: int = 4):
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
         mock.patch.object(ops, "block_forward", counted),
-        # a call's masks evaluated on the device (a layout's on meta tensors, for shapes, not)
-        mock.patch.object(
-            step_layout,
-            "evaluate",
-            lambda *a: (a[4] != "meta" and evaluated.append(1)) or evaluate(*a),
-        ),  # fmt: skip
+        # a call's masks evaluated on the device
+        mock.patch.object(tile_masks, "evaluate", lambda *a: evaluated.append(1) or evaluate(*a)),
         # float64 biases: four times a bf16 step's bytes, within ``budget`` times its budget
         mock.patch.object(
             step_layout, "KEPT_BYTES_PER_ROW", budget * step_layout.KEPT_BYTES_PER_ROW

@@ -8,9 +8,8 @@ import torch
 from test_gpu_readiness import GEOMETRY, N, _case, layer_bodies, meta_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringify.runtime.attention.blocks import merge_block
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
-from ringify.runtime.attention.protocol import Accumulator, RowSum
+from ringify.runtime.attention.protocol import Accumulator, RowSum, merge_block
 from ringify.runtime.attention.spec import AttentionSpec
 
 ROWS = 12

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.attention.blocks import block_forward, math_backward, math_forward, merge_block
+from ringify.runtime.attention.blocks import block_forward, math_backward, math_forward
+from ringify.runtime.attention.protocol import merge_block
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -219,16 +219,16 @@ class _KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
 def test_decode_attention_reads_the_cache_with_its_own_heads_on_cuda_kernels(dtype, masked):
     """The op's CUDA branch (any non-CPU tensor takes it) on the meta device: with GQA the
     8 query heads reach every kernel as 2 heads of 4 rows, the cache unexpanded."""
-    from ringify.runtime.attention.decode import decode_attention_op
+    from ringify.runtime.attention.memory import decode_attention_op
 
     def t(*shape):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
     keep = torch.empty(2, 1, 1, 11, dtype=torch.bool, device="meta") if masked else None
     with _KernelCalls() as log:  # the body itself: a meta tensor given to the op runs its fake
-        out = decode_attention_op._init_fn(
-            t(2, 8, 1, 16), t(2, 2, 10, 16), t(2, 2, 10, 16), t(2, 2, 1, 16), t(2, 2, 1, 16),
-            keep, True, AttentionSpec("", 0.25),
+        out, _ = decode_attention_op._init_fn(
+            t(2, 8, 1, 16), t(2, 2, 10, 16), t(2, 2, 10, 16), keep, [t(2, 2, 1, 16)] * 2, 11,
+            AttentionSpec("", 0.25),
         )  # fmt: skip
     assert out.shape == (2, 8, 1, 16) and out.dtype == dtype
     assert len(log.calls) == 2, log.calls  # the cache's block and the new key's
@@ -241,7 +241,7 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new, sinks,
     """On one rank, float64: the op equals SDPA with GQA over the cached keys and, where this
     rank stores it, the new key, under a mask that hides some of them; with a sink logit per
     head or soft-capped scores, the definition of both (``reference.attention``)."""
-    from ringify.runtime.attention.decode import decode_attention_op
+    from ringify.runtime.attention.memory import decode_attention_op
     from ringify.runtime.attention.reference import attention
 
     g = torch.Generator().manual_seed(0)
@@ -252,8 +252,8 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new, sinks,
     keep[..., -1] = True
     logits = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64) if sinks else None
     spec = AttentionSpec("", 0.25, softcap=softcap)
-    out = decode_attention_op(q, k, v, k_new, v_new, keep, own_new, spec, logits)
     keys = 11 if own_new else 10
+    out, _ = decode_attention_op(q, k, v, keep, [k_new, v_new], keys, spec, sinks=logits)
     want = attention(
         q, torch.cat([k, k_new], 2)[:, :, :keys], torch.cat([v, v_new], 2)[:, :, :keys],
         attn_mask=keep[..., :keys], scale=0.25, enable_gqa=True, sinks=logits, softcap=softcap,

@@ -99,21 +99,20 @@ def recorded_calls(name: str):
     from unittest import mock
 
     from ringify.runtime.attention import ops
-    from ringify.runtime.masks import captures, step_layout
+    from ringify.runtime.masks import captures, tile_masks
     from ringify.runtime.tiling import tiles
 
     evaluated = []
 
-    def evaluate(*args):  # on the device (a layout's on meta tensors, for shapes, not)
-        if args[4] != "meta":
-            evaluated.append(args[2:4])
+    def evaluate(*args):  # by a call, on its device
+        evaluated.append(args[2:4])
         return call_masks_evaluate(*args)
 
-    call_masks_evaluate = step_layout.evaluate
+    call_masks_evaluate = tile_masks.evaluate
     with (
         mock.patch.object(ops, "capturing", lambda device: True),
         mock.patch.object(tiles, "on_accelerator", lambda device_type: True),
-        mock.patch.object(step_layout, "evaluate", evaluate),
+        mock.patch.object(tile_masks, "evaluate", evaluate),
         mock.patch.dict(captures._captured, clear=True),
     ):
         return three_calls(name, new_plan_after_first=True, given=True), len(evaluated)

@@ -128,24 +128,31 @@ def opcheck_beside_the_ring(name: str) -> None:
         for heads, rows in ((8, 1), (2, 5), (2, 5), (2, 1), (2, 1))
     )
     keep = torch.rand(2, 1, 1, 6, generator=g) > 0.3
-    for own_new in (False, True):  # a decode step over this rank's cache part
-        args = (q, k, v, k_new, v_new, keep, own_new, AttentionSpec(name, 0.5))
+    for key_len in (5, 6):  # a decode step over this rank's cache part, and the new key
+        args = (q, k, v, keep, [k_new, v_new], key_len, AttentionSpec(name, 0.5))
         torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
     sinks = torch.randn(1, 8, 1, 1, generator=g, dtype=torch.float64)  # and soft-capped
-    args = (q, k, v, k_new, v_new, keep, True, AttentionSpec(name, 0.5, softcap=2.0), sinks)
+    args = (q, k, v, keep, [k_new, v_new], 6, AttentionSpec(name, 0.5, softcap=2.0), None, sinks)
     torch.library.opcheck(torch.ops.ringify.decode_attention.default, args)
     (q, k, v), _ = ring_args(16)
     k, v = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
     k_text, v_text = (torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
     q_text = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    for queries, sharded in ((q, True), (q_text, False)):  # image queries, then text queries
-        args = (queries, k, v, k_text.requires_grad_(), v_text.requires_grad_(), q.shape[2] * 2)
-        args = (*args, AttentionSpec(name, 0.3, layout="zigzag"), sharded)
-        torch.library.opcheck(torch.ops.ringify.joint_attention.default, args)
-        out, lse = torch.ops.ringify.joint_attention(*args)
-        tensors = (torch.randn_like(out), *args[:5], out, lse)
-        bwd_args = (*(t.detach() for t in tensors), *args[5:])
-        torch.library.opcheck(torch.ops.ringify.joint_attention_backward.default, bwd_args)
+    with pytest.raises(NotImplementedError, match="no backward"):  # generate's: no gradients
+        torch.ops.ringify.decode_attention_backward.default(q, q, k, v, q, q[..., 0], *args[3:])
+    text = [k_text.requires_grad_(), v_text.requires_grad_()]
+    spec = AttentionSpec(name, 0.3, layout="zigzag")
+    joint = torch.ops.ringify.joint_attention, torch.ops.ringify.joint_attention_backward
+    memory = (
+        torch.ops.ringify.joint_memory_attention, torch.ops.ringify.joint_memory_attention_backward
+    )  # fmt: skip
+    for queries, (op, backward) in ((q, joint), (q_text, memory)):  # image, then text queries
+        args = (queries, k, v, None, text, q.shape[2] * 2, spec)
+        torch.library.opcheck(op.default, args)
+        out, lse = op(*args)
+        tensors = (torch.randn_like(out), *args[:3], out, lse)
+        bwd_args = (*(t.detach() for t in tensors), None, [t.detach() for t in text], *args[5:])
+        torch.library.opcheck(backward.default, bwd_args, {"input_grads": [True, True]})
     x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(torch.ops.ringify.with_zero_grads.default, (x, [q_text]))
     torch.library.opcheck(torch.ops.ringify.sequence_dropout.default, (x, 0.25, name))
@@ -411,8 +418,9 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (25): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (29): a new op must join it."""
     import inspect
+    import re
 
     import ringify  # noqa: F401  (registers every op the pass writes)
 
@@ -422,5 +430,5 @@ def test_every_op_is_opchecked():
         if isinstance(getattr(torch.ops.ringify, name), torch._ops.OpOverloadPacket)
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
-    checked = {name for name in registered if f"torch.ops.ringify.{name}.default" in source}
-    assert len(registered) == 26 and checked == registered, registered - checked
+    checked = {name for name in registered if re.search(rf"torch\.ops\.ringify\.{name}\b", source)}
+    assert len(registered) == 29 and checked == registered, registered - checked

@@ -171,7 +171,7 @@ def varlen_layers(name: str, per_chunk: int = 0):
     import torch.distributed as dist
     from test_accelerator_plan import SEQ, _case
 
-    from ringify.runtime.attention import flash, ops
+    from ringify.runtime.attention import blocks, flash, ops
     from ringify.runtime.tiling import tiles
 
     program, inputs, mask = _case(name)
@@ -193,7 +193,7 @@ def varlen_layers(name: str, per_chunk: int = 0):
     group, worst = dist.group.WORLD.group_name, 0.0
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
-        mock.patch.object(flash, "serves_varlen", lambda q: True),
+        mock.patch.object(blocks, "serves_varlen", lambda q: True),
         mock.patch.object(ops, "block_forward", counted(block)),
         mock.patch.object(ops, "varlen_forward", counted(varlen)),
         mock.patch.object(flash, "aten", fa2),
@@ -278,7 +278,7 @@ def hf_model_on_varlen_calls(case: str):
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.runtime.attention import flash
+    from ringify.runtime.attention import blocks, flash
     from ringify.runtime.tiling import tiles
     from ringify.testing import hf_models
 
@@ -299,7 +299,7 @@ def hf_model_on_varlen_calls(case: str):
     calls: list = []
     with (
         mock.patch.object(tiles, "on_accelerator", lambda _: True),
-        mock.patch.object(flash, "serves_varlen", lambda q: True),
+        mock.patch.object(blocks, "serves_varlen", lambda q: True),
         mock.patch.object(flash, "aten", FA2Kernels(calls)),
     ):
         got = ringify(model, ring_size=dist.get_world_size())(input_ids=ids, labels=ids, **kwargs)

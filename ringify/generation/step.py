@@ -140,9 +140,9 @@ class DecodeStep:
                 flat.append(inputs.get(name, source))
         local = [cache.keys(i) for i in range(cache.layers)]
         local += [cache.values(i) for i in range(cache.layers)]
-        own = cache.owner() == self.ring.rank
+        key_len = local[0].shape[2] + (cache.owner() == self.ring.rank)  # the new key: its owner's
         state = state_of(self.model, self.state_names)
-        out = self.module(*state, *flat, *local, cache.positions(), own)
+        out = self.module(*state, *flat, *local, cache.positions(), key_len)
         logits, keys, values = self._places
         return out[logits], [out[i] for i in keys], [out[i] for i in values]
 

@@ -20,13 +20,15 @@ cache type, attention that reads the cache twice) is refused with what is suppor
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
 from ringify.passes.graph.attention_nodes import read_attention
 from ringify.passes.graph.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
-from ringify.runtime.attention.decode import decode_attention
+from ringify.runtime.attention.memory import decode_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 
@@ -45,8 +47,9 @@ class NotDecodable(ValueError):
 def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group_name: str) -> None:
     """Rewrite the exported decode step ``graph`` in place (``cache``: each cache input's
     placeholder -> ("key" | "value", layer)). The inputs it adds, after the graph's own: per
-    layer this rank's cached keys, then per layer its values; this rank's key positions;
-    whether it stores the new token."""
+    layer this rank's cached keys, then per layer its values; this rank's key positions
+    (its cached keys' and the new token's); how many of them it attends to (the new one
+    counts where this rank stores it)."""
     layers = 1 + max(layer for _, layer in cache.values())
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     like = {kind: next(x for x, (k, _) in cache.items() if k == kind) for kind in ("key", "value")}
@@ -54,7 +57,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
         added = _inputs(graph, like, layers)
     local = {("key", i): added[i] for i in range(layers)}
     local |= {("value", i): added[layers + i] for i in range(layers)}
-    positions, own_new = added[-2:]
+    positions, key_len = added[-2:]
     rows: dict[fx.Node, fx.Node] = {}  # mask -> its row at this rank's positions
     done = set()
     for node in list(graph.nodes):
@@ -89,9 +92,10 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
                     rows[mask] = _row(graph, mask, positions)
             keep = rows[mask]
         spec = AttentionSpec(group_name, sdpa_scale(scale, shape(q)[-1]), softcap=softcap)
-        args = (q, k_local, v_local, k_new, v_new, keep, own_new, spec, att.sinks)
+        args = (q, k_local, v_local, keep, [k_new, v_new], key_len, spec, None, att.sinks)
         with graph.inserting_before(node):
-            out = call(graph, decode_attention, args)
+            decoded = call(graph, decode_attention_op._opoverload, args)
+            out = call(graph, operator.getitem, (decoded, 0))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     if len(done) != layers:
@@ -102,7 +106,7 @@ def rewrite_decode(graph: fx.Graph, cache: dict[fx.Node, tuple[str, int]], group
 
 
 def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.Node]:
-    """The placeholders of this rank's cache, positions and ``own_new``, with values whose
+    """The placeholders of this rank's cache, positions and key count, with values whose
     cache length is a new symbol (it differs from rank to rank and step to step); keys and
     values each shaped like the cache's (MLA's values have a head dim of their own)."""
     key = val(like["key"])
@@ -120,10 +124,10 @@ def _inputs(graph: fx.Graph, like: dict[str, fx.Node], layers: int) -> list[fx.N
         f"local_values_{i}" for i in range(layers)
     ]
     for name in reversed(
-        [*names, "positions", "own_new"]
+        [*names, "positions", "key_len"]
     ):  # each goes right after the last placeholder
         made.insert(0, graph.placeholder(name))
-    values = [k] * layers + [v] * layers + [positions, True]
+    values = [k] * layers + [v] * layers + [positions, n + 1]
     for node, value in zip(made, values, strict=True):
         node.meta["val"] = value
     return made

@@ -25,7 +25,7 @@ from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_o
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, call, shape, val
-from ringify.runtime.attention import flash
+from ringify.runtime.attention.blocks import runs_varlen
 from ringify.runtime.attention.protocol import bias_dtype
 from ringify.runtime.collectives.heads import Transport
 from ringify.runtime.masks.captures import host_inputs
@@ -148,7 +148,7 @@ def step_masks_of(
     run FA2 varlen calls): made once per graph, right after the plan, from the program's
     inputs ``whole`` on the device (``runtime/masks/step_masks.py``)."""
     q_val = val(q)
-    varlen = flash.runs_varlen(q_val, softcap)  # as the ring op decides it
+    varlen = runs_varlen(q_val, softcap)  # as the ring op decides it
     key = ("step masks", plan, bias_dtype(q_val), varlen, q_val.device, state.geo.local)
     if key not in state._cache:
         with state.graph.inserting_before(state.after(plan)):

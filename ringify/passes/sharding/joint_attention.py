@@ -3,9 +3,9 @@
 In a diffusion transformer's joint attention one key part is the sharded image sequence and
 the others are replicated text. Sharded queries (the image's) run the ring over the image
 keys and a local block over the text keys; replicated queries (the text's) attend to each
-rank's image keys, merged over the ring, and to the text keys locally: both are
-``ringify::joint_attention``. With every key part replicated it runs as it is, on this
-rank's queries. More than one sharded part is gathered.
+rank's image keys, merged over the ring, and to the text keys locally
+(``ringify::joint_attention`` and ``ringify::joint_memory_attention``). With every key part
+replicated it runs as it is, on this rank's queries. More than one sharded part is gathered.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason
 from ringify.passes.sharding.attention import local_mask, reported
-from ringify.runtime.attention.joint import joint_attention_op
+from ringify.runtime.attention.joint import joint_attention_op, joint_memory_attention_op
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 from ringify.runtime.zero_grads import with_zero_grads
@@ -80,11 +80,12 @@ def rewrite_joint_attention(node: fx.Node, out: Placement, state: PassState) -> 
             state.place[mask_extra] = None
             mask = _sharded_keys_mask(masks[i], queries_sharded, state)
         spec = AttentionSpec(state.group_name, scale, layout=geo.layout)
-        args = (q, keys[i], values[i], *extra, geo.length, spec)
+        text = extra if mask_extra is None else [*extra, mask_extra]
         # the step's plan, shared by the unmasked ring calls (a mask's plan is the call's own)
         plan = step_plan(state, "", [], False, q) if queries_sharded and mask is None else None
-        args += (queries_sharded, mask, mask_extra, plan)
-        joint = call(g, joint_attention_op._opoverload, args)
+        op = joint_attention_op if queries_sharded else joint_memory_attention_op
+        args = (q, keys[i], values[i], mask, text, geo.length, spec, plan)
+        joint = call(g, op._opoverload, args)
         result = call(g, operator.getitem, (joint, 0))
     placed = Seq(2) if queries_sharded else None
     state.place.update({joint: [placed, placed], result: placed})

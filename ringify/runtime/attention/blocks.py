@@ -26,8 +26,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ringify.runtime.attention.capped import capped_backward, capped_forward
-from ringify.runtime.attention.flash import flash_backward, flash_forward, unit_last_stride
+from ringify.runtime.attention.capped import (
+    capped_backward,
+    capped_forward,
+    expand_kv,
+    sum_kv_groups,
+)
+from ringify.runtime.attention.flash import flash_backward, flash_forward
+from ringify.runtime.attention.protocol import unit_last_stride
 
 aten = torch.ops.aten
 
@@ -84,7 +90,7 @@ def block_forward(
         return out, lse.masked_fill_(nan_rows, float("nan"))
     if q_BHsD.dtype in (torch.float16, torch.bfloat16):  # FA2 takes GQA's K/V heads as they are
         return flash_forward(q_BHsD, k_BKtD, v_BKtD, is_causal=is_causal, scale=scale)
-    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    k_BHtD, v_BHtD = expand_kv(q_BHsD, k_BKtD), expand_kv(q_BHsD, v_BKtD)
     if q_BHsD.dtype == torch.float32:
         out, lse, *_ = aten._scaled_dot_product_efficient_attention(
             q_BHsD, k_BHtD, v_BHtD, None, True, 0.0, is_causal, scale=scale
@@ -138,7 +144,7 @@ def block_backward(
         return flash_backward(
             dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
         )
-    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    k_BHtD, v_BHtD = expand_kv(q_BHsD, k_BKtD), expand_kv(q_BHsD, v_BKtD)
     s = q_BHsD.shape[2]
     if q_BHsD.dtype == torch.float32:
         padded_lse = F.pad(lse_BHs.float(), (0, -s % 32))
@@ -162,7 +168,7 @@ def block_backward(
         dq, dk, dv = math_backward(
             dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs, is_causal=is_causal, scale=scale
         )
-    return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
+    return dq, sum_kv_groups(dk, k_BKtD), sum_kv_groups(dv, v_BKtD)
 
 
 def _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale):
@@ -171,7 +177,7 @@ def _masked_forward(q_BHsD, k_BKtD, v_BKtD, bias, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu(
             q_BHsD, k_BKtD, v_BKtD, 0.0, False, attn_mask=bias.to(q_BHsD.dtype), scale=scale
         )
-    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    k_BHtD, v_BHtD = expand_kv(q_BHsD, k_BKtD), expand_kv(q_BHsD, v_BKtD)
     if q_BHsD.dtype == torch.float64:
         return math_forward(q_BHsD, k_BHtD, v_BHtD, is_causal=False, scale=scale, bias=bias)
     # Flash takes no mask: the memory-efficient kernel does, for every half/float dtype.
@@ -190,7 +196,7 @@ def _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias,
             dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, 0.0, False,
             attn_mask=bias.to(q_BHsD.dtype), scale=scale,
         )  # fmt: skip
-    k_BHtD, v_BHtD = _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)
+    k_BHtD, v_BHtD = expand_kv(q_BHsD, k_BKtD), expand_kv(q_BHsD, v_BKtD)
     if q_BHsD.dtype == torch.float64:
         dq, dk, dv = math_backward(
             dout_BHsD, q_BHsD, k_BHtD, v_BHtD, out_BHsD, lse_BHs,
@@ -204,7 +210,7 @@ def _masked_backward(dout_BHsD, q_BHsD, k_BKtD, v_BKtD, out_BHsD, lse_BHs, bias,
             F.pad(lse_BHs.float(), (0, -s % 32)), no_rng, no_rng, 0.0,
             [True, True, True, False], False, scale=scale,
         )  # fmt: skip
-    return dq, _sum_kv_groups(dk, k_BKtD), _sum_kv_groups(dv, v_BKtD)
+    return dq, sum_kv_groups(dk, k_BKtD), sum_kv_groups(dv, v_BKtD)
 
 
 def _cuda_bias(bias, q_BHsD, k_BHtD):
@@ -289,7 +295,7 @@ def bias_backward(
         kwargs = {"softcap": softcap, "is_causal": is_causal, "scale": scale, "bias": bias}
         return capped_backward(*args, **kwargs, bias_grad=True)[3]
     acc = lse_BHs.dtype
-    q, k, v = (x.to(acc) for x in (q_BHsD, _expand_kv(q_BHsD, k_BKtD), _expand_kv(q_BHsD, v_BKtD)))
+    q, k, v = (x.to(acc) for x in (q_BHsD, expand_kv(q_BHsD, k_BKtD), expand_kv(q_BHsD, v_BKtD)))
     dout, out = dout_BHsD.to(acc), out_BHsD.to(acc)
     scores = (q @ k.transpose(-1, -2)) * scale + bias.to(acc)
     if is_causal:
@@ -298,31 +304,6 @@ def bias_backward(
     probs = torch.exp(scores - lse.unsqueeze(-1))
     delta = (dout * out).sum(-1, keepdim=True)
     return probs * (dout @ v.transpose(-1, -2) - delta)
-
-
-def merge_block(
-    out_acc_BHsD: torch.Tensor,
-    lse_acc_BHs: torch.Tensor,
-    out_BHsD: torch.Tensor,
-    lse_BHs: torch.Tensor,
-) -> None:
-    """Fold one block's ``(out, lse)`` into the running accumulators, in place.
-
-    out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written with the
-    weights sigmoid(lse_acc - lse) and sigmoid(lse - lse_acc), so that nothing is
-    exponentiated unguarded and each side is scaled by its own weight (an inf in
-    either side stays inf, as in SDPA; a NaN stays NaN). An empty accumulator
-    (lse_acc = -inf) takes the block exactly (its weight 0); an empty block row
-    (lse = -inf, a masked-out row) leaves it as it is; when both are empty the
-    accumulator stays 0.
-    """
-    acc = out_acc_BHsD.dtype
-    lse_BHs = lse_BHs.to(acc)
-    both_empty = (lse_BHs == float("-inf")) & (lse_acc_BHs == float("-inf"))
-    keep = torch.sigmoid(lse_acc_BHs - lse_BHs).masked_fill_(both_empty, 1.0).unsqueeze(-1)
-    take = torch.sigmoid(lse_BHs - lse_acc_BHs).masked_fill_(both_empty, 0.0).unsqueeze(-1)
-    out_acc_BHsD.mul_(keep).addcmul_(out_BHsD.to(acc), take)
-    torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)
 
 
 def mark_nan_rows(out_BHsD: torch.Tensor, lse_BHs: torch.Tensor) -> torch.Tensor:
@@ -365,8 +346,7 @@ def _rows_holding_nan(x: torch.Tensor) -> torch.Tensor:
 def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool, q_nan=None) -> torch.Tensor:
     """(B, H, s): the rows whose scores include a NaN (in the row's q or a key it sees)."""
     q_nan = _rows_holding_nan(q_BHsD) if q_nan is None else q_nan
-    k_nan = _rows_holding_nan(k_BKtD)
-    k_nan = _expand_kv(q_BHsD, k_nan.unsqueeze(-1)).squeeze(-1)  # (B, H, t)
+    k_nan = _rows_holding_nan(k_BKtD).repeat_interleave(q_BHsD.shape[1] // k_BKtD.shape[1], 1)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
         seen = k_nan.cummax(-1).values[..., torch.arange(s, device=k_nan.device).clamp(max=t - 1)]
@@ -384,15 +364,16 @@ def _above_diagonal(scores: torch.Tensor) -> torch.Tensor:
     return torch.ones(s, t, dtype=torch.bool, device=scores.device).triu(1)
 
 
-def _expand_kv(q_BHsD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
-    """Repeat kv heads for GQA, for kernels that need H == K (local to one block only)."""
-    groups = q_BHsD.shape[1] // kv_BKtD.shape[1]
-    return kv_BKtD if groups == 1 else kv_BKtD.repeat_interleave(groups, dim=1)
+def serves_varlen(q: torch.Tensor) -> bool:
+    """Whether a block of ``q`` may run as FA2 varlen calls (``masks/calls.py``): FA2's own
+    blocks (fp16/bf16 off the CPU), one sequence (the calls' rows are the batch's), and a
+    head dim FA2 takes as it is (a multiple of 8, at most 256)."""
+    fa2 = q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+    return fa2 and q.shape[0] == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
-def _sum_kv_groups(dkv_BHtD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
-    b, h, t, d = dkv_BHtD.shape
-    kv_heads = kv_BKtD.shape[1]
-    if h == kv_heads:
-        return dkv_BHtD
-    return dkv_BHtD.view(b, kv_heads, h // kv_heads, t, d).sum(2)
+def runs_varlen(q: torch.Tensor, softcap: float) -> bool:
+    """Whether a ring call of ``q`` runs open pairs as FA2 varlen calls: FA2's own blocks
+    (``serves_varlen``) and no soft cap (FA2 through ATen takes none). The one answer: the
+    pass lays a step's masks out by it (``masks/step_masks.py``), the ring op runs by it."""
+    return serves_varlen(q) and not softcap

@@ -31,7 +31,7 @@ def capped_forward(
     accumulation dtype (float64 for float64 inputs, else float32). Rows that see no key:
     out 0, lse -inf, as every block kernel here returns them."""
     acc = torch.float64 if q_BHsD.dtype == torch.float64 else torch.float32
-    k, v = (_expanded(q_BHsD, x).to(acc) for x in (k_BKtD, v_BKtD))
+    k, v = (expand_kv(q_BHsD, x).to(acc) for x in (k_BKtD, v_BKtD))
     outs, lses = [], []
     for rows in _chunks(q_BHsD.shape[2]):
         scores, _ = _capped_scores(q_BHsD[:, :, rows].to(acc), k, rows, softcap, scale,
@@ -61,7 +61,7 @@ def capped_backward(
     rows (so its probabilities are the global ones), and with ``bias_grad`` the gradient of
     its bias, (B, H, s, t), last. In the accumulation dtype; dk and dv with K heads."""
     acc = lse_BHs.dtype
-    k, v = (_expanded(q_BHsD, x).to(acc) for x in (k_BKtD, v_BKtD))
+    k, v = (expand_kv(q_BHsD, x).to(acc) for x in (k_BKtD, v_BKtD))
     lse_all = lse_BHs.masked_fill(lse_BHs == float("-inf"), float("inf"))  # empty rows: P = 0
     dq_parts, dbias_parts = [], []
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -77,7 +77,7 @@ def capped_backward(
         dv += probs.transpose(-1, -2) @ dout
         if bias_grad:
             dbias_parts.append(dcapped)
-    grads = (torch.cat(dq_parts, 2), _grouped(dk, k_BKtD), _grouped(dv, v_BKtD))
+    grads = (torch.cat(dq_parts, 2), sum_kv_groups(dk, k_BKtD), sum_kv_groups(dv, v_BKtD))
     return (*grads, torch.cat(dbias_parts, 2)) if bias_grad else grads
 
 
@@ -99,12 +99,14 @@ def _chunks(s: int) -> list[slice]:
     return [slice(i, min(i + ROWS, s)) for i in range(0, s, ROWS)]
 
 
-def _expanded(q_BHsD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+def expand_kv(q_BHsD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+    """Repeat kv heads for GQA, for kernels that need H == K (local to one block only)."""
     groups = q_BHsD.shape[1] // kv_BKtD.shape[1]
     return kv_BKtD if groups == 1 else kv_BKtD.repeat_interleave(groups, dim=1)
 
 
-def _grouped(dkv_BHtD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+def sum_kv_groups(dkv_BHtD: torch.Tensor, kv_BKtD: torch.Tensor) -> torch.Tensor:
+    """A gradient over H heads summed back onto ``kv``'s K heads (``expand_kv``'s adjoint)."""
     b, h, t, d = dkv_BHtD.shape
     heads = kv_BKtD.shape[1]
     return dkv_BHtD if h == heads else dkv_BHtD.view(b, heads, h // heads, t, d).sum(2)

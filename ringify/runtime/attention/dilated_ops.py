@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.attention.blocks import block_backward, block_forward, merge_block
+from ringify.runtime.attention.blocks import block_backward, block_forward
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.attention.protocol import (
@@ -30,6 +30,7 @@ from ringify.runtime.attention.protocol import (
     empty_in_dim_order_of,
     gradients_of,
     in_dim_order_of,
+    merge_block,
 )
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.ring import ring_by_name, sub_ring_name

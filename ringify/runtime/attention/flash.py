@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ringify.runtime.attention.protocol import unit_last_stride
 from ringify.runtime.masks.calls import Varlen
 
 aten = torch.ops.aten
@@ -107,21 +108,6 @@ def _backward_kernel(dout, q, k, v, out, lse, is_causal, scale):
     )  # fmt: skip
 
 
-def serves_varlen(q: torch.Tensor) -> bool:
-    """Whether a block of ``q`` may run as FA2 varlen calls (``masks/calls.py``): FA2's own
-    blocks (fp16/bf16 off the CPU), one sequence (the calls' rows are the batch's), and a
-    head dim FA2 takes as it is (a multiple of 8, at most 256)."""
-    fa2 = q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
-    return fa2 and q.shape[0] == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-
-def runs_varlen(q: torch.Tensor, softcap: float) -> bool:
-    """Whether a ring call of ``q`` runs open pairs as FA2 varlen calls: FA2's own blocks
-    (``serves_varlen``) and no soft cap (FA2 through ATen takes none). The one answer: the
-    pass lays a step's masks out by it (``masks/step_masks.py``), the ring op runs by it."""
-    return serves_varlen(q) and not softcap
-
-
 def varlen_forward(q_sHD, k_tKD, v_tKD, varlen: Varlen, *, scale: float):
     """``(out, lse)``, (1, H, s, D) and (1, H, s), of one varlen call on FA2's layout: q's rows
     and k/v's keys its sequences', side by side, (rows, heads, D) views of a batch of one
@@ -151,12 +137,6 @@ def varlen_backward(dout_sHD, q_sHD, k_tKD, v_tKD, out_sHD, lse_BHs, varlen: Var
         window_size_left=varlen.window[0], window_size_right=varlen.window[1],
     )  # fmt: skip
     return _batch_of_one(dq), _batch_of_one(dk), _batch_of_one(dv)
-
-
-def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The fused kernels read the head dim as contiguous memory (SDPA copies first, too):
-    a k stored head-dim-major and transposed, or a channels-last q, would be misread."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _batch_of_one(x_sHD: torch.Tensor) -> torch.Tensor:

@@ -1,143 +1,84 @@
-"""Attention over a joint sequence: ``ringify::joint_attention``.
+"""Attention over a joint sequence: ``ringify::joint_attention`` and ``ringify::joint_memory_attention``.
 
 Diffusion transformers (SD3, Flux, CogVideoX) attend over text and image tokens put end to
 end: keys ``cat(text, image)``. The image part is long and sharded over the ring; the text
 part is short and every rank holds it whole. Each query row's softmax runs over both, so
 its result is two attentions merged by their log-sum-exp:
 
-- to the sharded keys: the ring (sharded queries, ``ring_attention``) or each rank's part
-  merged over the ring (replicated queries, ``memory_attention``);
-- to the replicated keys (``extra``): one local block on every rank.
+- to the sharded keys: the ring (sharded queries, ``joint_attention`` over ``ring_attention``)
+  or each rank's part merged over the ring (replicated queries, ``joint_memory_attention``
+  over ``memory_attention``);
+- to the replicated keys: one local block on every rank.
 
-``mask`` and ``mask_extra``: the columns of a mask whose rows broadcast (a padding mask of
-the text keys), over the sharded keys (at their global, padded positions for the ring; this
-rank's for the memory merge) and over the extra keys.
+Both follow the attention ops' protocol (``protocol.py``): ``attn_mask`` is the sharded
+part's op's own, and ``mask_inputs`` are ``[k_text, v_text]``, then the columns of a mask
+over the text keys where there is one (its rows broadcast: a padding mask); their gradients
+come back as the protocol's input gradients. With sharded queries the text keys' gradient is
+this rank's rows' part: the pass sums it over the ring (``copy_to_ring``).
 
 Backward: each part's gradients from the merged ``out`` and ``lse`` (the blocks' final
-probabilities), as the ring does per block. The extra keys' gradient from sharded queries
-is this rank's rows' part: the pass sums it over the ring (``copy_to_ring``).
+probabilities), as the ring does per block.
 """
 
 from __future__ import annotations
 
-import torch
-
-from ringify.runtime.attention.blocks import block_backward, block_forward, merge_block
+from ringify.runtime.attention.blocks import bias_backward, block_backward, block_forward
 from ringify.runtime.attention.memory import memory_attention_backward_op, memory_attention_op
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.attention.protocol import (
     accumulation_dtype,
-    empty_attention_outputs,
-    empty_gradients_of,
+    attention_ops,
     gradients_of,
     in_dim_order_of,
+    merge_block,
 )
-from ringify.runtime.attention.spec import SPEC_TYPE, AttentionSpec
-from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
-from ringify.runtime.masks.program import additive_mask
+from ringify.runtime.attention.sinks import sink_grad, with_sinks
+from ringify.runtime.masks.program import additive_mask, sum_to
 
-_ARGS = (
-    "Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, SymInt key_len, "
-    f"{SPEC_TYPE} spec, bool queries_sharded, Tensor? mask=None, Tensor? mask_extra=None"
+
+def _joint(part, part_backward):
+    """The protocol's forward and backward of queries over ``part``'s sharded keys and the
+    text keys given as ``mask_inputs``."""
+
+    def forward(q, k, v, attn_mask, text, key_len, spec, plan=None, sinks=None, step_masks=None):
+        out, lse = part(q, k, v, attn_mask, [], key_len, spec, plan, None, step_masks)
+        k_text, v_text, *mask = text
+        bias = additive_mask(mask[0], q.dtype) if mask else None
+        block = block_forward(q, k_text, v_text, is_causal=False, scale=spec.scale, bias=bias)
+        acc = accumulation_dtype(q.dtype)
+        out, lse = out.to(acc), lse.to(acc)  # the part's own: merged into in place
+        merge_block(out, lse, *block)
+        if sinks is not None:  # once per row, over both parts
+            out, lse = with_sinks(out, lse, sinks)
+        return in_dim_order_of(q, out, q.dtype), lse
+
+    def backward(
+        grad_out, q, k, v, out, lse, attn_mask, text, key_len, spec, plan=None, sinks=None,
+        step_masks=None, mask_grad=False, input_grads=None,
+    ):  # fmt: skip
+        dq, dk, dv, dmask, _, _ = part_backward(
+            grad_out, q, k, v, out, lse, attn_mask, [], key_len, spec, plan, None, step_masks,
+            mask_grad=mask_grad,
+        )  # fmt: skip
+        k_text, v_text, *mask = text
+        bias = additive_mask(mask[0], q.dtype) if mask else None
+        block = (grad_out, q, k_text, v_text, out, lse)
+        dq_text, *dkv_text = block_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
+        dtext = list(gradients_of((k_text, v_text), tuple(dkv_text)))
+        wanted = input_grads or [False] * len(text)
+        if mask and wanted[2]:  # a learned bias over the text keys
+            dbias = bias_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
+            dtext.append(sum_to(dbias, mask[0].shape).to(mask[0].dtype))
+        dsinks = q.new_empty(0) if sinks is None else sink_grad(grad_out, out, lse, sinks)
+        grads = gradients_of((q, k, v), (dq + dq_text, dk, dv))
+        return *grads, dmask, [d for d, w in zip(dtext, wanted, strict=False) if w], dsinks
+
+    return forward, backward
+
+
+joint_attention_op, joint_attention_backward_op = attention_ops(
+    "joint_attention", *_joint(ring_attention_op, ring_attention_backward_op)
 )
-_PLAN = f"{PLAN_TYPE}? plan=None"  # written out: an optional opaque is beyond infer_schema
-
-
-@torch.library.custom_op(
-    "ringify::joint_attention", mutates_args=(), schema=f"({_ARGS}, {_PLAN}) -> (Tensor, Tensor)"
+joint_memory_attention_op, joint_memory_attention_backward_op = attention_ops(
+    "joint_memory_attention", *_joint(memory_attention_op, memory_attention_backward_op)
 )
-def joint_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_extra: torch.Tensor,
-    v_extra: torch.Tensor,
-    key_len: int,
-    spec: AttentionSpec,
-    queries_sharded: bool,
-    mask: torch.Tensor | None = None,
-    mask_extra: torch.Tensor | None = None,
-    plan: RingPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = spec.scale
-    if queries_sharded:
-        out, lse = ring_attention_op(q, k, v, mask, [], key_len, spec, plan)
-    else:
-        out, lse = memory_attention_op(q, k, v, mask, [], key_len, spec)
-    bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
-    extra_out, extra_lse = block_forward(
-        q, k_extra, v_extra, is_causal=False, scale=scale, bias=bias
-    )
-    acc = accumulation_dtype(q.dtype)
-    out_acc, lse_acc = out.to(acc), lse.to(acc).clone()
-    merge_block(out_acc, lse_acc, extra_out, extra_lse)
-    return in_dim_order_of(q, out_acc, q.dtype), lse_acc
-
-
-@joint_attention_op.register_fake
-def _(q, k, v, k_extra, v_extra, key_len, spec, sharded, *masks):
-    return empty_attention_outputs(q)
-
-
-@torch.library.custom_op(
-    "ringify::joint_attention_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor k_extra, Tensor v_extra, "
-        f"Tensor out, Tensor lse, SymInt key_len, {SPEC_TYPE} spec, bool queries_sharded, "
-        f"Tensor? mask=None, Tensor? mask_extra=None, {_PLAN}) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def joint_attention_backward_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_extra: torch.Tensor,
-    v_extra: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    key_len: int,
-    spec: AttentionSpec,
-    queries_sharded: bool,
-    mask: torch.Tensor | None = None,
-    mask_extra: torch.Tensor | None = None,
-    plan: RingPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dk_extra, dv_extra); with sharded queries the extra keys' gradients are
-    this rank's rows' part."""
-    scale = spec.scale
-    op = ring_attention_backward_op if queries_sharded else memory_attention_backward_op
-    dq, dk, dv, *_ = op(grad_out, q, k, v, out, lse, mask, [], key_len, spec, plan)
-    block = (grad_out, q, k_extra, v_extra, out, lse)
-    bias = None if mask_extra is None else additive_mask(mask_extra, q.dtype)
-    dq_extra, dk_extra, dv_extra = block_backward(*block, is_causal=False, scale=scale, bias=bias)
-    grads = (dq + dq_extra, dk, dv, dk_extra, dv_extra)
-    return gradients_of((q, k, v, k_extra, v_extra), grads)
-
-
-@joint_attention_backward_op.register_fake
-def _(grad_out, q, k, v, k_extra, v_extra, out, lse, *flags):
-    return empty_gradients_of((q, k, v, k_extra, v_extra))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, k_extra, v_extra, *flags = inputs
-    # key_len, spec, sharded; then the masks (padding: no gradient) and the plan, which the
-    # call may leave to their defaults
-    flags = [*flags, None, None, None][:6]
-    ctx.flags, ctx.plan = flags[:3], flags[5]
-    ctx.save_for_backward(q, k, v, k_extra, v_extra, *output, *flags[3:5])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    *tensors, mask, mask_extra = ctx.saved_tensors
-    grads = joint_attention_backward_op(
-        grad_out, *tensors, *ctx.flags, mask, mask_extra, plan=ctx.plan
-    )
-    return *grads, *([None] * (len(ctx.flags) + 3))
-
-
-joint_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -13,6 +13,9 @@ this rank's columns.
 follows the attention ops' protocol (``protocol.py``); it takes no program, plan or sinks.
 ``key_len``: keys at global positions >= key_len are padding. ``attn_mask`` holds
 this rank's key columns (padding columns masked).
+
+A decode step is the same merge: ``ringify::decode_attention`` (below), one new token's
+query over a KV cache split across the ring.
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ from ringify.runtime.attention.blocks import (
     bias_backward,
     block_backward,
     block_forward,
+    math_forward,
 )
 from ringify.runtime.attention.protocol import (
     accumulation_dtype,
     attention_ops,
     empty_attention_outputs,
     gradients_of,
+    merge_block,
 )
+from ringify.runtime.attention.sinks import with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import shard_for_rank
 from ringify.runtime.collectives.reduce import all_reduce, max_over_ring
 from ringify.runtime.collectives.ring import LOCAL, ring_by_name
-from ringify.runtime.masks.program import additive_mask
+from ringify.runtime.masks.program import additive_mask, sum_to
 
 
 def _bias(q, k, attn_mask, key_len: int, spec: AttentionSpec):
@@ -103,13 +109,66 @@ def _backward(
     dmask = q.new_empty(0)
     if mask_grad:
         dbias = bias_backward(*block, is_causal=False, scale=spec.scale, bias=bias)
-        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
-        broadcast = [d for d in range(4) if shape[d] == 1 < dbias.shape[d]]
-        dbias = dbias.sum(broadcast, keepdim=True) if broadcast else dbias
-        dmask = dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
+        dmask = sum_to(dbias, attn_mask.shape).to(attn_mask.dtype)
     return *gradients_of((q, k, v), (dq, dk, dv)), dmask, [], q.new_empty(0)
 
 
 memory_attention_op, memory_attention_backward_op = attention_ops(
     "memory_attention", _forward, _backward
 )
+
+
+def _decode_forward(
+    q, k, v, keep, new, key_len, spec: AttentionSpec, plan=None, sinks=None, step_masks=None
+):  # fmt: skip
+    """One decode step's attention (``ringify/generation/step.py``): the new token's query
+    (computed on every rank: one row) over this rank's part of the layer's cache ``k``/``v``
+    and, where this rank stores it (``key_len``, its keys that count, is ``k.shape[2] + 1``),
+    the new key and value ``new`` (a block of its own, merged in, so that the cache is never
+    copied to append it); merged over the ring as ``memory_attention``'s. ``keep``: the mask
+    row at this rank's key columns, cached then new (bool: kept; float: added), or None;
+    ``sinks`` join each row's softmax once, after the ring's merge. No K/V travel."""
+    if plan is not None or step_masks is not None or spec.mask_program or spec.is_causal:
+        raise ValueError("decode_attention takes a mask row only: no plan, program or causality")
+    cached = k.shape[2]
+    out, lse = _decode_block(q, k, v, None if keep is None else keep[..., :cached], spec)
+    acc = accumulation_dtype(q.dtype)
+    out, lse = out.to(acc), lse.to(acc)
+    if key_len > cached:
+        kept = None if keep is None else keep[..., cached:]
+        merge_block(out, lse, *_decode_block(q, *new, kept, spec))
+    out, lse = merge_over_ring(q, out, lse, spec.group_name)
+    if sinks is not None:  # once per row, after the ring's merge
+        out, lse = with_sinks(out, lse, sinks)
+    return empty_attention_outputs(q, v.shape[-1])[0].copy_(out), lse
+
+
+def _decode_block(q, k, v, keep, spec: AttentionSpec):
+    """One block's ``(out, lse)``. With GQA the query heads sharing a kv head are one head's
+    rows (a decode row per query head): the kernel reads the cache with its own K heads,
+    never a copy expanded to H heads, whatever kernel the device picks. A value head dim
+    other than q's (MLA) runs the math formulation: one row of scores, O(cache)."""
+    b, h, s, d = q.shape
+    kv, dv = k.shape[1], v.shape[-1]
+    if s == 1 and h != kv:
+        if keep is not None and keep.dim() == 4 and keep.shape[1] == h:
+            keep = keep.reshape(keep.shape[0], kv, h // kv, keep.shape[-1])
+        out, lse = _decode_block(q.reshape(b, kv, h // kv, d), k, v, keep, spec)
+        return out.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
+    bias = None if keep is None else additive_mask(keep, q.dtype)
+    if dv != d:
+        q, k, v = (x.to(accumulation_dtype(q.dtype)) for x in (q, k, v))
+        return math_forward(q, k, v, is_causal=False, scale=spec.scale, bias=bias)
+    return block_forward(
+        q, k, v, is_causal=False, scale=spec.scale, bias=bias, softcap=spec.softcap
+    )
+
+
+def _decode_backward(*args, **kwargs):
+    raise NotImplementedError(
+        "ringify's decode step has no backward: generate runs it without gradients; to train, "
+        "call the ringified model on whole sequences"
+    )
+
+
+decode_attention_op, _ = attention_ops("decode_attention", _decode_forward, _decode_backward)

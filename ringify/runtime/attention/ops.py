@@ -36,19 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ringify.runtime.attention import flash
 from ringify.runtime.attention.blocks import (
     QueryNaNs,
     bias_backward,
     block_backward,
     block_forward,
     mark_nan_rows,
+    runs_varlen,
 )
-from ringify.runtime.attention.flash import (
-    unit_last_stride,
-    varlen_backward,
-    varlen_forward,
-)
+from ringify.runtime.attention.flash import varlen_backward, varlen_forward
 from ringify.runtime.attention.protocol import (
     Accumulator,
     RowSum,
@@ -57,16 +53,17 @@ from ringify.runtime.attention.protocol import (
     bias_dtype,
     gradients_of,
     in_dim_order_of,
+    unit_last_stride,
 )
 from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import GradSlots, narrow_rows, transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
-from ringify.runtime.masks.captures import capturing, note_captured
+from ringify.runtime.masks.captures import note_captured
 from ringify.runtime.masks.plan import CallGeometry, RingPlan, plan_for
-from ringify.runtime.masks.program import add_program_grads
+from ringify.runtime.masks.program import add_program_grads, sum_to
 from ringify.runtime.masks.tile_masks import tile_of
-from ringify.runtime.tiling.tiles import Visibility
+from ringify.runtime.tiling.tiles import Visibility, capturing
 
 
 def _forward(
@@ -211,7 +208,7 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    varlen = flash.runs_varlen(q, spec.softcap)
+    varlen = runs_varlen(q, spec.softcap)
     return transport, plan.bound_masks(inputs, q.device, bias_dtype(q), varlen, given, recording)
 
 
@@ -229,8 +226,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
         dq_blk, dk_blk, dv_blk, dbias = kernel.backward(saved, kv, b, dmask is not None or biased)
         if dbias is not None and dmask is not None:
             tile = tile_of(dmask, r, held[b.held], b.cols.stop)
-            broadcast = [d for d in range(4) if tile.shape[d] == 1 < dbias.shape[d]]
-            tile += dbias.sum(broadcast, keepdim=True) if broadcast else dbias
+            tile += sum_to(dbias, tile.shape)
         if dbias is not None and learned is not None:
             add_program_grads(*learned, *b.at, dbias)
         dq_sum.add(r, dq_blk)

@@ -3,35 +3,33 @@
 ``attention_ops(name, forward, backward)`` registers ``ringify::<name>`` and
 ``ringify::<name>_backward`` from two plain functions. Every such op takes the same
 arguments and returns the same things, so a kind of attention (the ring, dilated, a
-replicated query's merge over a sharded memory) is its forward and backward only:
+replicated query's merge over a sharded memory, a joint sequence's, a decode step's) is its
+forward and backward only:
 
-    forward(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None,
+    forward(q, k, v, attn_mask, inputs, key_len, spec, plan=None, sinks=None,
             step_masks=None) -> (out, lse)
-    backward(grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec, plan=None,
+    backward(grad_out, q, k, v, out, lse, attn_mask, inputs, key_len, spec, plan=None,
              sinks=None, step_masks=None, mask_grad=False, input_grads=None)
-        -> (dq, dk, dv, d attn_mask, d mask_inputs, d sinks)
+        -> (dq, dk, dv, d attn_mask, d inputs, d sinks)
 
 ``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/plan.py``);
 ``step_masks`` the plan's two tensors from ``ringify::step_masks`` (``masks/step_masks.py``)
-or None.
-d attn_mask is empty unless ``mask_grad`` (a learned bias); d mask_inputs holds a gradient
-for each input ``input_grads`` asks for (a learned program), in order; d sinks is empty
-without sinks. ``out`` has q's dim order in memory, ``lse`` is contiguous, and dq, dk and
-dv have their inputs' dim orders (below), which the fake kernels state.
+or None. ``inputs`` are the op's further tensors: a mask program's O(S) inputs (the ring),
+the text keys and values (``joint.py``), the new key and value (a decode step).
+d attn_mask is empty unless ``mask_grad`` (a learned bias); d inputs holds a gradient
+for each input ``input_grads`` asks for, in order; d sinks is empty without sinks. ``out``
+has q's dim order in memory (its last dim v's), ``lse`` is contiguous, and dq, dk and dv
+have their inputs' dim orders (below), which the fake kernels state.
 
 What a ring call returns and in which dtypes: the accumulation dtype, the bias dtype of a
 block's kernel, outputs laid out in q's dim order and gradients in their inputs'.
 
-Every attention op states its outputs' shapes and strides from these (its fake kernel is
-``empty_attention_outputs``), so the graph pass and the running op agree on them.
-
-A ring call's running result: the blocks' ``(out, lse)`` merged by log-sum-exp.
-
-Merging a block into an empty accumulator (lse = -inf) takes the block exactly
-(``blocks.merge_block``). So the first block that covers every row is taken as the
-accumulator instead of being merged into a zeroed one: no zero-filled buffers and no
-merge to launch (on a GPU, about a dozen launches per call). Its rows that see no key
-already hold out = 0 and lse = -inf (``block_forward``'s contract), as a merge leaves them.
+A ring call's running result: the blocks' ``(out, lse)`` merged by log-sum-exp
+(``merge_block``). Merging a block into an empty accumulator (lse = -inf) takes the block
+exactly. So the first block that covers every row is taken as the accumulator instead of
+being merged into a zeroed one: no zero-filled buffers and no merge to launch (on a GPU,
+about a dozen launches per call). Its rows that see no key already hold out = 0 and
+lse = -inf (``block_forward``'s contract), as a merge leaves them.
 """
 
 from __future__ import annotations
@@ -41,13 +39,12 @@ from collections.abc import Callable
 
 import torch
 
-from ringify.runtime.attention.blocks import merge_block
 from ringify.runtime.attention.spec import SPEC_TYPE
 from ringify.runtime.attention.transport import ShardRows
 from ringify.runtime.masks.plan import PLAN_TYPE
 
 # Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
-_CALL = f"Tensor? attn_mask, Tensor[] mask_inputs, SymInt key_len, {SPEC_TYPE} spec"
+_CALL = f"Tensor? attn_mask, Tensor[] inputs, SymInt key_len, {SPEC_TYPE} spec"
 _EXTRAS = f"{PLAN_TYPE}? plan=None, Tensor? sinks=None, Tensor[]? step_masks=None"
 FORWARD = f"(Tensor q, Tensor k, Tensor v, {_CALL}, {_EXTRAS}) -> (Tensor, Tensor)"
 BACKWARD = (
@@ -55,7 +52,7 @@ BACKWARD = (
     f"{_EXTRAS}, bool mask_grad=False, bool[]? input_grads=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)"
 )
-_FORWARD_ARGS = 10  # q, k, v, attn_mask, mask_inputs, key_len, spec, plan, sinks, step_masks
+_FORWARD_ARGS = 10  # q, k, v, attn_mask, inputs, key_len, spec, plan, sinks, step_masks
 
 
 def attention_ops(name: str, forward: Callable, backward: Callable) -> tuple:
@@ -76,33 +73,33 @@ def attention_ops(name: str, forward: Callable, backward: Callable) -> tuple:
 
 
 def _forward_fake(
-    q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None, step_masks=None
+    q, k, v, attn_mask, inputs, key_len, spec, plan=None, sinks=None, step_masks=None
 ):
-    return empty_attention_outputs(q)
+    return empty_attention_outputs(q, v.shape[-1])
 
 
 def _backward_fake(
-    grad_out, q, k, v, out, lse, attn_mask, mask_inputs, key_len, spec, plan=None, sinks=None,
+    grad_out, q, k, v, out, lse, attn_mask, inputs, key_len, spec, plan=None, sinks=None,
     step_masks=None, mask_grad=False, input_grads=None,
 ):  # fmt: skip
     grads = empty_gradients_of((q, k, v))
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    wanted = input_grads or [False] * len(mask_inputs)
-    dinputs = [torch.empty_like(x) for x, w in zip(mask_inputs, wanted, strict=True) if w]
+    wanted = input_grads or [False] * len(inputs)
+    dinputs = [torch.empty_like(x) for x, w in zip(inputs, wanted, strict=True) if w]
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return *grads, dmask, dinputs, dsinks
 
 
 def _setup_context(ctx, inputs, output):
     # the call may leave the plan, the sinks and the step's masks to their defaults
-    q, k, v, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan, sinks, step_masks = (
+    q, k, v, attn_mask, tensors, ctx.key_len, ctx.spec, ctx.plan, sinks, step_masks = (
         *inputs,
         *[None] * (_FORWARD_ARGS - len(inputs)),
     )
-    ctx.input_grads = [x.requires_grad for x in mask_inputs]
+    ctx.input_grads = [x.requires_grad for x in tensors]
     ctx.n_step_masks = None if step_masks is None else len(step_masks)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *(step_masks or ()), *mask_inputs)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, *(step_masks or ()), *tensors)
     ctx.mark_non_differentiable(lse)
 
 
@@ -110,10 +107,10 @@ def _backward(backward_op, ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask, sinks, *rest = ctx.saved_tensors
     n_masks = ctx.n_step_masks or 0
     step_masks = None if ctx.n_step_masks is None else rest[:n_masks]
-    mask_inputs = rest[n_masks:]
+    inputs = rest[n_masks:]
     mask_grad = ctx.needs_input_grad[3]  # a learned bias
     dq, dk, dv, dmask, dinputs, dsinks = backward_op(
-        grad_out, q, k, v, out, lse, attn_mask, mask_inputs, ctx.key_len, ctx.spec, ctx.plan,
+        grad_out, q, k, v, out, lse, attn_mask, inputs, ctx.key_len, ctx.spec, ctx.plan,
         sinks, step_masks, mask_grad=mask_grad, input_grads=ctx.input_grads,
     )  # fmt: skip
     given = iter(dinputs)
@@ -295,3 +292,34 @@ def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if x.dtype != dtype:
         return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
     return x if x.is_contiguous() else x.contiguous()
+
+
+def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused kernels read the head dim as contiguous memory (SDPA copies first, too):
+    a k stored head-dim-major and transposed, or a channels-last q, would be misread."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def merge_block(
+    out_acc_BHsD: torch.Tensor,
+    lse_acc_BHs: torch.Tensor,
+    out_BHsD: torch.Tensor,
+    lse_BHs: torch.Tensor,
+) -> None:
+    """Fold one block's ``(out, lse)`` into the running accumulators, in place.
+
+    out = (e^lse_acc * out_acc + e^lse * out) / (e^lse_acc + e^lse), written with the
+    weights sigmoid(lse_acc - lse) and sigmoid(lse - lse_acc), so that nothing is
+    exponentiated unguarded and each side is scaled by its own weight (an inf in
+    either side stays inf, as in SDPA; a NaN stays NaN). An empty accumulator
+    (lse_acc = -inf) takes the block exactly (its weight 0); an empty block row
+    (lse = -inf, a masked-out row) leaves it as it is; when both are empty the
+    accumulator stays 0.
+    """
+    acc = out_acc_BHsD.dtype
+    lse_BHs = lse_BHs.to(acc)
+    both_empty = (lse_BHs == float("-inf")) & (lse_acc_BHs == float("-inf"))
+    keep = torch.sigmoid(lse_acc_BHs - lse_BHs).masked_fill_(both_empty, 1.0).unsqueeze(-1)
+    take = torch.sigmoid(lse_BHs - lse_acc_BHs).masked_fill_(both_empty, 0.0).unsqueeze(-1)
+    out_acc_BHsD.mul_(keep).addcmul_(out_BHsD.to(acc), take)
+    torch.logaddexp(lse_acc_BHs, lse_BHs, out=lse_acc_BHs)

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from ringify.runtime.tiling.tiles import capturing
+
 # The fix the errors about CUDA graphs name.
 NO_GRAPHS = "compile without CUDA graphs (torch.compile(..., mode='max-autotune-no-cudagraphs'))"
 
 # Per site, the content of the plan that CUDA graphs recorded ring calls with.
 _captured: dict[tuple, object] = {}
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being recorded into a CUDA graph now."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def note_captured(key: tuple | None) -> None:

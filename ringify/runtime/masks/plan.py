@@ -45,14 +45,8 @@ from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
 from ringify.runtime.masks.bounds import program_tiles_per_chunk
 from ringify.runtime.masks.captures import check_captured, host_copy
 from ringify.runtime.masks.program import evaluate, parse
-from ringify.runtime.masks.step_layout import (
-    CallMasks,
-    Capacity,
-    GivenMasks,
-    StepLayout,
-    step_layout,
-)
-from ringify.runtime.masks.tile_masks import TileMasks
+from ringify.runtime.masks.step_layout import Capacity, GivenMasks, StepLayout, step_layout
+from ringify.runtime.masks.tile_masks import CallMasks, TileMasks
 from ringify.runtime.tiling import tiles
 from ringify.runtime.tiling.tiles import (
     Tile,

@@ -270,11 +270,11 @@ def add_program_grads(
             if grad is None or not isinstance(a, dict):
                 continue
             if "op" in a and results[a["op"]].is_floating_point():
-                grad = _sum_to(grad, results[a["op"]].shape)
+                grad = sum_to(grad, results[a["op"]].shape)
                 pending[a["op"]] = pending[a["op"]] + grad if a["op"] in pending else grad
             elif "in" in a and grads[a["in"]] is not None:
                 view = into[a["in"]]
-                view += _sum_to(grad, view.shape).to(view.dtype)
+                view += sum_to(grad, view.shape).to(view.dtype)
 
 
 def _vjp(op: str, vals: list, out, g, q_pos, k_pos) -> list:
@@ -315,13 +315,13 @@ def _vjp(op: str, vals: list, out, g, q_pos, k_pos) -> list:
 
 def _embedding_grad(table: torch.Tensor, index: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The table's gradient from ``g`` (…, E, rows, cols) of ``embed``'s result."""
-    g = _sum_to(g, (1, table.shape[1], *g.shape[-2:]))[0].permute(1, 2, 0)  # rows, cols, E
+    g = sum_to(g, (1, table.shape[1], *g.shape[-2:]))[0].permute(1, 2, 0)  # rows, cols, E
     index = index.reshape(index.shape[-2:]).expand(g.shape[:2])
     out = torch.zeros(table.shape, dtype=g.dtype, device=g.device)
     return out.index_put_((index,), g, accumulate=True)
 
 
-def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
+def sum_to(g: torch.Tensor, shape) -> torch.Tensor:
     """``g`` summed over the dims along which ``shape`` was broadcast to reach ``g``'s."""
     shape = tuple(shape)
     lead = g.dim() - len(shape)

@@ -10,13 +10,18 @@ From the same answers, without evaluating anything, ``last_steps`` says how far
 round the ring each rank's key tiles are needed: beyond that step they are not sent
 (a sliding window's keys go one rank on, not round the whole ring).
 
-All of it is decided on the host, once per plan; ``step_layout.CallMasks`` binds the
-answers to one call on its device.
+All of it is decided on the host, once per plan. A ``CallMasks`` binds those answers to one
+call: the program's inputs as the call holds them, its device, the step's masks
+(``step_layout.GivenMasks``: made once per step by ``ringify::step_masks``) and the plan's
+pair counts. Under a program it gives each masked block its bias and each varlen call its
+sequences on the device: from the step's masks, or, for what they lack, made in the call.
+Nothing here reads a device tensor on the host.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from typing import NamedTuple
 
@@ -32,7 +37,7 @@ from ringify.runtime.masks.calls import (
     joined_varlen,
 )
 from ringify.runtime.masks.open_blocks import OpenPair, open_pair
-from ringify.runtime.masks.program import additive_mask, parse
+from ringify.runtime.masks.program import MaskProgram, additive_mask, evaluate, parse
 from ringify.runtime.tiling.tiles import Tile, Visibility, all_tiles, sub_ring_tiles, visibility
 
 
@@ -56,7 +61,7 @@ class TileMasks:
     host copies of its inputs (``masks/plan.py`` makes them once per model call), so
     that nothing here reads a device tensor or mixes one with a host tensor. The blocks
     that need their mask evaluate it from the inputs of the call they run in, on its
-    device (``step_layout.CallMasks``): device work, no host read."""
+    device (``CallMasks``): device work, no host read."""
 
     def __init__(
         self, home, ring_size, attn_mask, is_causal, key_len, program, inputs, varlen=False
@@ -262,6 +267,11 @@ def _whole(block: Block, q_tile: Tile, k_tile: Tile) -> bool:
     return unmasked and block.cols.start == 0 and block.rows == q_tile.rows
 
 
+def block_key(block: Block) -> tuple[int, int, int, int]:
+    rows, cols = block.at
+    return rows.start, rows.stop, cols.start, cols.stop
+
+
 def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.Tensor:
     """``mask`` (or its gradient) viewed as 4-D, at one tile pair's rows and key columns
     (a size-1 query or key dim stays a broadcast); a view, to read or to add into."""
@@ -269,3 +279,79 @@ def tile_of(mask: torch.Tensor, rows: slice, k_tile: Tile, keys: int) -> torch.T
     q_part = rows if mask.shape[2] > 1 else slice(None)
     k_part = slice(k_tile.start, k_tile.start + keys) if mask.shape[3] > 1 else slice(None)
     return mask[:, :, q_part, k_part]
+
+
+class CallMasks:
+    """``masks``' blocks for a call on ``device`` whose program inputs are ``inputs`` and
+    whose step's masks are ``given`` (or None), its biases in ``dtype`` and its open pairs
+    run as FA2 varlen calls where ``varlen``; the pairs it sees counted into ``counts`` (by
+    each ``Visibility``'s value). (An op's body runs below autograd: nothing computed here
+    from ``inputs`` is recorded.) ``copies``: whether the call may copy varlen sequences
+    from the host (not in a CUDA graph's recording)."""
+
+    def __init__(
+        self, masks: TileMasks, inputs: list[torch.Tensor], device: torch.device,
+        dtype: torch.dtype, varlen: bool, given, counts: Counter,
+        copies: bool = True,
+    ) -> None:  # fmt: skip
+        self.masks, self.inputs, self.device = masks, inputs, device
+        self.dtype, self.varlen, self.given = dtype, varlen, given
+        self.counts, self.copies = counts, copies
+
+    @property
+    def program(self) -> MaskProgram | None:
+        return self.masks.program
+
+    def skip(self, mine: list[Tile], held: int) -> None:
+        """Count the pairs of a step at which the held tiles did not come: all hidden."""
+        self.counts[Visibility.HIDDEN.value] += len(mine) * held
+
+    def pairs(self, mine, held, count: bool = False, biased: bool = False, joinable: bool = False):
+        """Every ``Block`` with work at a step (``TileMasks.step_blocks``): a mask tensor's
+        with their biases (the call's own, made as they are used); a program's from the
+        step's blocks, the masked ones with their bias and the varlen calls with their
+        sequences on the device. ``count``: the pairs are counted (a forward call)."""
+        masks, dtype = self.masks, self.dtype
+        if masks.mask is not None:  # a mask tensor: the call's own, biases and all
+            counts: Counter = Counter()
+            yield from masks.blocks(mine, held, dtype, counts, biased, joinable, False)
+            if count:
+                self.counts.update({seen.value: n for seen, n in counts.items()})
+            return
+        step = masks.step_blocks(mine, held, dtype, biased, joinable, self.varlen and not biased)
+        sequences = self._sequences(step) if step.varlen else []
+        if sequences is None:  # recorded, and the step's masks lack its sequences
+            step = masks.step_blocks(mine, held, dtype, biased, joinable, False)
+            sequences = []
+        if count:
+            for seen, n in step.counts:
+                self.counts[seen] += n
+        sequences = iter(sequences)
+        for b in step.blocks:
+            if b.varlen is not None:
+                yield dataclasses.replace(
+                    b, varlen=dataclasses.replace(b.varlen, cu=next(sequences))
+                )
+            elif b.seen is Visibility.MASKED:
+                yield self._biased(b)
+            else:
+                yield b
+
+    def _biased(self, block: Block) -> Block:
+        """A program's masked block with its mask as a bias on the call's device: from the
+        step's masks, or evaluated here."""
+        bias = None if self.given is None else self.given.bias(block_key(block))
+        if bias is None:
+            mask = evaluate(self.masks.program, self.inputs, *block.at, self.device)
+            bias = additive_mask(mask, self.dtype)
+        return dataclasses.replace(block, bias=bias)
+
+    def _sequences(self, step: Step) -> list[torch.Tensor] | None:
+        """The ``cu`` of the step's varlen blocks on the call's device: from the step's masks,
+        or copied there in one host-to-device copy; None where neither may be."""
+        given = None if self.given is None else self.given.step_sequences(step)
+        if given is not None or not self.copies:
+            return given
+        host = [b.varlen.cu for b in step.blocks if b.varlen is not None]
+        device = torch.cat(host, 1).to(self.device, non_blocking=True)
+        return list(device.split([cu.shape[1] for cu in host], 1))

@@ -90,6 +90,11 @@ def on_accelerator(device_type: str) -> bool:
     return device_type != "cpu"
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def tile_rows(device_type: str) -> int:
     """The fewest rows a tile has on ``device_type``: 1024 on the CPU, 4096 on accelerators."""
     return DEVICE_TILE_ROWS if on_accelerator(device_type) else MIN_TILE_ROWS
