@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringify import ringify
-from ringify.passes.graph.report import GatherReason, MaskKind
+from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind
 from ringify.testing.hf_models import falcon, gpt2, llama, t5
 from ringify.testing.models import (
     BiasedAttention,
@@ -118,7 +118,7 @@ def _differences(got, want) -> dict[str, float]:
     }
 
 
-def compare(name, seq, dtype, layout, compile_backend=None):
+def compare(name, seq, dtype, layout, compile_backend=None, strategy="auto"):
     """On every rank: ringified vs unmodified, the largest differences of each kind."""
     import torch.distributed as dist
 
@@ -126,7 +126,7 @@ def compare(name, seq, dtype, layout, compile_backend=None):
     model, g = _build(name, dtype, seq)
     args, kwargs = _inputs(name, seq, dtype, g)
     want = _forward_backward(model, model, args, kwargs)
-    ringified = ringify(model, ring_size=world, layout=layout)
+    ringified = ringify(model, ring_size=world, layout=layout, strategy=strategy)
     run = ringified
     if compile_backend:
         torch._dynamo.reset()
@@ -151,6 +151,7 @@ def compare(name, seq, dtype, layout, compile_backend=None):
             [(a - b).abs().max().item() for a, b in zip(got[3], want[3], strict=True)] or [0.0]
         ),
         "rewritten": len(report.rewritten),
+        "runs": [a.run for a in report.rewritten],
         "masks": [(a.mask, a.mask_shape) for a in report.rewritten],
         "gathers": [(x.op, x.reason) for x in report.gathers],
         "resharded": [(x.entered, x.gathered) for x in report.resharded],
@@ -269,6 +270,22 @@ def test_learned_attention_bias_gets_exact_gradients_from_the_ring(ranks, world,
             assert kinds == ({MaskKind.KEPT} if name == "biased" else {MaskKind.PROGRAM}), r
             if name != "biased" and seq % 8:  # (a length no weight has)
                 assert r["quadratic"] == [], r["quadratic"]
+            for kind in ("logits", "loss", "grads", "inputs"):
+                assert r[kind] <= TOL[torch.float64], (kind, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["t5-encoder", "t5"])
+def test_a_bias_per_head_on_the_all_to_all(ranks, world, name):
+    """``strategy="ulysses"``: T5's learned bias (a table of buckets by heads) differs per head;
+    each rank evaluates its share of the heads' bias, and the table's gradient comes back from
+    every rank's share. Every attention on the all-to-all, exact, at a padded length too."""
+    for seq in (8 * world, 8 * world + 3):
+        args = (name, seq, torch.float64, "zigzag", None, "ulysses")
+        for r in ranks(world).run(compare, *args):
+            assert r["gathers"] == [], r["gathers"]
+            assert r["runs"] == [AttentionRun.ALL_TO_ALL] * r["rewritten"], r["runs"]
+            assert {kind for kind, _ in r["masks"]} == {MaskKind.PROGRAM}, r["masks"]
             for kind in ("logits", "loss", "grads", "inputs"):
                 assert r[kind] <= TOL[torch.float64], (kind, r)
 

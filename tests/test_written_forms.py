@@ -1,7 +1,9 @@
 """Attention and sequence ops as models write them, each exact on the ring with nothing gathered:
 a causal mask from constants (``einsum`` scores, ``nn.MultiheadAttention`` given it, with and
 without its weights), nanoGPT's mask cropped from a registered ``tril`` buffer (a program, never
-an S x S tensor per rank), a causal mask extended with ``F.pad`` (a program too), a
+an S x S tensor per rank), a causal mask extended with ``F.pad`` (a program too), ALiBi's bias as
+x-transformers makes it, or cuts it from the buffer it keeps (a program: a table of its
+diagonals, looked up per pair), a
 torchtitan-style layer (RoPE through ``stack``, under
 ``torch.autocast(enabled=False)``; GQA through ``enable_gqa``, ``repeat_interleave`` or
 FlexAttention), a pooled token per row (CLIP's EOS: a few positions taken from their ranks) and
@@ -18,8 +20,8 @@ from ringify.testing.runs import ringified_run
 
 TOL = 1e-10
 CASES = (
-    "einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive", "titan", "titan repeat",
-    "titan flex", "pooled", "routed",
+    "einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive", "alibi", "alibi cached",
+    "titan", "titan repeat", "titan flex", "pooled", "routed",
 )  # fmt: skip
 
 
@@ -34,6 +36,8 @@ def _model(case: str):
         "nanogpt": lambda: models.Block(32, 4, models.AttentionByHand(max_len=128)),
         "pad": lambda: models.ConstantMaskAttention(how="pad"),
         "pad additive": lambda: models.ConstantMaskAttention(how="pad additive"),
+        "alibi": lambda: models.ConstantMaskAttention(how="alibi"),
+        "alibi cached": lambda: models.ConstantMaskAttention(how="alibi cached"),
         "titan": models.RotaryDecoder,
         "titan repeat": lambda: models.RotaryDecoder(gqa="repeat_interleave"),
         "titan flex": lambda: models.RotaryDecoder(gqa="flex"),
@@ -93,5 +97,5 @@ def test_the_form_is_exact_and_nothing_is_gathered(ranks, world, case):
         assert r["out"] <= TOL and r["grads"] <= TOL and r["same grads"], r
         assert r["gathers"] == [], r["gathers"]
         assert r["quadratic"] == [], r["quadratic"]
-        if case in ("einsum", "mha", "mha weights", "nanogpt", "pad", "pad additive"):
+        if not case.startswith(("titan", "pooled", "routed")):
             assert r["masks"] == [MaskKind.PROGRAM], r["masks"]

@@ -269,15 +269,28 @@ class ConstantMaskAttention(nn.Module):
     """Attention under a causal mask built from constants, as research code writes it:
     ``einsum`` scores, ``ones((i, j)).triu(j - i + 1)`` filled (``how="einsum"``), an
     ``nn.MultiheadAttention`` given the mask (``how="mha"``, its weights asked for with
-    ``need_weights``), or SDPA under a causal mask extended with ``F.pad`` by 3 keys every
+    ``need_weights``), SDPA under a causal mask extended with ``F.pad`` by 3 keys every
     query sees (``how="pad"``: a boolean mask padded on the left; ``"pad additive"``: a
-    float mask padded on the left and the top)."""
+    float mask padded on the left and the top), or under ALiBi's bias as x-transformers
+    writes it (``"alibi"``: ``-|j - i| * slope`` from ``arange``, padded over the heads it
+    leaves out, the causal triangle filled; ``"alibi cached"``: made once for 96 positions
+    and kept as a buffer, then cut to the call's, as after x-transformers' first call)."""
 
     def __init__(self, dim=32, heads=4, how="einsum", need_weights=False):
         super().__init__()
         self.heads, self.how, self.need_weights = heads, how, need_weights
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+        if how.startswith("alibi"):
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+            self.register_buffer("slopes", slopes.view(heads, 1, 1), persistent=False)
+        if how == "alibi cached":
+            self.register_buffer("bias", self._alibi(96, 96), persistent=False)
+
+    def _alibi(self, i: int, j: int) -> torch.Tensor:
+        keys, queries = (torch.arange(a, j, device=self.slopes.device) for a in (0, j - i))
+        bias = -(keys.view(1, 1, j) - queries.view(1, i, 1)).abs() * self.slopes
+        return F.pad(bias, (0, 0, 0, 0, 0, 0))  # the heads ALiBi leaves out: none
 
     def forward(self, x):
         b, n, c = x.shape
@@ -285,6 +298,12 @@ class ConstantMaskAttention(nn.Module):
             mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
             return self.mha(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
         q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(c, -1))
+        if self.how.startswith("alibi"):
+            bias = self.bias[..., -n:, -n:] if self.how == "alibi cached" else self._alibi(n, n)
+            hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            mask = bias.masked_fill(hidden, -torch.finfo(bias.dtype).max)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(y.transpose(1, 2).reshape(b, n, c))
         if self.how.startswith("pad"):
             sinks = 3
             if self.how == "pad":

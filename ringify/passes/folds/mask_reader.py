@@ -2,12 +2,15 @@
 
 ``read_program`` walks back from the mask to where its queries x keys part begins: nodes
 with both a query and a key dim are the program (elementwise ops, ``tril``/``triu``, a
-crop of a registered triangle buffer, ``F.pad``, a small table looked up at a queries x
-keys index), the tensors feeding them are its inputs. ``NotAProgram`` says why a mask is
+crop of a registered triangle buffer, ``F.pad`` and slices, a small table looked up at a
+queries x keys index, a buffer constant along its diagonals), the tensors feeding them are
+its inputs. ``NotAProgram`` says why a mask is
 not one. ``passes/folds/mask_programs.py`` folds what it reads into the graph.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import fx
@@ -90,6 +93,8 @@ class _Reader:
         role = self.role(a)
         if role != "pair":
             ref = self._input(a, role)
+        elif a.op == "get_attr" and _diagonals_buffer(a):
+            ref = self._diagonals(a)
         elif a.op != "call_function":
             raise NotAProgram(
                 f"a {self.queries} x {self.keys} tensor the model was given ({a.name})"
@@ -142,6 +147,8 @@ class _Reader:
             diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
             kind = target.__name__.split(".")[0]
             return self._emit(kind, [self.visit(args[0]), self._shifted(diagonal)], node)
+        if target is aten.slice.Tensor:
+            return self._cropped(node)
         if target in _PADS:
             return self._padded(node)
         name = _functional(node)
@@ -156,32 +163,55 @@ class _Reader:
         top, _, left, _ = self._pad
         return diagonal + left - top
 
+    def _part(self, x: fx.Node, around: tuple[int, int, int, int]) -> tuple[dict, int, int]:
+        """``x`` read as the part of the queries x keys dims that ``around`` (top, bottom,
+        left, right; > 0 padding, < 0 a crop) makes the mask, in the mask's coordinates:
+        its inputs padded or cropped alike (O(S)); and the part's queries and keys."""
+        top, bottom, left, right = around
+        outer = self.queries, self.keys, self._pad
+        self.queries, self.keys = self.queries - top - bottom, self.keys - left - right
+        self._pad = tuple(a + b for a, b in zip(self._pad, around, strict=True))
+        try:
+            return self.visit(x), self.queries, self.keys
+        finally:
+            self.queries, self.keys, self._pad = outer
+
+    def _cropped(self, node: fx.Node) -> dict:
+        """A slice of the queries x keys part (a bias made for more positions, cut to the
+        call's): the part read in the cropped coordinates; a slice that cuts nothing is the
+        part itself."""
+        x, dim = node.args[:2]
+        ndim, size = len(shape(x)), shape(x)[node.args[1] % len(shape(x))]
+        start, stop, step = slice_bounds(node, size)
+        if (start, stop, step) == (0, size, 1):
+            return self.visit(x)
+        if step != 1 or dim % ndim < ndim - 2:
+            raise NotAProgram(f"{node.name}: a strided slice, or one of a leading dim")
+        cut = (-start, stop - size)
+        return self._part(x, (*cut, 0, 0) if dim % ndim == ndim - 2 else (0, 0, *cut))[0]
+
     def _padded(self, node: fx.Node) -> dict:
         """``F.pad`` of the queries x keys part (a causal mask extended by a prefix, say): the
         part read in the padded coordinates, its inputs padded alike (O(S)), and ``value``
-        outside it, where the global positions say so."""
+        outside it, where the global positions say so. A pad of nothing is the part itself."""
         x, spec = node.args[:2]
         if node.target is aten.constant_pad_nd.default:
             mode, value = "constant", node.args[2] if len(node.args) > 2 else 0
         else:
             mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
             value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+        if not any(spec):
+            return self.visit(x)
         if mode != "constant" or len(spec) > 4 or min(spec) < 0:
             raise NotAProgram(f"{node.name}: F.pad other than a constant's on queries x keys")
         left, right, top, bottom = [*spec, 0, 0, 0, 0][:4]
-        outer = self.queries, self.keys, self._pad
         q0, k0 = self._pad[0] + top, self._pad[2] + left  # the part's first global positions
-        self.queries, self.keys = self.queries - top - bottom, self.keys - left - right
-        self._pad = tuple(a + b for a, b in zip(self._pad, (top, bottom, left, right), strict=True))
-        try:
-            part = self.visit(x)
-            inside = [
-                self._emit(op, [{"pos": axis}, bound], node, "bool")
-                for axis, first, size in (("q", q0, self.queries), ("k", k0, self.keys))
-                for op, bound in (("ge.Scalar", first), ("lt.Scalar", first + size))
-            ]
-        finally:
-            self.queries, self.keys, self._pad = outer
+        part, queries, keys = self._part(x, (top, bottom, left, right))
+        inside = [
+            self._emit(op, [{"pos": axis}, bound], node, "bool")
+            for axis, first, size in (("q", q0, queries), ("k", k0, keys))
+            for op, bound in (("ge.Scalar", first), ("lt.Scalar", first + size))
+        ]
         while len(inside) > 1:
             inside = [self._emit("logical_and.default", inside[:2], node, "bool"), *inside[2:]]
         value = 0 if value is None else value
@@ -189,6 +219,26 @@ class _Reader:
             value = bool(value)
         kept = self._emit("where.ScalarOther", [inside[0], part, value], node)
         return self._emit("cast", [kept], node)  # where's type promotion undone
+
+    def _diagonals(self, buffer: fx.Node) -> dict:
+        """A buffer of the model constant along each diagonal (ALiBi's ``-|j - i| * slope``
+        kept for later calls): its diagonals as a table (``_diagonals_buffer``), looked up at
+        each pair's key - query offset, in the buffer's own coordinates."""
+        rows, cols = shape(buffer)[-2:]
+        g = buffer.graph
+        with g.inserting_before(buffer.next):  # in order, right after the buffer
+            first_col = call(g, aten.slice.Tensor, (buffer, -2, 1, rows))
+            first_col = call(g, aten.select.int, (first_col, -1, 0))
+            below = call(g, aten.flip.default, (first_col, [-1]))
+            above = call(g, aten.select.int, (buffer, -2, 0))
+            flat = call(g, aten.cat.default, ([below, above], -1))
+            heads = math.prod(shape(buffer)[:-2])
+            flat = call(g, aten.reshape.default, (flat, [heads, rows + cols - 1]))
+            table = call(g, aten.permute.default, (flat, [1, 0]))
+        top, _, left, _ = self._pad  # the buffer's (i, j) at the mask's (i + top, j + left)
+        offset = self._emit("sub.Tensor", [{"pos": "k"}, {"pos": "q"}], buffer, "int64")
+        index = self._emit("add.Tensor", [offset, rows - 1 + top - left], buffer, "int64")
+        return self._emit("embed", [self._input(table, "p"), index], buffer)
 
     def _embedding(self, node: fx.Node) -> dict:
         """``embedding(table, index).permute(2, 0, 1)``: a (heads, queries, keys) bias."""
@@ -243,6 +293,22 @@ def _triangle_buffer(node: fx.Node) -> tuple[str, int] | None:
         if torch.equal(square, getattr(torch, kind)(ones, diagonal)):
             return kind, diagonal
     return None
+
+
+_LARGEST_DIAGONALS = 1 << 26  # a buffer's elements up to which its diagonals are checked
+
+
+def _diagonals_buffer(node: fx.Node) -> bool:
+    """Whether ``node`` is a buffer of the model whose values are constant along each
+    diagonal of its last two dims, one leading dim at most beyond size 1 (heads): checked by
+    value, once per trace (the buffer exists already)."""
+    owner = node.graph.owning_module
+    value = owner.get_buffer(node.target) if owner is not None else None
+    if value is None or value.numel() > _LARGEST_DIAGONALS or value.dim() < 2:
+        return False
+    if sum(d > 1 for d in value.shape[:-2]) > 1 or min(value.shape[-2:]) < 2:
+        return False
+    return torch.equal(value[..., 1:, 1:], value[..., :-1, :-1])
 
 
 def _functional(node: fx.Node) -> str:

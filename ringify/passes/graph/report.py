@@ -24,9 +24,7 @@ class MaskKind(enum.Enum):
 
 class AttentionRun(enum.Enum):
     RING = "ring attention"
-    ALL_TO_ALL = (
-        "all-to-all: every row of this rank's share of the heads (Ulysses, or USP's hybrid)"
-    )
+    ALL_TO_ALL = "all-to-all over heads, then every row of this rank's (Ulysses, USP's hybrid)"
     LOCAL = "local: this rank's queries, the whole replicated memory"
     MEMORY = "memory: every query, this rank's keys, merged over the ring"
     GATHERED = "gathered: runs on the full sequence (see gathers)"

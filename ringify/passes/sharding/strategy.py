@@ -41,8 +41,9 @@ def _trained(state: PassState) -> bool:
 def choose_transport(att, state: PassState) -> tuple[Transport, str]:
     """``(transport, why the ring was kept)`` of a sharded attention under the strategy asked
     for: the all-to-all where its heads divide by the ranks it spans (GQA's K/V repeated as
-    far as needed) and its mask is the same for every head (a program or none). ``"auto"``:
-    the transport the paper model makes fastest on GPUs; the ring on CPU ranks."""
+    far as needed) and its mask is a program or none (one per head too: each rank evaluates
+    its share of the heads). ``"auto"``: the transport the paper model makes fastest on GPUs;
+    the ring on CPU ranks."""
     strategy, ring = state.strategy, Transport(state.geo.ring_size)
     if strategy in (None, ring) or state.dilation is not None or ring.size == 1:
         return ring, ""
@@ -56,8 +57,6 @@ def choose_transport(att, state: PassState) -> tuple[Transport, str]:
         return ring, f"its {heads} heads do not divide by the all-to-all's {u} ranks"
     if att.mask is not None and att.mask.target is not program_mask:
         return ring, "its mask is a tensor of this rank's rows (not a program)"
-    if att.mask is not None and len(shape(att.mask)) == 4 and shape(att.mask)[1] > 1:
-        return ring, "its mask differs per head"
     return picked, ""
 
 

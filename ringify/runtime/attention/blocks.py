@@ -346,7 +346,8 @@ def _rows_holding_nan(x: torch.Tensor) -> torch.Tensor:
 def _rows_seeing_nan(q_BHsD, k_BKtD, is_causal: bool, q_nan=None) -> torch.Tensor:
     """(B, H, s): the rows whose scores include a NaN (in the row's q or a key it sees)."""
     q_nan = _rows_holding_nan(q_BHsD) if q_nan is None else q_nan
-    k_nan = _rows_holding_nan(k_BKtD).repeat_interleave(q_BHsD.shape[1] // k_BKtD.shape[1], 1)
+    k_nan, groups = _rows_holding_nan(k_BKtD), q_BHsD.shape[1] // k_BKtD.shape[1]
+    k_nan = k_nan if groups == 1 else k_nan.repeat_interleave(groups, 1)  # (B, H, t)
     s, t = q_nan.shape[-1], k_nan.shape[-1]
     if is_causal:  # row i sees keys 0..i (top-left)
         seen = k_nan.cummax(-1).values[..., torch.arange(s, device=k_nan.device).clamp(max=t - 1)]

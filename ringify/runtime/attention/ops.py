@@ -208,8 +208,9 @@ def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, 
         note_captured(plan.key)
     plan.count_call()
     transport = transport_for(ring, plan, q, k)
-    varlen = runs_varlen(q, spec.softcap)
-    return transport, plan.bound_masks(inputs, q.device, bias_dtype(q), varlen, given, recording)
+    varlen, heads = runs_varlen(q, spec.softcap), transport.head_share
+    masks = plan.bound_masks(inputs, q.device, bias_dtype(q), varlen, given, recording, heads)
+    return transport, masks
 
 
 def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned, spec, acc):
@@ -228,7 +229,7 @@ def _tiles_backward(held, kv, slots, mine, masks, saved, dq_sum, dmask, learned,
             tile = tile_of(dmask, r, held[b.held], b.cols.stop)
             tile += sum_to(dbias, tile.shape)
         if dbias is not None and learned is not None:
-            add_program_grads(*learned, *b.at, dbias)
+            add_program_grads(*learned, *b.at, masks.every_head(dbias))
         dq_sum.add(r, dq_blk)
         for which, grad in enumerate((dk_blk, dv_blk)):
             for slot, rows, part in slots.parts(which, b):

@@ -66,6 +66,11 @@ class P2PRing:
     def keys_in(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
+    @property
+    def head_share(self) -> tuple[int, int]:
+        """``(i, n)``: this rank attends with the i-th of n equal shares of the heads: all."""
+        return 0, 1
+
     def visits(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple]:
         """``(own, step, src, held, kv)`` per visit (``schedule.ring_visits``)."""
         return ring_visits(self.ring, k, v, self.plan.home, self.plan.masks.last_steps)
@@ -109,6 +114,10 @@ class AllToAll(P2PRing):
         if self.repeats > 1:
             k, v = (x.repeat_interleave(self.repeats, dim=1) for x in (k, v))
         return to_heads(k, self.group), to_heads(v, self.group)
+
+    @property
+    def head_share(self) -> tuple[int, int]:
+        return self.group.rank, self.group.size  # ``to_heads``: rank r keeps the r-th share
 
     def queries_home(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [to_sequence(x, self.group) for x in tensors]

@@ -44,7 +44,6 @@ from ringify.runtime.collectives.ring import Ring, ring_by_name, served_devices
 from ringify.runtime.masks.balance import balanced_tiling, min_gain_area
 from ringify.runtime.masks.bounds import program_tiles_per_chunk
 from ringify.runtime.masks.captures import check_captured, host_copy
-from ringify.runtime.masks.program import evaluate, parse
 from ringify.runtime.masks.step_layout import Capacity, GivenMasks, StepLayout, step_layout
 from ringify.runtime.masks.tile_masks import CallMasks, TileMasks
 from ringify.runtime.tiling import tiles
@@ -136,12 +135,14 @@ class RingPlan(OpaqueBase):
     def bound_masks(
         self, inputs: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
         varlen: bool, step_masks: list[torch.Tensor] | None, recording: bool = False,
+        heads: tuple[int, int] = (0, 1),
     ) -> CallMasks:  # fmt: skip
         """The tile masks of a call of this step on ``device``, its program's ``inputs`` as the
         call holds them and ``step_masks`` the step's masks (None: none given), for biases in
         ``dtype`` and FA2 varlen calls where ``varlen``; its pairs counted here.
         ``recording``: the call is being recorded into a CUDA graph, so it copies no varlen
-        sequences from the host (a copy a graph cannot record)."""
+        sequences from the host (a copy a graph cannot record). ``heads``: the share of the
+        heads the call attends with (an all-to-all's, ``P2PRing.head_share``)."""
         given = None
         if step_masks is not None:
             biases, sequences = step_masks
@@ -153,7 +154,7 @@ class RingPlan(OpaqueBase):
             capacity = Capacity(biases.shape[0], sequences.shape[1])
             given = GivenMasks(self.step_layout(dtype, varlen, capacity), biases, sequences)
         return CallMasks(
-            self.masks, inputs, device, dtype, varlen, given, self.tile_pairs, not recording
+            self.masks, inputs, device, dtype, varlen, given, self.tile_pairs, not recording, heads
         )
 
     def tile_counts(self) -> dict[Visibility, int]:
@@ -255,12 +256,8 @@ def _decided(ring: Ring, g: CallGeometry, program: str, host, transport: Transpo
 def _over_heads(ring: Ring, g: CallGeometry, program: str, host, u: int) -> tuple:
     """What a call decides whose all-to-all spans groups of ``u`` ranks: the plan of a ring of
     the P / u groups (one rank's, over every row, where u = P), group j holding every row of
-    its ranks' shards side by side, in rank order, as the all-to-all lays them."""
-    if program and evaluate(parse(program), host, slice(0, 1), slice(0, 1), "cpu").shape[1] > 1:
-        raise ValueError(
-            "the all-to-all transport splits the heads, and this mask program differs per "
-            "head (a learned per-head bias); use the ring for this attention"
-        )
+    its ranks' shards side by side, in rank order, as the all-to-all lays them (a mask that
+    differs per head is cut to each rank's share of them: ``CallMasks``)."""
     home, rows = _program_home(ring, g, program, host), g.rows
 
     @functools.cache

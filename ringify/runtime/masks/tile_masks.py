@@ -287,16 +287,19 @@ class CallMasks:
     run as FA2 varlen calls where ``varlen``; the pairs it sees counted into ``counts`` (by
     each ``Visibility``'s value). (An op's body runs below autograd: nothing computed here
     from ``inputs`` is recorded.) ``copies``: whether the call may copy varlen sequences
-    from the host (not in a CUDA graph's recording)."""
+    from the host (not in a CUDA graph's recording). ``heads``: ``(i, n)``, the call attends
+    with the i-th of n shares of the heads (an all-to-all's): a mask that differs per head is
+    cut to it."""
 
     def __init__(
         self, masks: TileMasks, inputs: list[torch.Tensor], device: torch.device,
         dtype: torch.dtype, varlen: bool, given, counts: Counter,
-        copies: bool = True,
+        copies: bool = True, heads: tuple[int, int] = (0, 1),
     ) -> None:  # fmt: skip
         self.masks, self.inputs, self.device = masks, inputs, device
         self.dtype, self.varlen, self.given = dtype, varlen, given
-        self.counts, self.copies = counts, copies
+        self.counts, self.copies, self.heads = counts, copies, heads
+        self.mask_heads = 1  # the heads a program's mask has (``_biased`` reads them)
 
     @property
     def program(self) -> MaskProgram | None:
@@ -343,8 +346,23 @@ class CallMasks:
         bias = None if self.given is None else self.given.bias(block_key(block))
         if bias is None:
             mask = evaluate(self.masks.program, self.inputs, *block.at, self.device)
+            i, n = self.heads
+            self.mask_heads = mask.shape[1]  # the program's, the same for every block
+            if n > 1 and mask.shape[1] > 1:  # a mask per head: this call's share of them
+                share = mask.shape[1] // n
+                mask = mask[:, i * share : (i + 1) * share]
             bias = additive_mask(mask, self.dtype)
         return dataclasses.replace(block, bias=bias)
+
+    def every_head(self, grad: torch.Tensor) -> torch.Tensor:
+        """A block's bias gradient over the call's share of the heads as the program's gradient
+        reads it: over every head the program makes (zero beyond the share)."""
+        i, n = self.heads
+        if n == 1 or self.mask_heads == 1:  # a mask for every head alike: summed over them
+            return grad
+        every = grad.new_zeros(grad.shape[0], grad.shape[1] * n, *grad.shape[2:])
+        every[:, i * grad.shape[1] : (i + 1) * grad.shape[1]] = grad
+        return every
 
     def _sequences(self, step: Step) -> list[torch.Tensor] | None:
         """The ``cu`` of the step's varlen blocks on the call's device: from the step's masks,
