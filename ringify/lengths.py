@@ -46,7 +46,7 @@ from ringify.passes.length_integers import (
 from ringify.passes.pipeline import MANY_LENGTHS
 from ringify.runtime.collectives.layout import split_multiple
 from ringify.tensor_parallel import local_for_trace, tp_layers
-from ringify.trace import Rewritten, rewrite
+from ringify.trace import Rewritten, buffers_kept, rewrite
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
         positional = list(inspect.signature(model.forward).bind_partial(*args).arguments)
         names = [*positional, *kwargs]  # the order ``_dynamic_shapes`` gives them in
         dynamic = dict(zip(names, _dynamic_shapes(spec, dims), strict=True))
-        with _as_traced(model):
+        with buffers_kept(model), _as_traced(model):
             exported = torch.export.export(
                 model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
             )

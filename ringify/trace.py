@@ -15,6 +15,8 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -315,6 +317,7 @@ def _export(
     observers = Observers(model)
     try:
         with (
+            buffers_kept(model),
             unsharded_for_trace(units, mode, layers),
             local_for_trace(model, layers, mode),
             recorder,
@@ -332,6 +335,22 @@ def _export(
         raise RuntimeError(export_failure(model, e)) from e
     recorder.check()
     return exported, recorder.regions, observers
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """The model's buffers as they were before a trace, after it: a forward that registers
+    or replaces one as it runs (x-transformers' ALiBi keeps its bias so) would leave a fake
+    tensor of the trace in the user's model. The graph computes such a buffer itself."""
+    kept = [(m, dict(m._buffers), set(m._non_persistent_buffers_set)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, buffers, non_persistent in kept:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
 
 
 def holds_the_models_state(module: nn.Module, model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from ringify.passes.graph.report import AttentionRun
 from ringify.testing.runs import ringified_run
@@ -57,7 +58,8 @@ def _case(name: str, length: int):
         text, text_mask = randn(2, 5, 24), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         return model, (video, torch.tensor([3.0, 500.0]), text, text_mask), {}, None
     if name == "decoder":  # memory from an encoder that is not sharded: 7 positions
-        model = models.transformer_decoder()
+        layer = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        model = nn.TransformerDecoder(layer, 2)
         mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
         kwargs = {"tgt_mask": mask, "tgt_is_causal": True}
         return model, (randn(2, length, 32), randn(2, 7, 32)), kwargs, None

@@ -36,7 +36,7 @@ from ringify.observers import hooked
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
 from ringify.passes.pipeline import DECODE_STEP, folded, lift_state
 from ringify.runtime.collectives.ring import Ring
-from ringify.trace import state_of
+from ringify.trace import buffers_kept, state_of
 
 log = logging.getLogger("ringify")
 _EXAMPLE_LENGTH = 7  # the cache length the step is traced at (not 0 or 1, which export pins)
@@ -86,9 +86,10 @@ class DecodeStep:
                 ", ".join(paths),
             )
         try:
-            exported = torch.export.export(
-                self.model, (), kwargs, dynamic_shapes=dynamic, strict=False
-            )
+            with buffers_kept(self.model):
+                exported = torch.export.export(
+                    self.model, (), kwargs, dynamic_shapes=dynamic, strict=False
+                )
         except Exception as e:
             raise ValueError(
                 f"ringify could not trace {type(self.model).__name__}'s decode step "

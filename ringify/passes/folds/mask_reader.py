@@ -10,8 +10,6 @@ not one. ``passes/folds/mask_programs.py`` folds what it reads into the graph.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import fx
 
@@ -180,15 +178,15 @@ class _Reader:
         """A slice of the queries x keys part (a bias made for more positions, cut to the
         call's): the part read in the cropped coordinates; a slice that cuts nothing is the
         part itself."""
-        x, dim = node.args[:2]
-        ndim, size = len(shape(x)), shape(x)[node.args[1] % len(shape(x))]
+        x, ndim = node.args[0], len(shape(node))
+        dim, size = node.args[1] % ndim, shape(x)[node.args[1] % ndim]
         start, stop, step = slice_bounds(node, size)
         if (start, stop, step) == (0, size, 1):
             return self.visit(x)
-        if step != 1 or dim % ndim < ndim - 2:
+        if step != 1 or dim < ndim - 2:
             raise NotAProgram(f"{node.name}: a strided slice, or one of a leading dim")
         cut = (-start, stop - size)
-        return self._part(x, (*cut, 0, 0) if dim % ndim == ndim - 2 else (0, 0, *cut))[0]
+        return self._part(x, (*cut, 0, 0) if dim == ndim - 2 else (0, 0, *cut))[0]
 
     def _padded(self, node: fx.Node) -> dict:
         """``F.pad`` of the queries x keys part (a causal mask extended by a prefix, say): the
@@ -227,13 +225,12 @@ class _Reader:
         rows, cols = shape(buffer)[-2:]
         g = buffer.graph
         with g.inserting_before(buffer.next):  # in order, right after the buffer
-            first_col = call(g, aten.slice.Tensor, (buffer, -2, 1, rows))
-            first_col = call(g, aten.select.int, (first_col, -1, 0))
-            below = call(g, aten.flip.default, (first_col, [-1]))
-            above = call(g, aten.select.int, (buffer, -2, 0))
-            flat = call(g, aten.cat.default, ([below, above], -1))
-            heads = math.prod(shape(buffer)[:-2])
-            flat = call(g, aten.reshape.default, (flat, [heads, rows + cols - 1]))
+            below = call(g, aten.flip.default, (call(g, aten.select.int, (buffer, -1, 0)), [-1]))
+            row = call(g, aten.select.int, (buffer, -2, 0))  # key - query = 0, 1, ...
+            flat = call(
+                g, aten.cat.default, ([below, call(g, aten.slice.Tensor, (row, -1, 1))], -1)
+            )
+            flat = call(g, aten.reshape.default, (flat, [-1, rows + cols - 1]))  # (heads, ...)
             table = call(g, aten.permute.default, (flat, [1, 0]))
         top, _, left, _ = self._pad  # the buffer's (i, j) at the mask's (i + top, j + left)
         offset = self._emit("sub.Tensor", [{"pos": "k"}, {"pos": "q"}], buffer, "int64")
@@ -311,11 +308,20 @@ def _diagonals_buffer(node: fx.Node) -> bool:
     return torch.equal(value[..., 1:, 1:], value[..., :-1, :-1])
 
 
+# ATen's long spellings of elementwise ops (``torch.subtract``, as einx calls it)
+_ALIASES = {"subtract": "sub", "multiply": "mul", "divide": "div", "negative": "neg",
+            "absolute": "abs", "greater": "gt", "greater_equal": "ge", "less": "lt",
+            "less_equal": "le", "not_equal": "ne"}  # fmt: skip
+
+
 def _functional(node: fx.Node) -> str:
-    """The op's name; an in-place op's functional name where nothing else reads the tensor it
-    writes (T5's ``buckets += ...``)."""
+    """The op's name, by its short spelling; an in-place op's functional name where nothing
+    else reads the tensor it writes (T5's ``buckets += ...``)."""
     name = getattr(node.target, "__name__", str(node.target))
     op, _, overload = name.partition(".")
+    if op.rstrip("_") in _ALIASES:
+        op = _ALIASES[op.rstrip("_")] + "_" * op.endswith("_")
+        name = f"{op}.{overload}"
     if not op.endswith("_") or op.startswith("_"):
         return name
     if writes_only_a_temporary(node):
