@@ -299,13 +299,14 @@ def _diagonals_buffer(node: fx.Node) -> bool:
     """Whether ``node`` is a buffer of the model whose values are constant along each
     diagonal of its last two dims, one leading dim at most beyond size 1 (heads): checked by
     value, once per trace (the buffer exists already)."""
-    owner = node.graph.owning_module
-    value = owner.get_buffer(node.target) if owner is not None else None
-    if value is None or value.numel() > _LARGEST_DIAGONALS or value.dim() < 2:
+    try:
+        value = node.graph.owning_module.get_buffer(node.target)
+    except AttributeError:  # a parameter: learned, never read as a constant's diagonals
         return False
-    if sum(d > 1 for d in value.shape[:-2]) > 1 or min(value.shape[-2:]) < 2:
+    if value.numel() > _LARGEST_DIAGONALS or sum(d > 1 for d in value.shape[:-2]) > 1:
         return False
-    return torch.equal(value[..., 1:, 1:], value[..., :-1, :-1])
+    lengths_ok = value.dim() >= 2 and min(value.shape[-2:]) >= 2
+    return lengths_ok and torch.equal(value[..., 1:, 1:], value[..., :-1, :-1])
 
 
 # ATen's long spellings of elementwise ops (``torch.subtract``, as einx calls it)
