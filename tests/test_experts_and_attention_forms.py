@@ -23,12 +23,18 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "bloom")
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
 
-def _model(name: str):
+def _model(name: str, experts: str | None = None):
+    """The family's small model in float64; ``experts``: its experts run by that HF
+    implementation instead, in float32 (``grouped_mm`` takes no float64)."""
     from ringify.testing import hf_models, hf_moe
 
     torch.manual_seed(0)
     build = getattr(hf_moe, name, None) or getattr(hf_models, name)
-    return build().double()
+    if experts is None:
+        return build().double()
+    model = build().float()
+    model.set_experts_implementation(experts)
+    return model
 
 
 def _results(model, run, ids: torch.Tensor, flipped: bool = False) -> dict[str, torch.Tensor]:
@@ -65,25 +71,36 @@ def _tolerances(want: dict, reordered: dict, float64: dict) -> dict[str, float]:
 
 
 def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
-    """The rows (token copies) each batched expert product of a graph multiplies, from its
-    nodes' values (on a rank, once the pass is done: its local shapes)."""
+    """The rows (token copies) each batched or grouped expert product of a graph multiplies,
+    from its nodes' values (on a rank, once the pass is done: its local shapes)."""
+    from ringify.passes.sharding.dispatch import GROUPED_MM
+
     rows = []
     for m in gm.modules():
         if isinstance(m, torch.fx.GraphModule):
             for n in m.graph.nodes:
-                if n.target is torch.ops.aten.bmm.default and n.meta["val"].dim() == 3:
+                batched = n.target is torch.ops.aten.bmm.default and n.meta["val"].dim() == 3
+                if batched or str(n.target) in GROUPED_MM:
                     rows.append(n.meta["val"].shape[0])
     return rows
 
 
-def compare(name: str, backend: str | None = None, strategy: str = "auto"):
+def compare(
+    name: str,
+    backend: str | None = None,
+    strategy: str = "auto",
+    experts: str | None = None,
+    length: int | None = None,
+):
     import torch.distributed as dist
 
     from ringify.testing.tolerance import differences, exceeding
 
     world = dist.get_world_size()
-    model = _model(name)
-    ids = torch.randint(1, 64, (2, 16 * world), generator=torch.Generator().manual_seed(1))
+    model = _model(name, experts)
+    ids = torch.randint(
+        1, 64, (2, length or 16 * world), generator=torch.Generator().manual_seed(1)
+    )
     want = _results(model, model, ids)
     reordered = _results(model, model, ids.flip(0), flipped=True)
     float64 = want
@@ -119,6 +136,27 @@ def test_the_family_matches_the_unmodified_model(ranks, world, name):
             assert r["forms"] == ["by hand, with sinks"], r["forms"]
         if name == "gemma2":
             assert r["forms"] == ["by hand, soft-capped"], r["forms"]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", MOE)
+def test_grouped_mm_experts(ranks, world, name):
+    """HF's default experts implementation, ``grouped_mm`` (float32: it takes no float64):
+    the routed slots sorted by expert, one grouped product per projection with each
+    expert's count as offsets, the rows put back by the inverse permutation. Each rank
+    sorts and runs its own slots (``passes/sharding/dispatch.py``): nothing gathered."""
+    for r in ranks(world).run(compare, name, None, "auto", "grouped_mm", timeout=600):
+        assert r["wrong"] == {}, r["wrong"]
+        assert r["same grads"] and r["gathers"] == [], r
+        assert r["expert rows"] and set(r["expert rows"]) == {r["token copies"] // world}, r
+
+
+def test_grouped_mm_experts_on_a_padded_sequence(ranks):
+    """29 tokens on 2 ranks, padded to 32: each rank sorts its slots, its padding's too (the
+    offsets count them), and the padding's results are never read."""
+    for r in ranks(2).run(compare, "qwen3_moe", None, "auto", "grouped_mm", 29, timeout=600):
+        assert r["wrong"] == {} and r["same grads"] and r["gathers"] == [], r
+        assert set(r["expert rows"]) == {2 * 16 * 2}, r  # batch x padded half x top-k
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss", "gemma2"])

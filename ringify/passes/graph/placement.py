@@ -10,7 +10,8 @@ loss), and ``unit`` the positions an element stands for: 1, or a grid's row afte
 view splits the sequence into (rows, columns), as an unpatchify does, where every
 rank's shard is whole rows. Every rank holds the same ``outer`` and ``inner`` and its
 own positions, so two tensors with the same ``Seq`` line up element by element. A
-node with several outputs has a list of placements.
+node with several outputs has a list of placements. ``order``: a sort whose order this
+rank's elements are in instead of by position (an MoE's token dispatch, ``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Seq:
     dim: int
     inner: int = 1
     unit: int = 1
+    order: fx.Node | None = None
 
     def at(self, dim: int) -> Seq:
         """The same sequence factor, moved to ``dim`` (by a transpose, a squeeze, ...)."""
@@ -119,10 +121,10 @@ def view_placement(in_shape, seq: Seq, out_shape, geometry: SequenceGeometry) ->
         if units < 2 or (inner_e * out_shape[e]) % (stride * units):
             continue  # the sequence does not lie within dims e...
         if stride % inner_e == 0:
-            return Seq(e, stride // inner_e, seq.unit)
+            return dataclasses.replace(seq, dim=e, inner=stride // inner_e)
         rows = inner_e // stride  # units per element of e: a row of a grid
         if inner_e % stride == 0 and rows < units and units % rows == 0:
-            if geometry.holds_units(seq.unit * rows):
+            if geometry.holds_units(seq.unit * rows) and seq.order is None:
                 return Seq(e, 1, seq.unit * rows)
             grid = grid or seq.unit * rows
     if grid is None:
@@ -142,6 +144,7 @@ class Placements:
     geometry: SequenceGeometry
     of: dict[fx.Node, Placement] = field(default_factory=dict)
     meetings: list[tuple[fx.Node, Seq]] = field(default_factory=list)
+    dispatches: dict = field(default_factory=dict)  # sort -> its kept ``dispatch.Dispatch``
 
     def __getitem__(self, node) -> Placement:
         return self.of.get(node)

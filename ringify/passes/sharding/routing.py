@@ -6,7 +6,8 @@ experts (``topk`` over the experts' dim), the token is repeated once per chosen 
 tables indexed by the chosen ids), and the copies are summed back. Every rank can route and
 compute its own tokens only, so the rules keep the tokens sharded through all of it:
 
-- ``topk``/``sort`` along another dim than the sequence: local, both outputs sharded alike;
+- ``topk``/``sort``/``argsort`` along another dim than the sequence: local, both outputs
+  sharded alike; along it, the sort of a token dispatch (``dispatch.py``);
 - ``repeat_interleave`` of an int count along the sequence: each position's elements
   repeated, a placement whose ``inner`` is multiplied by the count;
 - ``one_hot``: a new last dim; ``zeros_like`` and its kin: placed as their model;
@@ -25,14 +26,15 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.crossings import PassState, Rule, as_it_is
-from ringify.passes.graph.nodes import norm_dim, shape, val
+from ringify.passes.graph.nodes import argument, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.sharding import dispatch
 from ringify.passes.sharding.reductions import masked_padding
 from ringify.runtime.collectives.reduce import reduce_from_ring
 
 aten = torch.ops.aten
-SELECTIONS = frozenset({aten.topk.default, aten.sort.default, aten.sort.stable})
+SELECTIONS = frozenset({aten.topk.default, *dispatch.SORTS, *dispatch.ARGSORTS})
 LIKE = frozenset({
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
     aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
@@ -43,14 +45,13 @@ SCATTERS = frozenset({aten.scatter.value, aten.scatter.src, aten.scatter.reduce,
 
 @sharded_first
 def infer_selection(node, place, p: Seq, ndim: int):
-    """``topk``/``sort`` along ``dim``: local off the sequence (values and indices alike)."""
-    if node.target is aten.topk.default:
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
-    else:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
-    if norm_dim(dim, ndim) == p.dim:
+    """``topk``/``sort``/``argsort`` along ``dim``: local off the sequence (values and indices
+    alike); along it, a token dispatch's sort (``dispatch.py``) or a fallback."""
+    if node in place.dispatches:
+        return dispatch.sorted_rows(node, place)
+    if norm_dim(argument(node, "dim"), ndim) == p.dim:
         return Fallback(GatherReason.ALONG_SEQUENCE)
-    return [p, p]
+    return p if node.target in dispatch.ARGSORTS else [p, p]
 
 
 @sharded_first
@@ -196,6 +197,8 @@ def infer_scatter_add(node, place: Placements):
     if place[ids] != place[src] or not place.sharded(ids):
         return Fallback(GatherReason.MIXED_DIMS)
     p = place[ids]
+    if p.order is not None:  # a token dispatch's combine
+        return dispatch.infer_combine(node, place)
     if p.dim != dim:
         return p if place[base] == p else Fallback(GatherReason.MIXED_DIMS)
     return None if not place.sharded(base) else Fallback(GatherReason.ALONG_SEQUENCE)

@@ -33,6 +33,7 @@ from ringify.passes.sharding import (
     along,
     attention,
     dims,
+    dispatch,
     indexing,
     joint_attention,
     products,
@@ -49,7 +50,7 @@ aten = torch.ops.aten
 # elementwise with broadcasting, as the pointwise tag's ops, but their overloads are untagged
 UNTAGGED_POINTWISE = frozenset({
     aten.log_sigmoid.default, aten.hardswish.default, aten.rsub.Tensor, aten.masked_fill.Tensor,
-    aten.where.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.where.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.floor_divide.default,
 })  # fmt: skip
 # new tensors that take only their input's dtype and device: replicated
 NEW_TENSORS = frozenset({
@@ -94,9 +95,13 @@ def _infer_embedding(node, place: Placements):
 
 
 def _infer_index(node, place: Placements):
-    """Indexing a sharded tensor, or a replicated table by sharded ids (MoE's experts)."""
+    """Indexing a sharded tensor, or a replicated table by sharded ids (MoE's experts), or
+    picking rows in a token dispatch's order."""
     if is_table_lookup(node, place):
         return infer_table_rows(node, place)
+    first = node.args[1][0] if node.args[1] else None
+    if place.sharded(first) and (place[first].order or place[node.args[0]].order):
+        return dispatch.infer_pick(node, place)
     return infer_index(node, place)
 
 
@@ -147,6 +152,7 @@ RULES: dict[object, Rule] = {
     **products.RULES,
     **reductions.RULES,
     **routing.RULES,
+    **dispatch.RULES,
     **along.RULES,
     **attention.RULES,
     **joint_attention.RULES,
@@ -156,6 +162,8 @@ RULES: dict[object, Rule] = {
 def rule_for(target) -> Rule | None:
     if target in RULES:
         return RULES[target]
+    if str(target) in dispatch.NAMED:  # ops of libraries ringify does not import
+        return dispatch.NAMED[str(target)]
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return POINTWISE
     return None
@@ -186,8 +194,19 @@ def infer_placements(
     graph: fx.Graph, geometry: SequenceGeometry, seeds: dict[fx.Node, Seq]
 ) -> Inference:
     """Placements of every node from those of the ``seeds`` (inputs, or nodes where the
-    sequence is born; the other inputs are replicated)."""
-    place = Placements(geometry)
+    sequence is born; the other inputs are replicated). A token dispatch whose region the
+    inference does not place whole is inferred again without it (``dispatch.py``)."""
+    dispatches = dispatch.find(graph)
+    while True:
+        inference = _inferred(graph, geometry, seeds, dispatches)
+        failed = dispatch.failed(dispatches, inference.place, inference.decisions)
+        if not failed:
+            return inference
+        dispatches = {s: d for s, d in dispatches.items() if s not in failed}
+
+
+def _inferred(graph: fx.Graph, geometry: SequenceGeometry, seeds: dict, dispatches: dict):
+    place = Placements(geometry, dispatches=dispatches)
     decisions: dict[fx.Node, Placement | Fallback] = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node in seeds:
