@@ -97,11 +97,38 @@ def tp_layers(model: nn.Module) -> dict[str, TpLayer]:
     """The model's TP layers by module path (none: ``{}``), after refusing what cannot be kept."""
     layers = {}
     for path, module in model.named_modules():
+        _refuse_titan_parallel(path, module)
         style, mesh = _style_of(module)
         if style is None:
             continue
         layers[path] = _layer(path, module, style, mesh)
     return layers
+
+
+def _refuse_titan_parallel(path: str, module: nn.Module) -> None:
+    """Refuse a module that torchtitan 0.3 parallelized itself: ``Module.parallelize``'s
+    redistributions (its ``ShardingConfig``) over a TP or CP dim of more than one rank, or
+    its own context parallelism (``apply_cp_to_forward``). Neither is read yet, and its
+    collectives are no ATen ops ``torch.export`` records."""
+    forward = module.__dict__.get("forward")
+    name = getattr(forward, "__qualname__", "")
+    dims = _closure(forward).get("parallel_dims") if "forward_with_redistribution" in name else None
+    where = f"{path or 'the model'} ({type(module).__name__})"
+    if "apply_cp_to_forward" in name or getattr(dims, "cp", 1) > 1:
+        raise ValueError(
+            f"{where} runs torchtitan's own context parallelism (context_parallel_degree > 1): "
+            "ringify is the context parallelism. Set context_parallel_degree=1 in torchtitan's "
+            "parallelism config and ringify over your cp mesh dim: ringify(model, ring_size=cp, "
+            'mesh=mesh["cp"]).'
+        )
+    if getattr(dims, "tp", 1) > 1:
+        raise ValueError(
+            f"{where} was parallelized by torchtitan 0.3's Module.parallelize (its "
+            "ShardingConfig, tensor_parallel_degree > 1), whose redistributions ringify does not "
+            "read. Set tensor_parallel_degree=1 for torchtitan and parallelize for TP with "
+            "torch's parallelize_module (ColwiseParallel/RowwiseParallel on a (dp, tp, cp) mesh, "
+            f"README: 'Tensor parallelism beside the ring'), then ringify. {_COMPOSES}"
+        )
 
 
 def check_beside(layers: dict[str, TpLayer], ring_group) -> None:

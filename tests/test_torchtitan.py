@@ -454,3 +454,53 @@ def compiled_with_other_documents():
 def test_compiled_with_the_masks_of_other_documents(ranks):
     for differences, traces in ranks(2).run(compiled_with_other_documents, timeout=300):
         assert traces == 1 and max(differences) < TOL, (differences, traces)
+
+
+def titan_parallelized(kind: str):
+    """torchtitan 0.3 parallelizing llama3 itself, as its trainer does with
+    tensor_parallel_degree=2 (``Module.parallelize`` under the spmd_types backend, its
+    default) or context_parallel_degree=2 (``apply_cp_to_forward``): ringify's error, on
+    every rank."""
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.context_parallel.api import apply_cp_to_forward
+    from torchtitan.distributed.utils import get_spmd_context
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    from ringify import ringify
+
+    world = dist.get_world_size()
+    config = FAMILIES["llama3"]()
+    config = dataclasses.replace(config, layers=config.layers[:2])
+    set_llama3_sharding_config(config, enable_sp=False)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    tp, cp = (world, 1) if kind == "tp" else (1, world)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, ep=1, world_size=world)
+    dims.build_mesh()
+    with get_spmd_context(parallel_dims=dims)():
+        if kind == "tp":
+            model.parallelize(dims)
+        else:
+            layers = model.layers.values()
+            apply_cp_to_forward([b.attention.inner_attention for b in layers], dims.get_mesh("cp"))
+        tokens, positions = _inputs(model, 16 * world, False)
+        masks = model.get_attention_masks(positions)
+        try:
+            with _flex(flex_attention), torch.no_grad():
+                ringify(model, ring_size=world)(tokens, positions=positions, attention_masks=masks)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["tp", "cp"])
+def test_torchtitan_parallelizing_itself_is_refused(ranks, kind):
+    """Its TP redistributions are collectives torch.export does not record (spmd_types
+    calls c10d in place), and its own CP would gather K/V under the ring: refused, naming
+    the setting to change, on every rank."""
+    setting = {"tp": "tensor_parallel_degree=1", "cp": "context_parallel_degree=1"}[kind]
+    for error in ranks(2).run(titan_parallelized, kind, timeout=300):
+        assert error is not None and setting in error, error
