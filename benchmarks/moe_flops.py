@@ -1,12 +1,14 @@
 """Expert work per rank of mixture-of-experts LMs on the ring, counted from the graphs.
 
 For HF Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss (``ringify/testing/hf_moe.py``: tiny configs,
-experts run by HF's ``batched_mm``), batch 2 of ``--seq`` tokens: the FLOPs of every batched
-expert product (``bmm``: 2 x rows x inner x outer, from each node's value) and the rows it
-multiplies, in the unmodified model's exported graph and in one rank's rewritten graph, on
-rings of 2 and 4. Counted, not timed: the ratio per rank is what a GPU's expert work becomes.
+experts run by HF's ``batched_mm``, or with ``--experts grouped_mm`` by HF's default, in
+float32: the routed slots sorted by expert), batch 2 of ``--seq`` tokens: the FLOPs of every
+expert product (``bmm``, or a grouped product: 2 x rows x inner x outer, from each node's
+value) and the rows it multiplies, in the unmodified model's exported graph and in one rank's
+rewritten graph, on rings of 2 and 4. Counted, not timed: the ratio per rank is what a GPU's
+expert work becomes.
 
-    python -m benchmarks.moe_flops --seq 256
+    python -m benchmarks.moe_flops --seq 256 [--experts grouped_mm]
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
 
 def expert_work(gm) -> tuple[int, int]:
-    """(rows, FLOPs) of every batched expert product of ``gm`` and its submodules."""
+    """(rows, FLOPs) of every batched or grouped expert product of ``gm`` and its submodules
+    (a grouped product multiplies each row by one expert's (inner x outer) matrix)."""
     import torch
+
+    from ringify.passes.sharding.dispatch import GROUPED_MM
 
     rows = flops = 0
     for m in gm.modules():
@@ -34,10 +39,14 @@ def expert_work(gm) -> tuple[int, int]:
                 a, b = (x.meta["val"].shape for x in n.args[:2])
                 rows += a[0]
                 flops += 2 * a[0] * a[1] * a[2] * b[2]
+            elif str(n.target) in GROUPED_MM:
+                a, b = (x.meta["val"].shape for x in n.args[:2])
+                rows += a[0]
+                flops += 2 * a[0] * b[1] * b[2]
     return rows, flops
 
 
-def count(name: str, seq: int) -> dict:
+def count(name: str, seq: int, experts: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -46,6 +55,9 @@ def count(name: str, seq: int) -> dict:
 
     torch.manual_seed(0)
     model = getattr(hf_moe, name)()
+    if experts != "batched_mm":  # grouped_mm takes no float64: the tiny models in float32
+        model = model.float()
+        model.set_experts_implementation(experts)
     ids = torch.randint(1, 64, (2, seq), generator=torch.Generator().manual_seed(1))
     whole = torch.export.export(model, (), {"input_ids": ids, "labels": ids}, strict=False)
     ringified = ringify(model, ring_size=dist.get_world_size())
@@ -60,13 +72,14 @@ def count(name: str, seq: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--experts", default="batched_mm", choices=["batched_mm", "grouped_mm"])
     args = parser.parse_args()
     rows = []
     for world in (2, 4):
         pool = RankPool(world)
         try:
             for name in MODELS:
-                r = pool.run(count, name, args.seq, timeout=900)[0]
+                r = pool.run(count, name, args.seq, args.experts, timeout=900)[0]
                 (whole_rows, whole_flops), (rank_rows, rank_flops) = r["whole"], r["rank"]
                 rows.append([
                     name, world, whole_rows, rank_rows, f"{whole_flops / 1e6:.2f}",
