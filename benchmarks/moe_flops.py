@@ -28,7 +28,7 @@ def expert_work(gm) -> tuple[int, int]:
     (a grouped product multiplies each row by one expert's (inner x outer) matrix)."""
     import torch
 
-    from ringify.passes.sharding.dispatch import GROUPED_MM
+    from ringify.passes.graph.token_dispatch import GROUPED_MM
 
     rows = flops = 0
     for m in gm.modules():

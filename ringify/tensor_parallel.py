@@ -10,6 +10,8 @@ Two ways to parallelize are kept, both on a TP mesh dim beside the ring's:
   ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``). Each style
   replaced the module's ``forward`` by a ``tp_forward`` closure over the style (5.16's
   per-head norms: a backward hook instead).
+- torchtitan 0.3's ``Module.parallelize`` (``titan_parallel.py``): kind ``"titan"``, its
+  states local already, its redistributions traced as ringify's TP ops.
 
 ``tp_layers`` reads each layer's placements into a ``TpLayer``, refusing what it cannot
 keep with what composes; a style it does not know is refused, never run as it is. While ringify traces (``local_for_trace``), each TP weight is a
@@ -36,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ringify.runtime.collectives.ring import ring_by_name
+from ringify.titan_parallel import TitanModule, titan_modules, traced_as_local
 
 _COMPOSES = (
     "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "
@@ -66,6 +69,7 @@ class TpLayer:
     size: int
     vocab: int = 0
     padding_idx: int = -1
+    redistributes: TitanModule | None = None  # kind "titan": what its wrapper did over TP
 
     @property
     def sharded_dim(self) -> int:
@@ -77,6 +81,8 @@ class TpLayer:
         ``shape``): the weight split on ``sharded_dim``, a column-parallel bias with the
         columns, anything else whole."""
         size = list(shape)
+        if self.kind == "titan":  # its states are this rank's shards already
+            return size
         if name == "weight":
             size[self.sharded_dim] //= self.size
         elif name == "bias" and self.kind == "colwise":
@@ -90,45 +96,23 @@ class TpLayer:
         traced as the unparallelized model has it, and the pass makes its weight local."""
         if self.kind == "rowwise":
             return not self.split_input
-        return self.kind != "vocab" and not self.gather_output
+        return (self.kind != "vocab" and not self.gather_output) or self.kind == "titan"
 
 
 def tp_layers(model: nn.Module) -> dict[str, TpLayer]:
     """The model's TP layers by module path (none: ``{}``), after refusing what cannot be kept."""
-    layers = {}
+    layers = {
+        path: TpLayer(path, "titan", False, False, t.group_name, t.size, redistributes=t)
+        for path, t in titan_modules(model).items()
+    }
     for path, module in model.named_modules():
-        _refuse_titan_parallel(path, module)
+        if path in layers:
+            continue
         style, mesh = _style_of(module)
         if style is None:
             continue
         layers[path] = _layer(path, module, style, mesh)
     return layers
-
-
-def _refuse_titan_parallel(path: str, module: nn.Module) -> None:
-    """Refuse a module that torchtitan 0.3 parallelized itself: ``Module.parallelize``'s
-    redistributions (its ``ShardingConfig``) over a TP or CP dim of more than one rank, or
-    its own context parallelism (``apply_cp_to_forward``). Neither is read yet, and its
-    collectives are no ATen ops ``torch.export`` records."""
-    forward = module.__dict__.get("forward")
-    name = getattr(forward, "__qualname__", "")
-    dims = _closure(forward).get("parallel_dims") if "forward_with_redistribution" in name else None
-    where = f"{path or 'the model'} ({type(module).__name__})"
-    if "apply_cp_to_forward" in name or getattr(dims, "cp", 1) > 1:
-        raise ValueError(
-            f"{where} runs torchtitan's own context parallelism (context_parallel_degree > 1): "
-            "ringify is the context parallelism. Set context_parallel_degree=1 in torchtitan's "
-            "parallelism config and ringify over your cp mesh dim: ringify(model, ring_size=cp, "
-            'mesh=mesh["cp"]).'
-        )
-    if getattr(dims, "tp", 1) > 1:
-        raise ValueError(
-            f"{where} was parallelized by torchtitan 0.3's Module.parallelize (its "
-            "ShardingConfig, tensor_parallel_degree > 1), whose redistributions ringify does not "
-            "read. Set tensor_parallel_degree=1 for torchtitan and parallelize for TP with "
-            "torch's parallelize_module (ColwiseParallel/RowwiseParallel on a (dp, tp, cp) mesh, "
-            f"README: 'Tensor parallelism beside the ring'), then ringify. {_COMPOSES}"
-        )
 
 
 def check_beside(layers: dict[str, TpLayer], ring_group) -> None:
@@ -138,6 +122,8 @@ def check_beside(layers: dict[str, TpLayer], ring_group) -> None:
         return
     ring = set(dist.get_process_group_ranks(ring_group))
     for path, layer in layers.items():
+        if layer.size == 1:
+            continue  # torchtitan's wrappers over a CP dim alone: no TP
         tp = set(dist.get_process_group_ranks(ring_by_name(layer.group_name).group))
         if len(tp & ring) > 1:
             raise ValueError(
@@ -185,7 +171,9 @@ def local_for_trace(model: nn.Module, layers: dict[str, TpLayer], fake_mode) -> 
                     del table[key]
             if "forward" in module.__dict__ and _hf_style(module)[0] is not None:
                 forwards.append((module, module.__dict__.pop("forward")))
-        yield
+        titan = {p: layer.redistributes for p, layer in layers.items() if layer.kind == "titan"}
+        with traced_as_local(model, titan):
+            yield
     finally:
         for module, forward in forwards:
             module.forward = forward

@@ -73,7 +73,7 @@ def _tolerances(want: dict, reordered: dict, float64: dict) -> dict[str, float]:
 def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
     """The rows (token copies) each batched or grouped expert product of a graph multiplies,
     from its nodes' values (on a rank, once the pass is done: its local shapes)."""
-    from ringify.passes.sharding.dispatch import GROUPED_MM
+    from ringify.passes.graph.token_dispatch import GROUPED_MM
 
     rows = []
     for m in gm.modules():

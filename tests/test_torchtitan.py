@@ -460,32 +460,117 @@ def test_compiled_with_the_masks_of_other_documents(ranks):
         assert traces == 1 and max(differences) < TOL, (differences, traces)
 
 
-def titan_parallelized(kind: str):
-    """torchtitan 0.3 parallelizing llama3 itself, as its trainer does with
-    tensor_parallel_degree=2 (``Module.parallelize`` under the spmd_types backend, its
-    default) or context_parallel_degree=2 (``apply_cp_to_forward``): ringify's error, on
-    every rank."""
+def _titan_llama(sequence_parallel: bool = False):
+    """torchtitan's llama3 (2 layers) with its sharding configs, as its trainer sets them."""
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    config = FAMILIES["llama3"]()
+    config = dataclasses.replace(config, layers=config.layers[:2])
+    set_llama3_sharding_config(config, enable_sp=sequence_parallel)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    return config, model.double()
+
+
+def _parallel_dims(cp: int, tp: int):
+    """torchtitan's ParallelDims on gloo ranks (its meshes default to CUDA, which FSDP2 then
+    asks for: this runs on the CPU), under its default spmd_types backend."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims.device_type = "cpu"
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, ep=1, world_size=dist.get_world_size()
+    )
+    dims.build_mesh()
+    return dims
+
+
+def titan_tensor_parallel(fsdp: bool):
+    """torchtitan 0.3's own TP (``Module.parallelize`` from the sharding configs) on a
+    (cp, tp) mesh, then ringify over cp (and FSDP2 per layer over cp, as torchtitan's
+    recipe shards over dp x cp): output and every gradient against the unparallelized model,
+    each TP rank's shard of them."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.distributed.utils import get_spmd_context
+
+    from ringify import ringify
+
+    config, reference = _titan_llama()
+    _, model = _titan_llama()
+    dims = _parallel_dims(cp=2, tp=2)
+    tp, cp = dims.get_mesh("tp"), dims.get_mesh("cp")
+    context = get_spmd_context(parallel_dims=dims)
+    with context():
+        model.parallelize(dims)
+    wrapper = model.layers["0"].attention.forward.__qualname__
+    if fsdp:
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=cp)
+    tokens, positions = _inputs(model, 32, False)
+    vocab = config.vocab_size // tp.size()
+    mine = slice(tp.get_local_rank() * vocab, (tp.get_local_rank() + 1) * vocab)
+    with _flex(dense_flex):
+        want, want_grads = _step(reference, reference, tokens, positions)
+    with _flex(flex_attention), context():
+        ringified = ringify(model, ring_size=cp.size(), mesh=cp)
+        run = fully_shard(ringified, mesh=cp) if fsdp else ringified
+        with torch.no_grad():  # the trace under no_grad (CPU flex has no backward)
+            run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+        model.zero_grad(set_to_none=True)
+        out = run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+        weights = torch.randn(
+            want.shape, generator=torch.Generator().manual_seed(7), dtype=want.dtype
+        )
+        (out * weights[..., mine]).sum().backward()  # as ``_step`` weighs the whole vocabulary
+    # the reference's loss over the whole vocabulary: its gradients are the sum of the TP
+    # ranks' losses' gradients, each rank's shard of them this rank's
+    worst = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        whole = want_grads[name]
+        split = [d for d, (a, b) in enumerate(zip(grad.shape, whole.shape, strict=True)) if a != b]
+        shard = whole.chunk(tp.size(), split[0])[tp.get_local_rank()] if split else whole
+        worst = max(worst, ((grad - shard).abs().max() / shard.abs().max()).item())
+    report = ringified.report()
+    return {
+        "out": (out.detach() - want[..., mine]).abs().max().item(),
+        "grads": worst,
+        "gathers": [g.op for g in report.gathers],
+        "tp collectives": len(report.tensor_parallel),
+        "wrapper kept": wrapper == model.layers["0"].attention.forward.__qualname__,
+    }
+
+
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_torchtitan_tensor_parallel_beside_the_ring(ranks, fsdp):
+    """(cp, tp) = (2, 2): each module torchtitan wrapped runs its own forward on its local
+    shards, between its redistributions over TP as ringify's TP ops; torchtitan's own CP
+    axis is the ring's. Exact; the wrappers are the model's again after the trace."""
+    for r in ranks(4).run(titan_tensor_parallel, fsdp, timeout=600):
+        assert r["out"] < TOL and r["grads"] < TOL and r["gathers"] == [], r
+        assert r["tp collectives"] > 0 and r["wrapper kept"], r
+
+
+def titan_refused(kind: str):
+    """torchtitan parallelizing in a way ringify does not keep: sequence parallel inside its
+    TP, or its own CP wrapper (``apply_cp_to_forward``, its DTensor backends' CP): ringify's
+    error, on every rank."""
     import torch.distributed as dist
     from torch.nn.attention.flex_attention import flex_attention
-    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.context_parallel.api import apply_cp_to_forward
     from torchtitan.distributed.utils import get_spmd_context
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     from ringify import ringify
 
     world = dist.get_world_size()
-    config = FAMILIES["llama3"]()
-    config = dataclasses.replace(config, layers=config.layers[:2])
-    set_llama3_sharding_config(config, enable_sp=False)
-    torch.manual_seed(0)
-    model = config.build()
-    model.init_states()
-    tp, cp = (world, 1) if kind == "tp" else (1, world)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, ep=1, world_size=world)
-    dims.build_mesh()
+    _, model = _titan_llama(sequence_parallel=kind == "sp")
+    dims = _parallel_dims(cp=world if kind == "cp" else 1, tp=world if kind == "sp" else 1)
     with get_spmd_context(parallel_dims=dims)():
-        if kind == "tp":
+        if kind == "sp":
             model.parallelize(dims)
         else:
             layers = model.layers.values()
@@ -500,11 +585,10 @@ def titan_parallelized(kind: str):
     return None
 
 
-@pytest.mark.parametrize("kind", ["tp", "cp"])
-def test_torchtitan_parallelizing_itself_is_refused(ranks, kind):
-    """Its TP redistributions are collectives torch.export does not record (spmd_types
-    calls c10d in place), and its own CP would gather K/V under the ring: refused, naming
-    the setting to change, on every rank."""
-    setting = {"tp": "tensor_parallel_degree=1", "cp": "context_parallel_degree=1"}[kind]
-    for error in ranks(2).run(titan_parallelized, kind, timeout=300):
+@pytest.mark.parametrize("kind", ["sp", "cp"])
+def test_what_torchtitan_parallelizes_that_ringify_does_not_keep(ranks, kind):
+    """Refused, naming the setting to change, on every rank: sequence parallel would shard
+    the sequence over TP too; torchtitan's CP wrapper would all-gather K/V under the ring."""
+    setting = {"sp": "enable_sequence_parallel=False", "cp": "ringify is the context"}[kind]
+    for error in ranks(2).run(titan_refused, kind, timeout=300):
         assert error is not None and setting in error, error

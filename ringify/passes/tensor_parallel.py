@@ -46,6 +46,8 @@ def place_tp_collectives(gm: fx.GraphModule, layers: dict[str, TpLayer]) -> None
         reads.setdefault(node.target, []).append(node)
     copies: dict[fx.Node, fx.Node] = {}  # one tp_copy per input, however many layers read it
     for path, layer in layers.items():
+        if layer.kind == "titan":  # its collectives were traced (``titan_parallel.py``)
+            continue
         if layer.kind == "replicated":
             _partial_gradients(gm.graph, reads, path, layer)
             continue
@@ -81,7 +83,8 @@ def reported_collectives(gm: fx.GraphModule) -> tuple[TpCollective, ...]:
         # a ring all-reduce sends 2 (t - 1) / t of the tensor; an all-gather (t - 1) / t
         share = 2 if "all-reduce" in (forward, backward) else 1
         sent = share * (size - 1) * value.numel() * value.element_size() // size
-        rows.append(TpCollective(node.name, node.meta["tp_layers"], forward, backward, sent))
+        layer = node.meta.get("tp_layers") or _module_of(node)
+        rows.append(TpCollective(node.name, layer, forward, backward, sent))
     return tuple(rows)
 
 
@@ -145,6 +148,13 @@ def _partial_gradients(graph: fx.Graph, reads: dict, path: str, layer: TpLayer) 
         copy.meta["tp_layers"] = path
         for user in users:
             user.replace_input_with(param, copy)
+
+
+def _module_of(node: fx.Node) -> str:
+    """The path of the innermost module whose call made ``node`` (a TP op a torchtitan
+    module's redistribution traced)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def _last_input(graph: fx.Graph) -> fx.Node:

@@ -41,6 +41,11 @@ KEEPS_POSITIONS = frozenset({
     aten.slice.Tensor, aten.constant_pad_nd.default, aten.pad.default, shifted,
 })  # fmt: skip
 SPLITS = frozenset({aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default})
+# ops that select, slice or split along one dim: op -> position of its dim argument
+INDEXING = {
+    aten.select.int: 1, aten.slice.Tensor: 1, aten.unbind.int: 1,
+    aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2,
+}  # fmt: skip
 SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
 _REDUCTIONS = frozenset({
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,

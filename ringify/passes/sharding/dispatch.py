@@ -1,82 +1,41 @@
-"""Token dispatch by sorting (torchtitan's MoE, grouped GEMM experts): each rank sorts its own slots.
+"""Token dispatch by sorting, placed: each rank sorts, runs and puts back its own routed slots.
 
-An MoE layer that runs its experts as one grouped matmul sorts the routed (token, expert)
-slots by expert (``argsort`` of the flattened top-k ids), picks the tokens in that order
-(``x[perm // top_k]``), runs ``grouped_mm`` with the experts' cumulated counts as offsets,
-and puts each slot's result back on its token (``scatter_add`` at ``perm // top_k``). A
-slot's result reads its own token alone, so each rank sorts, runs and puts back its own
-slots: the experts' work falls as 1/P and no token leaves its rank.
-
-Rows in a rank's own sorted order are sharded, but not by position: their placement is a
-``Seq`` whose ``order`` is the sort. ``find`` keeps a sort only where its whole region is
-of this form; from the sort, every value is
-- an index: the permutation (slots), ``// top_k`` of it (tokens), views of them, used only
-  to pick rows of a positional tensor or as the combine's index;
-- rows in the sort's order: what those indices picked (or the sorted ids themselves) and
-  pointwise work, casts, views, ``linear`` and ``grouped_mm`` on them; an expert table
-  indexed by them;
-and the region ends at the combines, positional again. ``grouped_mm``'s offsets become this
-rank's cumulated counts of its slots' ids (padding included, as its sorted rows are): the
-model's offsets must be the cumulated count of the same ids, which the ring's are.
-``failed`` checks after inference that every node got the placement its region needs;
-a sort whose region did not hold is inferred again as an op with no rule: gathered, exact.
+In a token dispatch region (``graph/token_dispatch.py``: the routed slots sorted by expert,
+grouped GEMMs, the rows put back at their tokens) a slot's result reads its own token
+alone, so each rank sorts its own slots: the experts' work falls as 1/P and no token leaves
+its rank. Rows in a rank's own sorted order are sharded, but not by position: their
+placement is a ``Seq`` whose ``order`` is the sort. The rules here place the sort, the picks
+by its indices (this rank's rows), ``grouped_mm`` (its offsets become this rank's cumulated
+counts of its own slots' ids, padding included as its sorted rows include it), the inverse
+permutation (its values this rank's row numbers) and the put-backs (positional again).
+``failed`` checks after inference that every node of a region got the placement it needs
+and that no replicated tensor lines up with its rows; a sort whose region did not hold is
+inferred again as an op with no rule: gathered, exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_whole
-from ringify.passes.graph.nodes import ASSERTS, argument, call, shape, val
-from ringify.passes.graph.op_dims import CASTS_LIKE, SAME_SHAPE, SIZED_VIEWS
+from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq
 from ringify.passes.graph.report import GatherReason
-from ringify.passes.sharding.indexing import INDEXING
+from ringify.passes.graph.token_dispatch import (
+    GROUPED_MM,
+    INDEX_PUTS,
+    INVERSE,
+    SLOTS,
+    SORTS,
+    TOKENS,
+    Dispatch,
+    offsets,
+)
 
 aten = torch.ops.aten
-ARGSORTS = frozenset({aten.argsort.default, aten.argsort.stable})
-SORTS = frozenset({aten.sort.default, aten.sort.stable})
-# the ops that carry a value's rows as they are: views, copies and casts (dropout left out)
-CARRY = (SIZED_VIEWS | SAME_SHAPE | CASTS_LIKE | {aten.unsqueeze.default, aten.expand.default}) - {
-    aten.dropout.default
-}
-# ops known by name: their libraries (torchtitan, transformers) are not ringify's imports
-GROUPED_MM = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
-SCATTER_BACK = frozenset({"aten.scatter_add.default", "aten.index_add.default",
-                          "torchtitan.deterministic_scatter_add.default"})  # fmt: skip
-INDEX_PUTS = frozenset({aten.index_put.default, aten.index_put_.default})
-NEW_LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default})
-COUNTS = frozenset({aten.histc.default, aten.bincount.default})
-# ops that act on each row alone, given a dim other than the rows' (the op -> its dim argument)
-ALONG_ROWS = {**INDEXING, aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten._softmax.default: 1,
-              aten.softmax.int: 1, aten.cat.default: 1}  # fmt: skip
-SLOTS, TOKENS, ROWS, INVERSE = "slots", "tokens", "rows", "inverse"
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """One sort's region: its nodes by kind (``SLOTS``/``TOKENS`` indices, ``ROWS``), the
-    combines that end it, and the grouped matmuls whose offsets become this rank's."""
-
-    sort: fx.Node
-    top_k: int
-    kinds: dict
-    combines: frozenset
-    grouped: frozenset
-
-
-def find(graph: fx.Graph) -> dict[fx.Node, Dispatch]:
-    """Every sort of flattened top-k ids whose region is a token dispatch, by sort node."""
-    found = {}
-    for node in graph.nodes:
-        if node.target in ARGSORTS | SORTS and (region := _region(node)) is not None:
-            found[node] = region
-    return found
 
 
 def failed(dispatches: dict[fx.Node, Dispatch], place: Placements, decisions: dict) -> set:
@@ -101,245 +60,6 @@ def failed(dispatches: dict[fx.Node, Dispatch], place: Placements, decisions: di
         if seq.order is not None:
             bad.add(seq.order)
     return bad
-
-
-def _region(sort: fx.Node) -> Dispatch | None:
-    ids = sort.args[0]
-    if len(shape(ids)) != 1 or _descending(sort):
-        return None
-    top_k = _top_k(ids)
-    if top_k is None:
-        return None
-    if sort.target in SORTS:
-        values, perm = _outputs(sort)
-        start = {
-            sort: ROWS,
-            **({values: ROWS} if values else {}),
-            **({perm: SLOTS} if perm else {}),
-        }
-    else:
-        start = {sort: SLOTS}
-    kinds, combines, grouped, counts = dict(start), set(), set(), set()
-    pending = [n for n in start if n is not sort or sort.target in ARGSORTS]
-    while pending:
-        node = pending.pop()
-        for user in node.users:
-            if user.target in ASSERTS or user in kinds or user in combines:
-                continue
-            kind = _user_kind(user, node, kinds[node], top_k, shape(ids)[0])
-            if kind is None:
-                return None
-            if kind == "like":
-                continue
-            if kind == "count":
-                counts.add(user)
-                continue
-            if kind == "combine":  # checked once the walk has reached all its inputs
-                combines.add(user)
-                continue
-            if str(user.target) in GROUPED_MM:
-                if not _offsets_count(_offsets(user), ids, top_k):
-                    return None
-                grouped.add(user)
-            kinds[user] = kind
-            pending.append(user)
-    for c in combines:  # its index and rows are the region's
-        if not _combine_ok(c, kinds):
-            return None
-    if not combines or not all(_feeds_offsets(c, grouped) for c in counts):
-        return None
-    return Dispatch(sort, top_k, kinds, frozenset(combines), frozenset(grouped))
-
-
-def _user_kind(user: fx.Node, node: fx.Node, kind: str, top_k: int, slots: int):
-    """What ``user`` is in the region, given that it reads ``node`` of ``kind``; ``None``:
-    not a dispatch."""
-    target, name = user.target, str(user.target)
-    if name in SCATTER_BACK:
-        return "combine"
-    if (target in CASTS_LIKE and user.args[0] is not node) or target in NEW_LIKE:
-        return "like"  # read for its dtype (and shape) alone
-    if (target in CARRY and user.args[0] is node) or target is operator.getitem:
-        return kind
-    if target in INDEX_PUTS:  # the inverse permutation: inv[perm] = arange(slots)
-        return INVERSE if kind == SLOTS and _inverse(user, node, slots) else None
-    if target is aten.index.Tensor:
-        base, indices = user.args[0], user.args[1]
-        if (
-            kind in (ROWS, INVERSE)
-            and indices == [user.args[1][0]]
-            and ((base is node) == (kind == ROWS))
-        ):
-            return "combine"  # rows put back in positional order, by the inverse
-        if (
-            base is node
-            or [i for i in indices if i is not None] != [node]
-            or indices[0] is not node
-        ):
-            return None
-        if kind == ROWS:  # an expert table picked by the sorted ids
-            return ROWS
-        rows = slots if kind == SLOTS else slots // top_k
-        return ROWS if shape(base)[0] == rows else None
-    if kind == SLOTS and _floor_divided_by(user, node) == top_k:
-        return TOKENS
-    if kind != ROWS:
-        return None
-    if target in COUNTS:  # the offsets' counts: checked to feed them alone
-        return "count"
-    if target in ALONG_ROWS and _off_rows(user):
-        return ROWS
-    if name in GROUPED_MM and user.args[0] is node:
-        return ROWS
-    if target is aten.linear.default and user.args[0] is node:
-        return ROWS
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-        return ROWS
-    return None
-
-
-def _inverse(node: fx.Node, perm: fx.Node, slots: int) -> bool:
-    """``index_put(new_like(perm), [perm], arange(slots))``: the permutation's inverse."""
-    base, indices, values = node.args[:3]
-    return (
-        indices == [perm]
-        and getattr(base, "target", None) in NEW_LIKE
-        and base.args[0] is perm
-        and getattr(values, "target", None) is aten.arange.default
-        and list(values.args) == [slots]
-    )
-
-
-def _off_rows(node: fx.Node) -> bool:
-    """Whether an ``ALONG_ROWS`` op's dim(s) leave the rows' dim (0) alone."""
-    pos = ALONG_ROWS[node.target]
-    dims = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
-    source = node.args[0][0] if node.target is aten.cat.default else node.args[0]
-    ndim = len(shape(source))
-    return 0 not in {d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-
-
-def _feeds_offsets(count: fx.Node, grouped: set) -> bool:
-    """Whether a count of sorted ids is read only as the offsets of the region's grouped
-    products (through casts and its ``cumsum``): its ring total is then never used."""
-    readers = [u for u in count.users if u.target not in ASSERTS]
-    if count.target is aten.cumsum.default:
-        return all(u in grouped and _offsets(u) is count for u in readers)
-    return bool(readers) and all(
-        (u.target in CARRY or u.target is aten.cumsum.default) and _feeds_offsets(u, grouped)
-        for u in readers
-    )
-
-
-def _combine_ok(node: fx.Node, kinds: dict) -> bool:
-    """A put back at the tokens: a scatter ``(base, [dim 0,] index, src)`` with the index
-    the region's token indices and the rows its rows, the base outside it; or the rows
-    picked by the inverse permutation."""
-    if node.target is aten.index.Tensor:
-        return kinds.get(node.args[0]) == ROWS and kinds.get(node.args[1][0]) == INVERSE
-    if str(node.target) == "torchtitan.deterministic_scatter_add.default":
-        base, index, src = node.args[:3]
-    else:
-        base, dim, index, src = node.args[:4]
-        if dim != 0:
-            return False
-    return base not in kinds and kinds.get(index) == TOKENS and kinds.get(src) == ROWS
-
-
-def _floor_divided_by(user: fx.Node, node: fx.Node):
-    if user.args[0] is not node or len(user.args) < 2:
-        return None
-    if user.target is aten.floor_divide.default or (
-        user.target is aten.div.Tensor_mode and user.kwargs.get("rounding_mode") == "floor"
-    ):
-        return user.args[1] if isinstance(user.args[1], int) else None
-    return None
-
-
-def _descending(sort: fx.Node) -> bool:
-    return bool(argument(sort, "descending"))
-
-
-def _outputs(sort: fx.Node) -> tuple:
-    got = {u.args[1]: u for u in sort.users if u.target.__name__ == "getitem"}
-    return got.get(0), got.get(1)
-
-
-def _through(node: fx.Node) -> fx.Node:
-    """``node`` back through views and casts."""
-    while isinstance(node, fx.Node) and node.target in CARRY:
-        node = node.args[0]
-    return node
-
-
-def _topk(ids: fx.Node):
-    """The ``topk`` whose indices ``ids`` are (back through views and casts), else ``None``."""
-    src = _through(ids)
-    if not (isinstance(src, fx.Node) and src.target.__name__ == "getitem" and src.args[1] == 1):
-        return None
-    topk = src.args[0]
-    return topk if getattr(topk, "target", None) is aten.topk.default else None
-
-
-def _top_k(ids: fx.Node):
-    """The top-k of the flattened slots: the ``topk``'s k, with its ids the last dim."""
-    topk = _topk(ids)
-    if topk is None:
-        return None
-    dim = argument(topk, "dim") % len(shape(topk.args[0]))
-    if dim != len(shape(topk.args[0])) - 1:
-        return None
-    return argument(topk, "k")
-
-
-def _offsets(node: fx.Node):
-    return node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
-
-
-def _offsets_count(offs, ids: fx.Node, top_k: int) -> bool:
-    """Whether ``offs`` is the cumulated count of each expert's slots among ``ids``: a
-    ``cumsum`` over a histogram, a ``bincount`` or a sum over the tokens of a one-hot mark
-    of the same ``topk``'s ids, with one bin per expert."""
-    topk = _topk(ids)
-    experts = shape(topk.args[0])[-1]
-    cumsum = _through(offs)
-    if getattr(cumsum, "target", None) is not aten.cumsum.default or cumsum.args[1] != 0:
-        return False
-    counts = _through(cumsum.args[0])
-    if shape(counts) != [experts]:
-        return False
-    if counts.target is aten.histc.default:
-        low, high = argument(counts, "min"), argument(counts, "max")
-        same = _topk(counts.args[0]) is topk or _sorted_ids(counts.args[0], ids)
-        return (
-            same
-            and argument(counts, "bins") == experts
-            and low == 0
-            and high in (experts - 1, experts)
-        )
-    if counts.target is aten.bincount.default:
-        return _topk(counts.args[0]) is topk
-    if counts.target is aten.sum.dim_IntList:  # a one-hot mark summed over every token dim
-        mark = _through(counts.args[0])
-        dims = sorted(d % len(shape(mark)) for d in counts.args[1])
-        return (
-            mark.target in (aten.scatter.value, aten.scatter_.value, aten.scatter.src)
-            and mark.args[1] in (-1, len(shape(mark)) - 1)
-            and _topk(mark.args[2]) is topk
-            and dims == list(range(len(shape(mark)) - 1))
-        )
-    return False
-
-
-def _sorted_ids(node: fx.Node, ids: fx.Node) -> bool:
-    """``node`` is the sorted values of a sort of ``ids``."""
-    src = _through(node)
-    return (
-        src.target.__name__ == "getitem"
-        and src.args[1] == 0
-        and getattr(src.args[0], "target", None) in SORTS
-        and src.args[0].args[0] is ids
-    )
 
 
 def sorted_rows(node: fx.Node, place: Placements):
@@ -386,7 +106,7 @@ def infer_grouped_mm(node: fx.Node, place: Placements):
         not isinstance(p, Seq)
         or p.order is None
         or place.sharded(b)
-        or place.sharded(_offsets(node))
+        or place.sharded(offsets(node))
     ):
         return Fallback(GatherReason.ALONG_SEQUENCE, "(rows grouped by offsets over the sequence)")
     return p
@@ -395,7 +115,7 @@ def infer_grouped_mm(node: fx.Node, place: Placements):
 def rewrite_grouped_mm(node: fx.Node, out: Seq, state: PassState) -> None:
     """The weights used whole; the offsets this rank's: its slots' ids counted per expert
     (the ring's counts are the model's), padding included as its sorted rows include it."""
-    offs = _offsets(node)
+    offs = offsets(node)
     key = ("offsets", out.order, val(offs).dtype)
     if key not in state._cache:
         ids, g = out.order.args[0], state.graph

@@ -16,17 +16,12 @@ import torch
 
 from ringify.passes.graph.crossings import PassState, Rule, fit_broadcast, fit_whole
 from ringify.passes.graph.nodes import norm_dim, shape, slice_bounds, val
+from ringify.passes.graph.op_dims import INDEXING
 from ringify.passes.graph.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
 from ringify.runtime.collectives.reduce import ring_take
 
 aten = torch.ops.aten
-
-# op -> position of its dim argument (and its default)
-INDEXING = {
-    aten.select.int: 1, aten.slice.Tensor: 1, aten.unbind.int: 1,
-    aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2,
-}  # fmt: skip
 
 
 @sharded_first

@@ -29,12 +29,13 @@ from ringify.passes.graph.crossings import PassState, Rule, as_it_is
 from ringify.passes.graph.nodes import argument, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.token_dispatch import ARGSORTS, SORTS
 from ringify.passes.sharding import dispatch
 from ringify.passes.sharding.reductions import masked_padding
 from ringify.runtime.collectives.reduce import reduce_from_ring
 
 aten = torch.ops.aten
-SELECTIONS = frozenset({aten.topk.default, *dispatch.SORTS, *dispatch.ARGSORTS})
+SELECTIONS = frozenset({aten.topk.default, *SORTS, *ARGSORTS})
 LIKE = frozenset({
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
     aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
@@ -51,7 +52,7 @@ def infer_selection(node, place, p: Seq, ndim: int):
         return dispatch.sorted_rows(node, place)
     if norm_dim(argument(node, "dim"), ndim) == p.dim:
         return Fallback(GatherReason.ALONG_SEQUENCE)
-    return p if node.target in dispatch.ARGSORTS else [p, p]
+    return p if node.target in ARGSORTS else [p, p]
 
 
 @sharded_first

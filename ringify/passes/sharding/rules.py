@@ -29,6 +29,7 @@ from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.op_dims import CASTS_LIKE, SAME_SHAPE
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, SequenceGeometry
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.token_dispatch import find as find_dispatches
 from ringify.passes.sharding import (
     along,
     attention,
@@ -196,7 +197,7 @@ def infer_placements(
     """Placements of every node from those of the ``seeds`` (inputs, or nodes where the
     sequence is born; the other inputs are replicated). A token dispatch whose region the
     inference does not place whole is inferred again without it (``dispatch.py``)."""
-    dispatches = dispatch.find(graph)
+    dispatches = find_dispatches(graph)
     while True:
         inference = _inferred(graph, geometry, seeds, dispatches)
         failed = dispatch.failed(dispatches, inference.place, inference.decisions)
