@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import pickle
 import queue
 import shutil
 import socket
@@ -80,14 +81,19 @@ def _worker(
             break
         fn, args = job
         results.put(("started", rank, None))
+        # A queue pickles in a thread of its own, where a failure is only printed and the
+        # test process would wait for the job's timeout: each outcome is pickled here first.
         try:
-            results.put(("done", rank, (True, fn(*args))))
+            outcome = (True, fn(*args))
+            pickle.dumps(outcome)
         except BaseException as exc:  # report any failure to the test process
             detail = "".join(traceback.format_exception(exc))
             try:
-                results.put(("done", rank, (False, (exc, detail))))
-            except Exception:
-                results.put(("done", rank, (False, (RuntimeError(detail), detail))))
+                pickle.dumps(exc)
+            except Exception:  # an exception holding what cannot be pickled: its text
+                exc = RuntimeError(detail)
+            outcome = (False, (exc, detail))
+        results.put(("done", rank, outcome))
     dist.destroy_process_group()
 
 

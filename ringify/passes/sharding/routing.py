@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.crossings import PassState, Rule, as_it_is
-from ringify.passes.graph.nodes import argument, norm_dim, shape, val
+from ringify.passes.graph.nodes import argument, call, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
 from ringify.passes.graph.token_dispatch import ARGSORTS, SORTS
@@ -155,9 +155,10 @@ def rewrite_bincount(node: fx.Node, out, state: PassState) -> None:
     g = state.graph
     with g.inserting_before(node):
         if weights is None:
-            weights = g.call_function(aten.ones_like.default, (ids,), {"dtype": result.dtype})
+            weights = call(g, aten.ones_like.default, (ids,), {"dtype": result.dtype})
         else:
-            weights = g.call_function(aten._to_copy.default, (weights,), {"dtype": result.dtype})
+            weights = call(g, aten._to_copy.default, (weights,), {"dtype": result.dtype})
+        state.place[weights] = state.place[ids]  # (read by the padding's mask)
         weights = masked_padding(weights, 0, state)
         ids = masked_padding(ids, 0, state)
         zeros = g.call_function(
