@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ringify.runtime.collectives.ring import ring_by_name
-from ringify.titan_parallel import TitanModule, titan_modules, traced_as_local
+from ringify.titan_parallel import TitanModule, closure, titan_modules, traced_as_local
 
 _COMPOSES = (
     "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "
@@ -69,7 +69,7 @@ class TpLayer:
     size: int
     vocab: int = 0
     padding_idx: int = -1
-    redistributes: TitanModule | None = None  # kind "titan": what its wrapper did over TP
+    titan: TitanModule | None = None  # kind "titan": what torchtitan's wrapper did over TP
 
     @property
     def sharded_dim(self) -> int:
@@ -102,7 +102,7 @@ class TpLayer:
 def tp_layers(model: nn.Module) -> dict[str, TpLayer]:
     """The model's TP layers by module path (none: ``{}``), after refusing what cannot be kept."""
     layers = {
-        path: TpLayer(path, "titan", False, False, t.group_name, t.size, redistributes=t)
+        path: TpLayer(path, "titan", False, False, t.group_name, t.size, titan=t)
         for path, t in titan_modules(model).items()
     }
     for path, module in model.named_modules():
@@ -171,7 +171,7 @@ def local_for_trace(model: nn.Module, layers: dict[str, TpLayer], fake_mode) -> 
                     del table[key]
             if "forward" in module.__dict__ and _hf_style(module)[0] is not None:
                 forwards.append((module, module.__dict__.pop("forward")))
-        titan = {p: layer.redistributes for p, layer in layers.items() if layer.kind == "titan"}
+        titan = {p: layer.titan for p, layer in layers.items() if layer.kind == "titan"}
         with traced_as_local(model, titan):
             yield
     finally:
@@ -189,11 +189,6 @@ def is_tp_hook(hook) -> bool:
     return _torch_style(hook)[0] is not None
 
 
-def _closure(fn) -> dict:
-    cells = getattr(fn, "__closure__", None) or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
-
-
 def _torch_style(hook) -> tuple[object, object]:
     """(the torch ParallelStyle's ``_prepare_*_fn`` partial, or a PrepareModule* style, and
     its mesh) behind one of ``distribute_module``'s hook lambdas: any hook that holds a
@@ -201,7 +196,7 @@ def _torch_style(hook) -> tuple[object, object]:
     ``(None, None)`` if none."""
     if not callable(hook) or not hasattr(hook, "__code__"):
         return None, None
-    cells = _closure(hook)
+    cells = closure(hook)
     mesh = cells.get("device_mesh")
     if not isinstance(mesh, DeviceMesh):
         return None, None
@@ -217,7 +212,7 @@ def _hf_style(module: nn.Module) -> tuple[object, object]:
     made = [module.__dict__.get("forward"), *module._backward_hooks.values()]
     for fn in made:
         if ".install_forward.<locals>." in getattr(fn, "__qualname__", ""):
-            cells = _closure(fn)
+            cells = closure(fn)
             style = cells.get("self") or _Style(fn.__qualname__.partition(".")[0])
             return style, _mesh_in(cells)
     return None, None
@@ -237,7 +232,7 @@ def _mesh_in(cells: dict, depth: int = 2):
     if depth == 0:
         return None
     for value in cells.values():
-        if hasattr(value, "__code__") and (mesh := _mesh_in(_closure(value), depth - 1)):
+        if hasattr(value, "__code__") and (mesh := _mesh_in(closure(value), depth - 1)):
             return mesh
     return None
 

@@ -67,7 +67,7 @@ def titan_modules(model: nn.Module) -> dict[str, TitanModule]:
             )
         if WRAPPER not in name:
             continue
-        dims = _closure(forward)["parallel_dims"]
+        dims = closure(forward)["parallel_dims"]
         if dims.tp == 1 and dims.cp == 1:
             continue  # its redistributions over size-1 axes do nothing
         if dims.spmd_backend != "spmd_types":
@@ -171,6 +171,8 @@ def _local_forward(module: nn.Module, t: TitanModule):
     return forward
 
 
-def _closure(fn) -> dict:
+def closure(fn) -> dict:
+    """A function's free variables by name, with their values (where a wrapper keeps its
+    state: a parallel style's layouts, torchtitan's ``parallel_dims``)."""
     cells = getattr(fn, "__closure__", None) or ()
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
