@@ -8,10 +8,13 @@ as fake tensors of their full shape and FSDP's own forward hooks are set aside (
 model's other hooks run); both are restored after. After the pass, each unit's span of
 the rewritten graph runs inside that unit's FSDP forward hooks (``passes/regions.py``).
 
-FSDP mixed precision is kept (parameters all-gathered in ``param_dtype``, the blocks'
-inputs cast as FSDP casts them, gradients reduced in ``reduce_dtype``). Refused, naming
-what composes: DTensor parameters outside FSDP and outside tensor-parallel layers
-(``tensor_parallel.py``), a unit grouping several modules, and a policy's ``output_dtype``.
+A unit grouping several modules (``fully_shard([norm, lm_head])``, as torchtitan shards
+its last layers, or the tied embedding and head) is kept as one span, from its first
+module's first node to its last module's last (``unit_groups``). FSDP mixed precision is
+kept (parameters all-gathered in ``param_dtype``, the blocks' inputs cast as FSDP casts
+them, gradients reduced in ``reduce_dtype``). Refused, naming what composes: DTensor
+parameters outside FSDP and outside tensor-parallel layers (``tensor_parallel.py``), and a
+policy's ``output_dtype``.
 A parameter swapped for a DTensor after a trace changes the state's description
 (``state_kind``), so the cached graph is traced again rather than run on old weights.
 """
@@ -52,11 +55,6 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
     units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     for name, unit in units.items():
         state = unit._get_fsdp_state()
-        if len(state._modules) > 1:
-            raise ValueError(
-                f"{name} is part of an FSDP2 unit of {len(state._modules)} modules "
-                f"(fully_shard([...])): ringify keeps units of one module. {_WORKS}"
-            )
         if state._mp_policy.output_dtype is not None:
             raise ValueError(
                 f"the FSDP2 unit {name} has a MixedPrecisionPolicy with output_dtype="
@@ -81,47 +79,70 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
     return units
 
 
+def unit_groups(units: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
+    """Each FSDP2 unit's name -> the paths of its modules, in the model's order: a unit of
+    one module is named by its path, one of several (``fully_shard([a, b])``) ``"[a, b]"``."""
+    members: dict[int, list[str]] = {}
+    for path, unit in units.items():
+        members.setdefault(id(unit._get_fsdp_state()), []).append(path)
+    return {p[0] if len(p) == 1 else f"[{', '.join(p)}]": tuple(p) for p in members.values()}
+
+
 def unit_parameters(
     model: nn.Module, units: dict[str, nn.Module], names: tuple[str, ...]
 ) -> dict[str, list[str]]:
-    """Unit path -> the parameter names (of ``names``) its FSDP group owns: those under it
-    and under no deeper unit; ``""`` (the model, or the root unit around the ringified
-    module) owns the rest. Buffers are FSDP's to leave alone."""
+    """Unit name (``unit_groups``) -> the parameter names (of ``names``) its FSDP group
+    owns: those under one of its modules and under no deeper unit; ``""`` (the model, or the
+    root unit around the ringified module) owns the rest. Buffers are FSDP's to leave
+    alone."""
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    owned: dict[str, list[str]] = {"": [], **{path: [] for path in units}}
+    unit_of = {"": ""} | {path: n for n, paths in unit_groups(units).items() for path in paths}
+    owned: dict[str, list[str]] = {name: [] for name in unit_of.values()}
     for name in (n for n in names if n in parameters):
-        owned[max((path for path in owned if _under(name, path)), key=len)].append(name)
+        deepest = max((path for path in unit_of if _under(name, path)), key=len)
+        owned[unit_of[deepest]].append(name)
     return owned
 
 
-def units_averaging_over_ring(
+def units_reducing_over_ring(
     units: dict[str, nn.Module], outer: nn.Module | None, ring: Ring
-) -> frozenset[str]:
-    """The units (``""``: the model's, or else ``outer``'s, the root unit around the
-    ringified module) whose FSDP averages gradients over groups that hold every rank of
-    the ring (FSDP over dp x cp), with its default divide factor. That average itself sums
-    the ring ranks' partial gradients (each scaled by the ring size), so the ring needs no
-    reduction of its own: gradients are reduced once, as torchtitan does."""
+) -> dict[str, int]:
+    """The units (by name; ``""``: the model's, or else ``outer``'s, the root unit around
+    the ringified module) whose FSDP reduces gradients over groups that hold every rank of
+    the ring (FSDP over dp x cp) -> what each ring rank's partial gradient is scaled by.
+    That reduction itself sums the ring's partials, so the ring needs no reduction of its
+    own: gradients are reduced once, as torchtitan does. FSDP's default divides by the
+    whole group, ring included: the partials are scaled by the ring's size, and FSDP's
+    average is the data-parallel replicas' average. An explicit divide factor (torchtitan
+    sets 1 and divides the loss by the global token count itself) divides the replicas'
+    sum: the partials go as they are."""
     if ring.size == 1:
-        return frozenset()
+        return {}
     ring_ranks = set(dist.get_process_group_ranks(ring.group))
-
-    def averages(unit) -> bool:
+    paths = {"": outer, **units}
+    scales = {}
+    for name, members in {"": ("",), **unit_groups(units)}.items():
+        unit = paths[members[0]]
         groups = unit._get_fsdp_state()._fsdp_param_groups if isinstance(unit, FSDPModule) else ()
-        return bool(groups) and all(
-            group.gradient_divide_factor is None
-            and ring_ranks <= set(group.mesh_info.mesh.mesh.flatten().tolist())
-            for group in groups
-        )
-
-    return frozenset(path for path, unit in {"": outer, **units}.items() if averages(unit))
+        factors = {group.gradient_divide_factor for group in groups}
+        if len(factors) == 1 and all(
+            ring_ranks <= set(group.mesh_info.mesh.mesh.flatten().tolist()) for group in groups
+        ):
+            scales[name] = ring.size if factors == {None} else 1
+    return scales
 
 
 def is_fsdp_hook(hook) -> bool:
-    """Whether a module hook is FSDP's own (it runs around the unit's region, not traced)."""
+    """Whether a module hook is FSDP's own (it runs around the unit's region, not traced):
+    a unit of one module hooks its state's bound methods, a unit of several wraps them
+    (``functools.wraps``)."""
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    return isinstance(getattr(hook, "__self__", None), FSDPState)
+    while hook is not None:
+        if isinstance(getattr(hook, "__self__", None), FSDPState):
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
 
 
 @contextmanager

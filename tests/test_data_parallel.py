@@ -35,12 +35,13 @@ def _model(checkpointing: bool):
     return model
 
 
-def _train(model, run, ids, full=lambda t: t):
-    """(each step's gradients, the weights after the last step) by parameter name."""
+def _train(model, run, ids, full=lambda t: t, scale: float = 1.0):
+    """(each step's gradients, the weights after the last step) by parameter name; the loss
+    times ``scale``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads = []
     for _ in range(STEPS):
-        run(input_ids=ids, labels=ids).loss.backward()
+        (run(input_ids=ids, labels=ids).loss * scale).backward()
         grads.append({n: full(p.grad).clone() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
@@ -136,6 +137,52 @@ def test_per_layer_fsdp2_trains_as_one_process_on_the_global_batch(
                 torch.testing.assert_close(grads[step][name], want[name], rtol=1e-9, atol=1e-10)
         for name, want in want_weights.items():
             assert not torch.equal(want, initial[name]), name  # it trained
+            torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
+
+
+def grouped_units(recipe: str):
+    """FSDP2 over dp x cp per layer, with a unit of several modules as torchtitan groups
+    them: the final norm and the head, or the embedding, the norm and the head (a unit
+    whose span holds the layers' units); "summed": every unit with divide factor 1 and the
+    loss divided by the replicas, as torchtitan divides by its global token count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    shard_over = mesh["dp", "cp"]._flatten()
+    model = _model(checkpointing=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=shard_over)
+    grouped = [model.model.norm, model.lm_head]
+    if recipe != "norm and head":
+        grouped.insert(0, model.model.embed_tokens)
+    fully_shard(grouped, mesh=shard_over)
+    fully_shard(model, mesh=shard_over)
+    scale = 1.0
+    if recipe.endswith("summed"):
+        for unit in [*model.model.layers, model.lm_head, model]:
+            unit.set_gradient_divide_factor(1.0)
+        scale = 1 / mesh["dp"].size()
+    ringified = ringify(model, ring_size=2, mesh=mesh["cp"])
+    ids = _batches()[0][mesh["dp"].get_local_rank()]
+    grads, weights = _train(model, ringified, ids, lambda t: t.full_tensor(), scale)
+    return grads, weights, ringified.report().fsdp_units
+
+
+@pytest.mark.parametrize("recipe", ["norm and head", "embedding, norm and head, summed"])
+def test_fsdp2_units_of_several_modules_train_as_one_process(ranks, recipe):
+    model = _model(checkpointing=False)
+    want_grads, want_weights = _train(model, model, _batches()[1])
+    grouped = "[model.norm, lm_head]"
+    if recipe != "norm and head":
+        grouped = "[model.embed_tokens, model.norm, lm_head]"
+    units = ("", *(f"model.layers.{i}" for i in range(LAYERS)), grouped)
+    for grads, weights, kept_units in ranks(4).run(grouped_units, recipe):
+        assert sorted(kept_units) == sorted(units), kept_units
+        for step, want in enumerate(want_grads):
+            for name in want:
+                torch.testing.assert_close(grads[step][name], want[name], rtol=1e-9, atol=1e-10)
+        for name, want in want_weights.items():
             torch.testing.assert_close(weights[name], want, rtol=1e-9, atol=1e-10)
 
 

@@ -490,11 +490,13 @@ def _parallel_dims(cp: int, tp: int):
 
 def titan_tensor_parallel(fsdp: bool):
     """torchtitan 0.3's own TP (``Module.parallelize`` from the sharding configs) on a
-    (cp, tp) mesh, then ringify over cp (and FSDP2 per layer over cp, as torchtitan's
-    recipe shards over dp x cp): output and every gradient against the unparallelized model,
-    each TP rank's shard of them."""
-    from torch.distributed.fsdp import fully_shard
+    (cp, tp) mesh, then ringify over cp (and torchtitan's FSDP2 over its fsdp mesh, dp x cp:
+    ``apply_fsdp_to_decoder``'s units, the final norm and head grouped in one, its divide
+    factor 1): output and every gradient against the unparallelized model, each TP rank's
+    shard of them."""
     from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import get_spmd_context
 
     from ringify import ringify
@@ -507,9 +509,11 @@ def titan_tensor_parallel(fsdp: bool):
     with context():
         model.parallelize(dims)
     wrapper = model.layers["0"].attention.forward.__qualname__
-    if fsdp:
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=cp)
+    if fsdp:  # parallelize_llama's next steps: its full activation checkpointing, then
+        # FSDP2 over dp_shard x cp flattened (the "loss" mesh, with no dp_replicate)
+        FullAC.Config().build().apply(model)
+        fsdp_mesh = dims.get_mesh("loss")
+        apply_fsdp_to_decoder(model, fsdp_mesh, torch.float64, torch.float64, pp_enabled=False)
     tokens, positions = _inputs(model, 32, False)
     vocab = config.vocab_size // tp.size()
     mine = slice(tp.get_local_rank() * vocab, (tp.get_local_rank() + 1) * vocab)
@@ -517,11 +521,11 @@ def titan_tensor_parallel(fsdp: bool):
         want, want_grads = _step(reference, reference, tokens, positions)
     with _flex(flex_attention), context():
         ringified = ringify(model, ring_size=cp.size(), mesh=cp)
-        run = fully_shard(ringified, mesh=cp) if fsdp else ringified
+        masks = model.get_attention_masks(positions)
         with torch.no_grad():  # the trace under no_grad (CPU flex has no backward)
-            run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+            ringified(tokens, positions=positions, attention_masks=masks)
         model.zero_grad(set_to_none=True)
-        out = run(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+        out = ringified(tokens, positions=positions, attention_masks=masks)
         weights = torch.randn(
             want.shape, generator=torch.Generator().manual_seed(7), dtype=want.dtype
         )
@@ -531,12 +535,14 @@ def titan_tensor_parallel(fsdp: bool):
     worst = 0.0
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        whole = want_grads[name]
+        whole = want_grads[name.replace("._checkpoint_wrapped_module", "")]
         split = [d for d, (a, b) in enumerate(zip(grad.shape, whole.shape, strict=True)) if a != b]
         shard = whole.chunk(tp.size(), split[0])[tp.get_local_rank()] if split else whole
         worst = max(worst, ((grad - shard).abs().max() / shard.abs().max()).item())
     report = ringified.report()
     return {
+        "units": report.fsdp_units,
+        "checkpointed": report.checkpointed,
         "out": (out.detach() - want[..., mine]).abs().max().item(),
         "grads": worst,
         "gathers": [g.op for g in report.gathers],
@@ -549,9 +555,14 @@ def titan_tensor_parallel(fsdp: bool):
 def test_torchtitan_tensor_parallel_beside_the_ring(ranks, fsdp):
     """(cp, tp) = (2, 2): each module torchtitan wrapped runs its own forward on its local
     shards, between its redistributions over TP as ringify's TP ops; torchtitan's own CP
-    axis is the ring's. Exact; the wrappers are the model's again after the trace."""
+    axis is the ring's. Exact; the wrappers are the model's again after the trace. With
+    parallelize_llama's activation checkpointing and FSDP2 after TP (slow): every unit kept,
+    each block recomputed in the backward, the gradients reduced once."""
+    units = ("", "tok_embeddings", "layers.0", "layers.1", "[norm, lm_head]") if fsdp else ()
     for r in ranks(4).run(titan_tensor_parallel, fsdp, timeout=600):
         assert r["out"] < TOL and r["grads"] < TOL and r["gathers"] == [], r
+        assert sorted(r["units"]) == sorted(units), r
+        assert r["checkpointed"] == tuple(f"{u}._checkpoint_wrapped_module" for u in units[2:4])
         assert r["tp collectives"] > 0 and r["wrapper kept"], r
 
 

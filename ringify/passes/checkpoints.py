@@ -179,7 +179,7 @@ def keep_checkpoints(gm: fx.GraphModule, regions: dict[str, CheckpointRegion]) -
     for path, region in regions.items():
         if any(path.startswith(other + ".") for other in regions if other != path):
             continue
-        span = module_span(gm.graph, path)
+        span = module_span(gm.graph, (path,))
         if not span:
             continue
         outline(

@@ -25,7 +25,7 @@ from torch import fx, nn
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
 from ringify.config import Config
-from ringify.parallelized import units_averaging_over_ring
+from ringify.parallelized import units_reducing_over_ring
 from ringify.passes.checkpoints import keep_checkpoints
 from ringify.passes.folds.autocast import inline_autocast_regions
 from ringify.passes.folds.constants import drop_empty_concatenated
@@ -154,8 +154,8 @@ def runnable(
     record_local_values(gm, flat)
     state_names = lift_state(gm.graph, model)
     checkpointed = keep_checkpoints(gm, checkpoints)
-    averaged = units_averaging_over_ring(units, outer, ring)
-    state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, averaged, ring.size)
+    reduced_outside = units_reducing_over_ring(units, outer, ring)
+    state_names, kept_units = keep_fsdp_units(gm, model, units, state_names, reduced_outside)
     return state_names, checkpointed, kept_units
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from torch import fx, nn
 
-from ringify.parallelized import unit_parameters
+from ringify.parallelized import unit_groups, unit_parameters
 from ringify.runtime.collectives.reduce import copy_averaged_outside, copy_to_ring
 from ringify.runtime.regions import FsdpUnitRegion
 
@@ -35,43 +35,51 @@ def keep_fsdp_units(
     model: nn.Module,
     units: dict[str, nn.Module],
     state_names: tuple[str, ...],
-    averaged: frozenset[str],
-    ring_size: int,
+    reduced_outside: dict[str, int],
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Outline each FSDP unit's span; (the state names still read at the top of the graph,
-    the units kept). The weights of the units in ``averaged`` (``""``: the root unit
-    around the ringified model) skip the ring's own gradient reduction."""
+    the units kept, by name). The weights of the units in ``reduced_outside`` (``""``: the
+    root unit around the ringified model) skip the ring's own gradient reduction, their
+    partial gradients scaled as it says (``units_reducing_over_ring``)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     read = dict(zip(state_names, placeholders, strict=False))
     owned = unit_parameters(model, units, state_names)
-    for path in averaged:
-        for name in owned[path]:
+    for unit, scale in reduced_outside.items():
+        for name in owned[unit]:
             for user in [u for u in read[name].users if u.target is copy_to_ring]:
-                user.target, user.args = copy_averaged_outside, (read[name], ring_size)
+                user.target, user.args = copy_averaged_outside, (read[name], scale)
     if not units:
         return state_names, ()
     kept = set()
-    for index, path in enumerate(sorted(units, key=lambda p: (p == "", -p.count(".")))):
-        params = {read[name]: name.removeprefix(path + ".") for name in owned[path]}
-        span = _whole(gm.graph) if path == "" else module_span(gm.graph, path)
+    groups = unit_groups(units)
+    # inner units first: a unit's span holds the calls of the units inside it
+    for index, unit in enumerate(sorted(groups, key=lambda u: _depth(groups[u]))):
+        paths = groups[unit]
+        params = {read[name]: name for name in owned[unit]}
+        span = _whole(gm.graph) if paths == ("",) else module_span(gm.graph, paths)
         if not span:
             continue  # the unit did not run in this call
-        span = _with_parameter_work(span, params, path)
+        span = _with_parameter_work(span, params, unit)
 
-        def wrap(region, inputs, unit=units[path], params=params):
+        def wrap(region, inputs, modules=tuple(units[p] for p in paths), params=params):
             at = {i: params[node] for i, node in enumerate(inputs) if node in params}
-            return FsdpUnitRegion(region, unit, at)
+            return FsdpUnitRegion(region, modules, model, at)
 
         call = outline(gm, span, f"fsdp_unit_{index}", wrap)
         call.args = tuple(a for a in call.args if a not in params)
         for node in params:
             gm.graph.erase_node(node)
-        kept.add(path)
+        kept.add(unit)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     lifted = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     left = tuple(name for name in state_names if read[name].name in lifted)
-    return left, tuple(path for path in units if path in kept)
+    return left, tuple(unit for unit in groups if unit in kept)
+
+
+def _depth(paths: tuple[str, ...]) -> tuple[bool, int]:
+    """A unit's place in the order of outlining: the model's own last, then the shallower."""
+    return paths == ("",), -min(p.count(".") for p in paths)
 
 
 def _whole(graph: fx.Graph) -> list[fx.Node]:
@@ -81,7 +89,7 @@ def _whole(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in nodes[last + 1 :] if n.op != "output"]
 
 
-def _with_parameter_work(span: list[fx.Node], params: dict[fx.Node, str], path: str):
+def _with_parameter_work(span: list[fx.Node], params: dict[fx.Node, str], unit: str):
     """``span`` with, moved to its start, the nodes computed from the unit's parameters
     alone; raise if a parameter is used outside the unit's forward."""
     inside = set(span)
@@ -97,7 +105,7 @@ def _with_parameter_work(span: list[fx.Node], params: dict[fx.Node, str], path: 
                 frontier.append(user)
                 continue
             raise ValueError(
-                f"the parameter {path}.{params.get(node, node.name)} of the FSDP2 unit {path} "
+                f"the parameter {params.get(node, node.name)} of the FSDP2 unit {unit} "
                 "is used outside that unit's forward, where FSDP has resharded it. Use each "
                 "parameter only inside the forward of the unit that owns it (tied weights: "
                 "keep them in one unit, e.g. the root)."
@@ -114,10 +122,11 @@ def in_module(node: fx.Node, path: str) -> bool:
     return any(p == path for p, _ in (node.meta.get("nn_module_stack") or {}).values())
 
 
-def module_span(graph: fx.Graph, path: str) -> list[fx.Node]:
-    """The nodes from the first made inside ``path``'s call to the last, in graph order."""
+def module_span(graph: fx.Graph, paths: tuple[str, ...]) -> list[fx.Node]:
+    """The nodes from the first made inside the call of one of the modules at ``paths`` to
+    the last, in graph order."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    inside = [i for i, n in enumerate(nodes) if in_module(n, path)]
+    inside = [i for i, n in enumerate(nodes) if any(in_module(n, p) for p in paths)]
     return nodes[inside[0] : inside[-1] + 1] if inside else []
 
 

@@ -37,14 +37,24 @@ class Checkpointed(nn.Module):
 
 
 class FsdpUnitRegion(nn.Module):
-    """Runs ``region`` between ``unit``'s FSDP pre- and post-forward; ``parameters`` maps a
-    position of the region's inputs to the name of the unit parameter read there."""
+    """Runs ``region`` between the FSDP pre-forward of a unit's first module and the
+    post-forward of its last (one module, or those ``fully_shard([...])`` grouped);
+    ``parameters`` maps a position of the region's inputs to the name, in ``model``, of the
+    unit parameter read there."""
 
-    def __init__(self, region: fx.GraphModule, unit: nn.Module, parameters: dict[int, str]):
+    def __init__(
+        self,
+        region: fx.GraphModule,
+        modules: tuple[nn.Module, ...],
+        model: nn.Module,
+        parameters: dict[int, str],
+    ):
         super().__init__()
         self.region = region
         self.parameters_at = parameters
-        self.__dict__["unit"] = unit  # the user's module: used, not owned (not a submodule)
+        # the user's modules: used, not owned (not submodules)
+        self.__dict__["modules_of_unit"] = modules
+        self.__dict__["model"] = model
 
     def forward(self, *args):
         args, inputs = self._unsharded(args)
@@ -56,7 +66,8 @@ class FsdpUnitRegion(nn.Module):
     def _unsharded(self, args: tuple) -> tuple[tuple, list]:
         """FSDP's pre-forward (its all-gather), then the region's inputs with the unit's
         parameters (each TP weight as its local shard)."""
-        armed, _ = self.unit._get_fsdp_state()._pre_forward(self.unit, args, {})
+        first = self.modules_of_unit[0]
+        armed, _ = first._get_fsdp_state()._pre_forward(first, args, {})
         # Mixed precision casts every floating input; the graph already casts the block's
         # own inputs (the trace saw the cast), and any other value keeps its traced dtype.
         args = tuple(
@@ -65,9 +76,10 @@ class FsdpUnitRegion(nn.Module):
         )
         inputs = list(args)
         for position, name in sorted(self.parameters_at.items()):
-            inputs.insert(position, local_state(self.unit.get_parameter(name)))
+            inputs.insert(position, local_state(self.model.get_parameter(name)))
         return args, inputs
 
     @torch.compiler.disable
     def _resharded(self, args: tuple, outputs):
-        return self.unit._get_fsdp_state()._post_forward(self.unit, args, outputs)
+        last = self.modules_of_unit[-1]
+        return last._get_fsdp_state()._post_forward(last, args, outputs)

@@ -9,7 +9,7 @@ pair Megatron calls f and g):
   a bias, a broadcast operand). Identity forward; the backward sums the partial
   gradients of all ranks.
 - ``copy_averaged_outside``: ``copy_to_ring`` for a weight whose gradient an outer
-  data-parallel average over a group that holds the whole ring reduces anyway.
+  data-parallel reduction over a group that holds the whole ring reduces anyway.
 - ``reduce_from_ring``: a reduction over the sequence (a loss, a sum). Each rank
   reduces its positions, the forward sums over the ring; the backward hands every
   rank the (identical) incoming gradient.
@@ -44,7 +44,7 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 class _CopyToRing(torch.autograd.Function):
     """Identity; the backward sums the ring's partial gradients (``group_name``), or scales
-    them by ``averaged_outside`` (the ring size) for an outer average to sum."""
+    them by ``averaged_outside`` for an outer reduction to sum."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str, averaged_outside: int | None):
@@ -165,12 +165,13 @@ def copy_to_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return x if group_name == LOCAL else _CopyToRing.apply(x, group_name, None)
 
 
-def copy_averaged_outside(x: torch.Tensor, ring_size: int) -> torch.Tensor:
-    """``x`` itself; its gradient is this rank's partial gradient times ``ring_size``. For a
-    weight whose gradients an outer data-parallel average spans every rank of the ring
-    (FSDP over dp x cp): that average then sums the ring's partials, in the one reduction
-    the gradient needs."""
-    return _CopyToRing.apply(x, LOCAL, ring_size)
+def copy_averaged_outside(x: torch.Tensor, scale: int) -> torch.Tensor:
+    """``x`` itself; its gradient is this rank's partial gradient times ``scale``. For a
+    weight whose gradients an outer data-parallel reduction spans every rank of the ring
+    (FSDP over dp x cp): that reduction then sums the ring's partials, in the one
+    reduction the gradient needs (``scale``: the ring's size under FSDP's default average,
+    which divides by the ring's ranks too; 1 under an explicit divide factor)."""
+    return _CopyToRing.apply(x, LOCAL, scale)
 
 
 def reduce_from_ring(x: torch.Tensor, group_name: str) -> torch.Tensor:
