@@ -18,12 +18,21 @@ sequence dims differ), ``lift_lengths`` traces it once for all lengths:
 
 A length outside the range, or a model refused here, is traced per length as before, and
 the report and the log say why (``Report.lengths``).
+
+Where export unrolls a loop over the positions (Mamba-1's recurrence in torch: about 15 ms
+of export per position and layer, hours at 128K), the symbolic export fixes the length,
+but the pass folds the loop into one scan, and what is left is one graph again. So a
+first call of a long sequence (``SMALL_FIRST``) to such a model (it runs more ops at a
+longer length, counted on fake tensors) is traced at four small lengths instead
+(``lift_from_small``): the rewritten graphs must match node for node, their integers
+affine in the length.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +42,10 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.config import Config
+from ringify.observers import is_library_hook
 from ringify.parallelized import fsdp_units, unsharded_for_trace
 from ringify.passes.length_integers import (
     NotLiftable,
@@ -48,6 +59,8 @@ from ringify.runtime.collectives.layout import split_multiple
 from ringify.tensor_parallel import local_for_trace, tp_layers
 from ringify.trace import Rewritten, buffers_kept, rewrite
 
+log = logging.getLogger("ringify")
+
 
 @dataclass(frozen=True)
 class Lengths:
@@ -57,6 +70,7 @@ class Lengths:
     low: int
     high: float
     multiple: int = 1  # only lengths that are multiples of this (outputs="sharded")
+    unrolled: bool = False  # traced small: the export unrolled a loop over the positions
 
     def holds(self, key: tuple) -> bool:
         """Whether a call of signature ``key`` (same family) has a length in range."""
@@ -67,13 +81,34 @@ class Lengths:
     def __str__(self) -> str:
         high = "" if self.high == float("inf") else f" to {int(self.high)}"
         every = f", a multiple of {self.multiple}" if self.multiple > 1 else ""
+        how = "traced at small lengths: the pass folds the loop export unrolled over them; "
         return (
-            f"any length from {self.low}{high}{every} (one graph; the length is read at run time)"
+            f"any length from {self.low}{high}{every} (one graph; "
+            f"{how if self.unrolled else ''}the length is read at run time)"
         )
 
 
+def signature(model: nn.Module, flat: list, spec) -> tuple:
+    """What makes a call need its own trace: the same on every rank of a ring for one call."""
+    described = tuple(
+        (tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in flat
+    )
+    modes = tuple(
+        (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks) + _backward_hooks(m))
+        for m in model.modules()
+    )
+    return (str(spec), described, modes)
+
+
+def _backward_hooks(m: nn.Module) -> int:
+    return len(m._backward_hooks) + len(m._backward_pre_hooks)
+
+
 def sequence_dims(before: tuple, now: tuple) -> tuple[tuple[int, int], ...] | None:
-    """The (flat index, dim) that differ between two calls' signatures (``module._signature``:
+    """The (flat index, dim) that differ between two calls' signatures (``signature``:
     structure, each input's (shape, dtype, device, requires_grad) or value, modes), if
     those are all of one length before and one now and nothing else differs; else ``None``."""
     (spec, inputs, modes), (spec_now, inputs_now, modes_now) = before, now
@@ -104,6 +139,9 @@ def family(key: tuple, dims: tuple[tuple[int, int], ...]) -> tuple:
     return spec, tuple(inputs), modes
 
 
+SMALL_FIRST = 1024  # a first call this long is traced small where export unrolls its length
+
+
 def lift_lengths(
     model: nn.Module, config: Config, args, kwargs, dims: tuple[tuple[int, int], ...]
 ) -> tuple[Rewritten, Lengths]:
@@ -111,8 +149,100 @@ def lift_lengths(
     if config.inputs == "sharded" or config.dilation is not None:
         raise NotLiftable("inputs='sharded' and dilation trace per length")
     flat, spec = pytree.tree_flatten((args, kwargs))
-    length = flat[dims[0][0]].shape[dims[0][1]]
     low, high = _symbolic_range(model, flat, spec, dims)
+    done, multiple = _lifted(model, config, args, kwargs, dims)
+    return done[0], Lengths(dims, max(low, 2), high, multiple)
+
+
+def lift_from_small(model: nn.Module, config: Config, args, kwargs) -> tuple | None:
+    """For a first call of ``SMALL_FIRST`` positions or more whose export unrolls a loop over
+    them: (the graph traced at small lengths, its lengths read at run time; the ``Lengths``
+    it holds for, this call's among them); ``None`` where the export does not unroll the
+    length, or the lift fails (the call's own length is then traced).
+
+    The sequence inputs are taken to be the dims as long as the longest integer input
+    (token ids, positions, masks); a lift that slices any other input is not used."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    integers = [x for x in flat if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    length = max((max(x.shape, default=0) for x in integers), default=0)
+    if length < SMALL_FIRST or config.inputs == "sharded" or config.dilation is not None:
+        return None
+    tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    dims = tuple((i, d) for i, x in tensors for d, n in enumerate(x.shape) if n == length)
+    m = split_multiple(config.ring_size, config.layout)
+    small = 16 * m
+
+    def cut(n: int) -> tuple:
+        leaves = list(flat)
+        for i, d in dims:
+            leaves[i] = flat[i].narrow(d, 0, n)
+        return pytree.tree_unflatten(leaves, spec)
+
+    if not _unrolls(model, [cut(small), cut(small + m)]):
+        return None  # its export does not grow with the length: the call's length is traced
+    try:
+        done, multiple = _lifted(model, config, *cut(small), dims)
+    except NotLiftable as e:
+        log.info("ringify: not traced at a small length: %s", e)
+        return None
+    if not set(done[0].sequence_inputs) <= set(dims):
+        return None
+    lengths = Lengths(dims, small, float("inf"), multiple, unrolled=True)
+    return (done[0], lengths) if length % multiple == 0 else None
+
+
+def _unrolls(model: nn.Module, calls: list[tuple]) -> bool:
+    """Whether the model runs more ops on the second call's (longer) inputs than on the
+    first's: a loop over the positions, which export unrolls. Counted on fake tensors (no
+    graph is made: a fraction of an export's time), else, where the model cannot run so
+    (an op with no fake kernel outside export), in export's own graphs."""
+    for count in (_ops_on_fakes, _exported_nodes):
+        try:
+            first, second = (count(model, *call) for call in calls)
+        except Exception:  # a value read on the host, say: no answer here
+            continue
+        return first < second
+    return False
+
+
+def _ops_on_fakes(model: nn.Module, args, kwargs) -> int:
+    hooks = [
+        h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+    ]  # fmt: skip
+    if any(not is_library_hook(h) for h in hooks):
+        raise ValueError("the user's hooks would see the fake call")
+    counter = _Ops()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(buffers_kept(model))
+        stack.enter_context(torch.random.fork_rng([]))
+        mode = stack.enter_context(_as_traced(model))
+        stack.enter_context(mode or FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(counter)
+        stack.enter_context(torch.no_grad())
+        model(*args, **kwargs)
+    return counter.ops
+
+
+def _exported_nodes(model: nn.Module, args, kwargs) -> int:
+    with buffers_kept(model), _as_traced(model):
+        return len(torch.export.export(model, args, kwargs, strict=False).graph.nodes)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops dispatched under it."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _lifted(model: nn.Module, config: Config, args, kwargs, dims) -> tuple[list, int]:
+    """The pass at four lengths from the call's, the first's integers read at run time; and
+    the multiple of the ring the lengths must be (``outputs="sharded"``, or 1)."""
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    length = flat[dims[0][0]].shape[dims[0][1]]
     m = split_multiple(config.ring_size, config.layout)
     # outputs="sharded" takes no padding: lengths the ring splits evenly, one graph for them
     multiple = m if config.outputs == "sharded" else 1
@@ -128,7 +258,7 @@ def lift_lengths(
         inline_no_grad_regions(r.gm)
     lifts = fitted_integers([r.gm.graph for r in done], probes, m)
     read_at_run_time(done[0].gm.graph, lifts, dims, m)
-    return done[0], Lengths(dims, max(low, 2), high, multiple)
+    return done, multiple
 
 
 def _probes(length: int, m: int) -> list[int]:
@@ -170,9 +300,10 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
     nodes = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
     user = [s.arg for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     sizes = [nodes[user[i].name].meta["val"].shape[d] for i, d in dims]
-    if not all(isinstance(n, torch.SymInt) for n in sizes):
-        raise NotLiftable("the export fixed the length (the model branches on it)")
-    symbol = sizes[0].node.expr
+    symbol = sizes[0].node.expr if isinstance(sizes[0], torch.SymInt) else None
+    # a SymInt whose expression is a number: a guard (a loop over positions) fixed it
+    if not all(isinstance(n, torch.SymInt) for n in sizes) or not symbol.is_Symbol:
+        raise NotLiftable("the export fixed the length (the model branches or loops on it)")
     # every input's length is the one length (the family's): one symbol for all of them
     same = {n.node.expr: symbol for n in sizes[1:] if n.node.expr.is_Symbol}
     for node in exported.graph.nodes:
@@ -189,10 +320,11 @@ def _symbolic_range(model: nn.Module, flat: list, spec, dims) -> tuple[int, floa
 def _as_traced(model: nn.Module):
     """FSDP2 units seen whole and TP layers local, as the trace sees them
     (``unsharded_for_trace``, ``local_for_trace``): their parameters are fakes of the
-    export's own fake mode, which export then takes as its own."""
+    export's own fake mode (yielded; ``None`` where there are none), which export then
+    takes as its own."""
     units, layers = fsdp_units(model), tp_layers(model)
     if not units and not layers:
-        yield
+        yield None
         return
     mode = FakeTensorMode(
         shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True, export=True
@@ -202,7 +334,7 @@ def _as_traced(model: nn.Module):
         unsharded_for_trace(units, mode, layers),
         local_for_trace(model, layers, mode),
     ):
-        yield
+        yield mode
 
 
 def _dynamic_shapes(spec, dims) -> tuple:

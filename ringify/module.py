@@ -39,7 +39,15 @@ from ringify.caches import cache_kwargs
 from ringify.config import Config, Hybrid
 from ringify.consistency import check_call, check_trace
 from ringify.generation import Generation, generate
-from ringify.lengths import NotLiftable, family, lift_lengths, sequence_dims
+from ringify.lengths import (
+    Lengths,
+    NotLiftable,
+    family,
+    lift_from_small,
+    lift_lengths,
+    sequence_dims,
+    signature,
+)
 from ringify.observers import run_observers
 from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
@@ -47,6 +55,7 @@ from ringify.runtime.collectives.agreement import digest
 from ringify.runtime.collectives.tensor_parallel import local_state
 from ringify.tensor_parallel import tp_layers
 from ringify.trace import (
+    Rewritten,
     Traced,
     dump,
     finish,
@@ -213,7 +222,7 @@ def _prepare(module: RingifiedModule, args, kwargs) -> tuple[Traced, list]:
     kwargs = cache_kwargs(module._model, kwargs, module._takes_use_cache, module._warned)
     args, kwargs = with_flat_block_masks((args, kwargs))
     flat, spec = pytree.tree_flatten((args, kwargs))
-    key = _signature(module._model, flat, spec)
+    key = signature(module._model, flat, spec)
     traced = module._traced.get(key) or _for_any_length(module, key)
     state = None if traced is None else state_of(module._model, traced.state_names)
     if traced is not None and not still_fits(traced, module._model, state):
@@ -330,10 +339,13 @@ def _trace_on_every_rank(module: RingifiedModule, args, kwargs, dims=None) -> Tr
 
 def _trace(module: RingifiedModule, args, kwargs, dims) -> Traced:
     model, config = module._model, module.ringify_config
-    if dims is None:
-        return trace(model, config, args, kwargs, outer=module)
+    if dims is None:  # a first call: traced small where export unrolls a long length
+        small = lift_from_small(model, config, args, kwargs)
+        if small is None:
+            return trace(model, config, args, kwargs, outer=module)
+        return _lifted(module, *small)
     flat, spec = pytree.tree_flatten((args, kwargs))
-    kin = family(_signature(model, flat, spec), dims)
+    kin = family(signature(model, flat, spec), dims)
     if kin in module._families:  # a graph for many lengths, not this one: this one alone
         traced = trace(model, config, args, kwargs, outer=module)
         outside = f"this length, outside those of the graph for {module._families[kin].lengths}"
@@ -350,28 +362,14 @@ def _trace(module: RingifiedModule, args, kwargs, dims) -> Traced:
         traced = trace(model, config, args, kwargs, outer=module)
         report = dataclasses.replace(traced.report, lengths=module._per_length[kin])
         return dataclasses.replace(traced, report=report)
+    return _lifted(module, done, lengths)
+
+
+def _lifted(module: RingifiedModule, done: Rewritten, lengths: Lengths) -> Traced:
     done.report = dataclasses.replace(done.report, lengths=str(lengths))
     log.info("ringify: one graph for %s", lengths)
-    return dataclasses.replace(finish(done, model, config, module), lengths=lengths)
-
-
-def _signature(model: nn.Module, flat: list, spec) -> tuple:
-    """What makes a call need its own trace: the same on every rank of a ring for one call."""
-    described = tuple(
-        (tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
-        if isinstance(x, torch.Tensor)
-        else x
-        for x in flat
-    )
-    modes = tuple(
-        (m.training, len(m._forward_hooks) + len(m._forward_pre_hooks) + _backward_hooks(m))
-        for m in model.modules()
-    )
-    return (str(spec), described, modes)
-
-
-def _backward_hooks(m: nn.Module) -> int:
-    return len(m._backward_hooks) + len(m._backward_pre_hooks)
+    traced = finish(done, module._model, module.ringify_config, module)
+    return dataclasses.replace(traced, lengths=lengths)
 
 
 def _signature_of(forward) -> inspect.Signature | None:

@@ -21,6 +21,7 @@ import itertools
 import pytest
 import torch
 
+from ringify.lengths import SMALL_FIRST
 from ringify.passes.graph.report import AttentionRun
 from ringify.runtime.selective_scan import ring_selective_scan
 from ringify.testing.runs import ringified_run
@@ -156,6 +157,8 @@ def compare(world: int, length: int, backend: str | None, family: str = "bamba",
         "state passing": sum(
             n.target is ring_selective_scan for n in ringified._last().module.graph.nodes
         ),
+        "traces": ringified.traces,
+        "lengths": report.lengths,
     }
 
 
@@ -257,3 +260,62 @@ def check(results: list, family: str, batch: int) -> None:
         # graph_diff opens with a line per attention, region on a share and gather
         assert r["header"] == [f"# {line}" for line in r["placements"]], r["header"]
         assert len(r["header"]) == len(r["runs"]) + scans + len(r["gathered"]), r["header"]
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_a_long_first_call_is_traced_at_small_lengths(ranks, family):
+    """Export unrolls Mamba1's recurrence over the positions (about 15 ms per position and
+    layer): a first call of SMALL_FIRST positions or more is traced at four small lengths,
+    and the graph the pass folded runs at the call's own length (odd here: padded). Exact,
+    one trace, the report says so."""
+    results = ranks(2).run(compare, 2, SMALL_FIRST + 3, None, family, 1, timeout=600)
+    check(results, family, 1)
+    for r in results:
+        assert r["traces"] == 1 and "traced at small lengths" in r["lengths"], r
+
+
+def second_length(family: str) -> tuple[str, float]:
+    torch.manual_seed(0)
+    cls, config = hybrid(family)
+    model = cls(config).double()
+    ringified, run = ringified_run(model, None)
+    worst = 0.0
+    for length in (24, 30):
+        ids = torch.randint(1, 64, (1, length), generator=torch.Generator().manual_seed(length))
+        worst = max(worst, (run(input_ids=ids).logits - model(input_ids=ids).logits).abs().max())
+    return ringified.report().lengths, float(worst)
+
+
+def test_a_second_short_length_of_an_unrolled_loop_is_traced_anew(ranks):
+    """Below SMALL_FIRST, a second length of HF Mamba: its symbolic export fixes the length
+    (the loop over the positions), so each length is traced anew, exact."""
+    for lengths, worst in ranks(2).run(second_length, "mamba"):
+        assert lengths.startswith("per length: the export fixed the length"), lengths
+        assert worst < 1e-10, worst
+
+
+def observed_long_first_call() -> dict:
+    """HF Mamba with a user's hook that logs a mixer's output, on a long first call: the
+    op count on fake tensors would call the hook, so export's own graphs are counted."""
+    torch.manual_seed(0)
+    cls, config = hybrid("mamba")
+    model = cls(config).double()
+    seen = []
+    model.backbone.layers[0].mixer.register_forward_hook(
+        lambda module, args, output: seen.append(type(output).__name__)
+    )
+    ringified, run = ringified_run(model, None)
+    length = SMALL_FIRST + 3
+    ids = torch.randint(1, 64, (1, length), generator=torch.Generator().manual_seed(0))
+    seen.clear()
+    worst = (run(input_ids=ids).logits - model(input_ids=ids).logits).abs().max()
+    return {"lengths": ringified.report().lengths, "traces": ringified.traces,
+            "error": float(worst), "seen": seen}  # fmt: skip
+
+
+def test_a_long_first_call_with_a_users_hook_is_traced_at_small_lengths(ranks):
+    for r in ranks(2).run(observed_long_first_call, timeout=600):
+        assert r["traces"] == 1 and "traced at small lengths" in r["lengths"], r
+        assert r["error"] < 1e-10, r
+        # the ringified call (on its shard), then the unmodified model's: real tensors both
+        assert r["seen"][-2:] == ["Tensor", "Tensor"], r

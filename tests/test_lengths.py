@@ -274,3 +274,23 @@ def test_per_layer_fsdp2_shares_one_graph_for_every_length(ranks):
         assert r["error"] < TOL, r
         assert r["traces"] == 2 and r["lengths"].startswith("any length"), r
         assert r["units"] == ("model.layers.0", "model.layers.1"), r
+
+
+def long_first_call() -> tuple[str, float]:
+    from ringify.lengths import SMALL_FIRST
+
+    torch.manual_seed(0)
+    model = llama().double()
+    model.config.max_position_embeddings = 2 * SMALL_FIRST
+    ringified, run = ringified_run(model, None)
+    ids = torch.randint(1, 64, (1, SMALL_FIRST + 3), generator=torch.Generator().manual_seed(0))
+    worst = (run(input_ids=ids).logits - model(input_ids=ids).logits).abs().max()
+    return ringified.report().lengths, float(worst)
+
+
+def test_a_long_first_call_whose_export_holds_any_length_is_traced_at_its_own(ranks):
+    """A long first call of a model whose symbolic export keeps the length (HF Llama: its
+    export does not grow with the length) is traced once, at its length, not at four small
+    ones (``lift_from_small``)."""
+    for lengths, worst in ranks(2).run(long_first_call):
+        assert lengths == "this length" and worst < TOL, (lengths, worst)

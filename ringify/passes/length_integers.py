@@ -61,33 +61,35 @@ def fitted_integers(graphs: list[fx.Graph], lengths: list[int], m: int) -> dict:
     nodes = [list(g.nodes) for g in graphs]
     if len({len(n) for n in nodes}) != 1:
         raise NotLiftable("the graphs of different lengths differ in their nodes")
+    # a node is known by its place: names count what a fold removed (a loop over positions)
+    places = {n: i for graph in nodes for i, n in enumerate(graph)}
     lifts = {}
     for index, column in enumerate(zip(*nodes, strict=True)):
         if len({(n.op, n.target if n.op != "placeholder" else 0) for n in column}) != 1:
             raise NotLiftable(f"{column[0].name}: the graphs differ at this node")
         values = [(n.args, n.kwargs) for n in column]
-        for path, found in _differences(values, ()):
+        for path, found in _differences(values, (), places):
             if not all(type(v) is int for v in found):
                 raise NotLiftable(f"{column[0].name}: {found} differ with the length")
             lifts[index, path] = _fit(found, lengths, m)
     return lifts
 
 
-def _differences(values: list, path: tuple):
+def _differences(values: list, path: tuple, places: dict):
     """(path, values) of each leaf where the probes' arguments differ."""
     first = values[0]
     if isinstance(first, (tuple, list)):
         if len({len(v) if isinstance(v, (tuple, list)) else -1 for v in values}) != 1:
             raise NotLiftable("arguments of different lengths")
         for k in range(len(first)):
-            yield from _differences([v[k] for v in values], (*path, k))
+            yield from _differences([v[k] for v in values], (*path, k), places)
     elif isinstance(first, dict):
         if len({tuple(v) for v in values}) != 1:
             raise NotLiftable("keyword arguments differ")
         for k in first:
-            yield from _differences([v[k] for v in values], (*path, k))
+            yield from _differences([v[k] for v in values], (*path, k), places)
     elif isinstance(first, fx.Node):
-        if len({v.name for v in values}) != 1:
+        if len({places[v] for v in values}) != 1:
             raise NotLiftable("the graphs read different nodes")
     elif any(type(v) is not type(first) or v != first for v in values):
         yield path, values
