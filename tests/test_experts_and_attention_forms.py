@@ -1,7 +1,8 @@
 """The model families of 2026 on the ring, against the unmodified model in float64: mixture-of-
 experts LMs (Qwen3-MoE and Mixtral with their load-balancing loss, DeepSeek-V3 with MLA and
-group-limited routing, gpt-oss with attention sinks), Gemma 2's soft-capped scores and
-BLOOM's ALiBi through ``baddbmm`` (both eager: HF gives them no SDPA path).
+group-limited routing, gpt-oss with attention sinks, Llama 4's text model with every token
+repeated once per expert and chunked attention), Gemma 2's soft-capped scores and BLOOM's
+ALiBi through ``baddbmm`` (both eager: HF gives them no SDPA path).
 
 Logits, loss, the router's aux loss and every gradient, on 2 and 4 ranks, eager and compiled.
 These models compute parts in float32 inside a float64 model (HF's loss; DeepSeek's router;
@@ -19,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ringify.testing.runs import ringified_run
 
-FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "bloom")
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "bloom", "llama4")
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
 

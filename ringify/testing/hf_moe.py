@@ -1,7 +1,8 @@
 """HF mixture-of-experts LMs from small configs with random weights, as tests and benchmarks
 build them (nothing downloaded): Qwen3-MoE, Mixtral, DeepSeek-V3 (group-limited routing and
 MLA) and gpt-oss (attention sinks, biased experts, sliding and full layers); more of the class:
-DeepSeek-V2 (MLA), OLMoE and JetMoE (mixture of attention heads). Each returns its
+DeepSeek-V2 (MLA), OLMoE, JetMoE (mixture of attention heads) and Llama 4's text model (every
+token through every expert, weighted; chunked attention). Each returns its
 router logits with ``output_router_logits`` and adds the load-balancing loss to its loss."""
 
 from __future__ import annotations
@@ -109,3 +110,19 @@ def jetmoe(layers=2, experts=4, top_k=2):
     config._attn_implementation = "sdpa"
     config._experts_implementation = "batched_mm"
     return JetMoeForCausalLM(config)
+
+
+def llama4(layers=2, experts=4):
+    """HF Llama 4's text model: its MoE repeats the tokens once per expert and weighs each
+    copy by its router score; chunked attention (chunks of 8) beside full attention, with
+    its attention temperature tuning over the positions."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return _built(
+        Llama4TextConfig, Llama4ForCausalLM, num_hidden_layers=layers, head_dim=8,
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=experts,
+        num_experts_per_tok=1, attention_chunk_size=8, floor_scale=8,
+        layer_types=["chunked_attention", "full_attention"][:layers],
+        no_rope_layers=[1, 0][:layers], max_position_embeddings=256,
+        output_router_logits=True,
+    )  # fmt: skip

@@ -95,11 +95,13 @@ def infer_complex_view(node, place, p: Seq, ndim: int):
 @sharded_first
 def infer_repeat(node, place, p: Seq, ndim: int):
     """``repeat(x, reps)``: copies along other dims keep each rank's positions; along the
-    sequence (reps > 1 there) they would interleave the ranks' parts."""
+    sequence's dim (Llama 4's tokens once per expert) each copy is a block of all the
+    positions, so each rank's copies of its own are the same placement with more ``outer``
+    blocks. Not for rows in a sort's order, which a copy would no longer match."""
     reps = node.args[1]
     lead = len(reps) - ndim  # new leading dims
-    if reps[p.dim + lead] != 1:
-        return Fallback(GatherReason.ALONG_SEQUENCE, "(repeated along the sequence)")
+    if reps[p.dim + lead] != 1 and p.order is not None:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(repeated along rows in a sort's order)")
     return p.at(p.dim + lead)
 
 
