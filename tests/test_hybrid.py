@@ -90,6 +90,12 @@ def hybrid(family: str):
             layer_types=["linear_attention", "full_attention"],
         )  # fmt: skip
         return tf.Qwen3_5ForCausalLM, config
+    if family == "recurrent_gemma":  # RG-LRU, a diagonal linear RNN, beside local attention
+        config = tf.RecurrentGemmaConfig(
+            **common | dict(num_key_value_heads=4), head_dim=8, lru_width=32,
+            attention_window_size=16, conv1d_width=4, block_types=("recurrent", "attention"),
+        )  # fmt: skip
+        return tf.RecurrentGemmaForCausalLM, config
     if family == "mamba":
         config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
         return tf.MambaForCausalLM, config
@@ -203,11 +209,12 @@ ENTERED = {
     ("bamba", 2): MAMBA2, ("bamba-square", 1): MAMBA2, ("falconh1", 1): ([2] * 5, 0, 2), ("nemotronh", 1): MAMBA2,
     ("granitemoehybrid", 1): MAMBA2, ("mamba2", 2): ([2] * 5, 0, 2), ("lfm2", 1): ([], 0, 0),
     ("jamba", 2): ([], 0, 0), ("jamba", 1): ([], 0, 0), ("mamba", 1): ([], 0, 0),
-    ("falcon_mamba", 1): ([], 0, 0), ("zamba", 1): ([], 0, 0),
+    ("falcon_mamba", 1): ([], 0, 0), ("zamba", 1): ([], 0, 0), ("recurrent_gemma", 1): ([], 0, 0),
+    ("recurrent_gemma", 2): ([], 0, 0),
     ("qwen3next", 1): ([1] * 5, 0, 1), ("qwen3_5", 1): ([1] * 5, 0, 1),
 }  # fmt: skip
 # Mamba1 mixers: one selective scan each (Zamba's: one per mixer head, 2 heads in 6 layers)
-STATE_PASSING = {"jamba": 1, "mamba": 2, "falcon_mamba": 2, "zamba": 12}
+STATE_PASSING = {"jamba": 1, "mamba": 2, "falcon_mamba": 2, "zamba": 12, "recurrent_gemma": 1}
 NO_ATTENTION = ("mamba", "mamba2", "falcon_mamba")
 
 
@@ -229,14 +236,15 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
         ("falcon_mamba", 1, 4, 30), ("zamba", 1, 2, 24),
         ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
         ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("qwen3_5", 1, 2, 32),
-        ("bamba-square", 1, 2, 32),
+        ("bamba-square", 1, 2, 32), ("recurrent_gemma", 1, 2, 40), ("recurrent_gemma", 2, 4, 37),
     ],
 )  # fmt: skip
 def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
     """Jamba (Mamba1 unrolled over the positions, with MoE); FalconH1, Nemotron-H and
     GraniteMoeHybrid (Mamba2 beside attention, one sequence); LFM2 (short convolutions);
     Qwen3-Next (Gated DeltaNet, its region cut before the gated norm that merges the heads
-    with the positions); and
+    with the positions); RecurrentGemma (its RG-LRU, unrolled over the positions and
+    written into a buffer, folded into a selective scan with a state per channel); and
     models with no attention at all: HF Mamba and Mamba2, their sequence followed from the
     token ids."""
     check(ranks(world).run(compare, world, length, None, family, batch), family, batch)

@@ -38,7 +38,7 @@ from ringify.passes.folds.identity_index import fold_identity_indexing
 from ringify.passes.folds.joints import fold_joint_sequences
 from ringify.passes.folds.loss_shift import fold_sliced_loss
 from ringify.passes.folds.mask_programs import fold_mask_programs
-from ringify.passes.folds.scans import fold_selective_scans
+from ringify.passes.folds.scans import fold_linear_recurrences, fold_selective_scans
 from ringify.passes.folds.shifts import fold_shifts
 from ringify.passes.folds.spellings import fold_synonyms
 from ringify.passes.graph.attention_nodes import find_attention
@@ -64,6 +64,7 @@ FOLDS: tuple[Fold, ...] = (
     fold_sliced_loss,
     fold_sequence_convs,
     fold_selective_scans,
+    fold_linear_recurrences,
     fold_handwritten_attention,
     fold_repeated_kv,  # after fold_handwritten_attention: it reads the SDPA that one makes
     fold_joint_sequences,  # after every attention is SDPA: it splits SDPA over joint keys

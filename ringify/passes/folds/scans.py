@@ -1,5 +1,5 @@
-"""Mamba-1's recurrence, which export unrolls over the positions, folded into one node (its
-rule, and a running sum's: ``sharding/along.py``).
+"""Mamba-1's recurrence and diagonal linear RNNs, which export unrolls over the positions,
+folded into one node (its rule, and a running sum's: ``sharding/along.py``).
 
 A ``cumsum`` along the sequence is a scan over the ring (``ring_cumsum``: each chunk's total
 gathered, an exclusive sum of those before it added); off the sequence it stays local.
@@ -13,7 +13,14 @@ copies of one step::
     y = stack([y_0, ..., y_{S-1}], -1)
 
 ``fold_selective_scans`` finds that chain, position by position, and replaces it by one
-``selective_scan(a, b, c)`` node (``runtime/selective_scan.py``). The graph no longer grows
+``selective_scan(a, b, c)`` node (``runtime/selective_scan.py``). A diagonal linear RNN
+(RecurrentGemma's RG-LRU) that writes each state into a buffer of the outputs::
+
+    h = a[:, i] * h + x[:, i]                            (h: zeros before the first step)
+    y[:, i] = h.to(dtype)                                 (y: zeros_like(x) before)
+
+is the same scan with a state of one number per channel and ``c`` one:
+``fold_linear_recurrences`` folds it into ``selective_scan`` of a and x moved to (B, D, S, 1). The graph no longer grows
 with the length, and along a sharded sequence the scan becomes ``ring_selective_scan``:
 state passing between the ring's chunks. A chain that is not exactly this (its last state
 read elsewhere, say) is left as it is: a region on a share of the channels
@@ -29,7 +36,15 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.spellings import CASTS
-from ringify.passes.graph.nodes import erase_unused, norm_dim, replace_by_call, shape, uses, val
+from ringify.passes.graph.nodes import (
+    call,
+    erase_unused,
+    norm_dim,
+    replace_by_call,
+    shape,
+    uses,
+    val,
+)
 from ringify.runtime.selective_scan import selective_scan
 
 aten = torch.ops.aten
@@ -142,3 +157,113 @@ def _read_only_by(h: fx.Node, readers: set) -> bool:
         elif user not in readers:
             return False
     return True
+
+
+def fold_linear_recurrences(gm: fx.GraphModule) -> int:
+    """Replace every unrolled diagonal linear RNN whose states are written into a buffer
+    of the outputs (the last ``select_scatter`` of the chain) by one ``selective_scan``."""
+    graph = gm.graph
+    folded = 0
+    for node in list(graph.nodes):
+        if node.target is not aten.select_scatter.default or getattr(node, "_erased", False):
+            continue
+        if any(u.target is aten.select_scatter.default and u.args[0] is node for u in node.users):
+            continue  # not the chain's last write
+        found = _recurrence_of(node)
+        if found is None:
+            continue
+        a, x, state_dtype = found
+        out_dtype = val(node).dtype
+        with graph.inserting_before(node):
+            a4, x4 = (_as_scanned(graph, t, state_dtype) for t in (a, x))
+            column = call(graph, aten.slice.Tensor, (x, 2, 0, 1))
+            ones = call(graph, aten.ones_like.default, (column,), {"dtype": out_dtype})
+            y = call(graph, selective_scan, (a4, x4, ones, state_dtype, out_dtype))
+            moved = call(graph, aten.transpose.int, (y, 1, 2))
+            kept = {"memory_format": torch.contiguous_format}
+            y = call(graph, aten.clone.default, (moved,), kept)
+        node.replace_all_uses_with(y)
+        erase_unused(graph, node)
+        folded += 1
+    return folded
+
+
+def _as_scanned(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """(B, S, D) in ``dtype`` as a scan's (B, D, S, 1)."""
+    if val(t).dtype != dtype:
+        t = call(graph, aten._to_copy.default, (t,), {"dtype": dtype})
+    return call(graph, aten.unsqueeze.default, (call(graph, aten.transpose.int, (t, 1, 2)), -1))
+
+
+def _recurrence_of(last: fx.Node) -> tuple | None:
+    """``(a, x, state dtype)`` if ``last`` writes the last state of an unrolled diagonal
+    linear RNN into a (B, S, D) buffer of zeros, one ``select_scatter`` per position."""
+    writes = [last]
+    while writes[-1].args[0].target is aten.select_scatter.default:
+        writes.append(writes[-1].args[0])
+    writes.reverse()
+    buffer, length = writes[0].args[0], len(writes)
+    if buffer.target not in _ZEROS or len(shape(buffer)) != 3 or shape(buffer)[1] != length:
+        return None
+    steps = []
+    for i, w in enumerate(writes):
+        if w.args[2:] not in ((1, i), (-2, i)) or (i and len(uses(writes[i - 1])) != 1):
+            return None
+        h = _unwrapped(w.args[1])
+        step = _rnn_step(h, i)
+        if step is None:
+            return None
+        steps.append(step)
+    a, x, first = steps[0][0], steps[0][1], steps[0][2]
+    if any(s[:2] != (a, x) for s in steps) or _unaliased(first).target not in _ZEROS:
+        return None
+    if shape(a) != shape(buffer) or shape(x) != shape(buffer):
+        return None
+    hs = [_unwrapped(w.args[1]) for w in writes]
+    for i, h in enumerate(hs):
+        before = steps[i][2]
+        if i and _unaliased(before) is not hs[i - 1]:
+            return None
+        # each state is read by its own write and the next step alone (a cache reads more)
+        written = [writes[i], writes[i].args[1]]
+        while written[-1] is not h:
+            written.append(written[-1].args[0])
+        readers = {*written, *(steps[i + 1][2:] if i + 1 < length else ())}
+        if not _read_only_by(h, readers) or any(len(uses(n)) != 1 for n in written[1:-1]):
+            return None
+    return a, x, val(hs[0]).dtype
+
+
+def _unwrapped(value: fx.Node) -> fx.Node:
+    """The state a write's value is: through the clone and the cast the write makes."""
+    while isinstance(value, fx.Node) and (
+        value.target in CASTS or value.target is aten.clone.default
+    ):
+        value = value.args[0]
+    return value
+
+
+def _rnn_step(h: fx.Node, i: int) -> tuple | None:
+    """``(a, x, the state before, the product)`` if ``h = a[:, i] * before + x[:, i]``
+    (each selected row possibly cast)."""
+    if h.target is not aten.add.Tensor or len(h.args) != 2 or h.kwargs.get("alpha", 1) != 1:
+        return None
+    for decayed, added in (h.args, h.args[::-1]):
+        x = _position(_uncast(added), i)
+        if x is None or x[1] != 1 or decayed.target is not aten.mul.Tensor:
+            continue
+        for factor, before in (decayed.args, decayed.args[::-1]):
+            a = _position(_uncast(factor), i)
+            if a is not None and a[1] == 1 and isinstance(before, fx.Node):
+                return a[0], x[0], before, decayed
+    return None
+
+
+def _uncast(node):
+    return node.args[0] if isinstance(node, fx.Node) and node.target in CASTS else node
+
+
+def _unaliased(node: fx.Node) -> fx.Node:
+    """The state a same-dtype cast returns (``h.to(device)`` is ``h``)."""
+    cast = node.target in CASTS or node.target is aten.to.dtype_layout
+    return node.args[0] if cast and val(node).dtype == val(node.args[0]).dtype else node
