@@ -169,12 +169,12 @@ CASES = {
         aten.repeat.default,
         Seq(1),
     ),
-    "repeat along the sequence": (
+    "repeat along the sequence": (  # each copy all the positions: more outer blocks
         lambda x: x.repeat(1, 2, 1),
         (x3(2, S, 4),),
         1,
         aten.repeat.default,
-        GatherReason.ALONG_SEQUENCE,
+        Seq(1),
     ),
     "a replicated part written into a sharded base": (  # the part sliced to this rank's rows
         lambda x, p: torch.slice_scatter(x, p, dim=2, start=0, end=2),
