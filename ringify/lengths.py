@@ -170,6 +170,8 @@ def lift_from_small(model: nn.Module, config: Config, args, kwargs) -> tuple | N
     tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     dims = tuple((i, d) for i, x in tensors for d, n in enumerate(x.shape) if n == length)
     m = split_multiple(config.ring_size, config.layout)
+    if config.outputs == "sharded" and length % m:
+        return None  # a length the graph would not hold: its own trace says why
     small = 16 * m
 
     def cut(n: int) -> tuple:
@@ -188,7 +190,7 @@ def lift_from_small(model: nn.Module, config: Config, args, kwargs) -> tuple | N
     if not set(done[0].sequence_inputs) <= set(dims):
         return None
     lengths = Lengths(dims, small, float("inf"), multiple, unrolled=True)
-    return (done[0], lengths) if length % multiple == 0 else None
+    return done[0], lengths
 
 
 def _unrolls(model: nn.Module, calls: list[tuple]) -> bool:

@@ -49,6 +49,7 @@ from ringify.runtime.selective_scan import selective_scan
 
 aten = torch.ops.aten
 _ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
+_WRITTEN_THROUGH = CASTS | {aten.clone.default}  # what a write into a buffer reads a state by
 
 
 def fold_selective_scans(gm: fx.GraphModule) -> int:
@@ -119,16 +120,28 @@ def _step(y: fx.Node, i: int) -> _Step | None:
     c = _position(column.args[0], i) if column.target is aten.unsqueeze.default else None
     if c is None or c[1] != 1 or norm_dim(column.args[1], 3) != 2 or len(shape(c[0])) != 3:
         return None
-    if h.target is not aten.add.Tensor or len(h.args) != 2 or h.kwargs.get("alpha", 1) != 1:
+    found = _linear_step(h, i, 2)
+    if found is None:
+        return None
+    a, b, before, decayed = found
+    return _Step(a, b, c[0], before, h, decayed, product)
+
+
+def _linear_step(h, i: int, dim: int, read=lambda node: node) -> tuple | None:
+    """``(a, b, the state before, the product)`` if ``h = a[i] * before + b[i]``, a and b
+    selected at ``i`` along ``dim``, each selected row read through ``read`` (a cast)."""
+    if not isinstance(h, fx.Node) or h.target is not aten.add.Tensor or len(h.args) != 2:
+        return None
+    if h.kwargs.get("alpha", 1) != 1:
         return None
     for decayed, added in (h.args, h.args[::-1]):
-        b = _position(added, i)
-        if b is None or b[1] != 2 or decayed.target is not aten.mul.Tensor:
+        b = _position(read(added), i)
+        if b is None or b[1] != dim or getattr(decayed, "target", None) is not aten.mul.Tensor:
             continue
         for factor, before in (decayed.args, decayed.args[::-1]):
-            a = _position(factor, i)
-            if a is not None and a[1] == 2 and isinstance(before, fx.Node):
-                return _Step(a[0], b[0], c[0], before, h, decayed, product)
+            a = _position(read(factor), i)
+            if a is not None and a[1] == dim and isinstance(before, fx.Node):
+                return a[0], b[0], before, decayed
     return None
 
 
@@ -142,10 +155,9 @@ def _position(node, i: int) -> tuple[fx.Node, int] | None:
 
 
 def _alias_of(node: fx.Node) -> fx.Node | None:
-    """The state a same-dtype cast returns (``h.to(h.dtype)`` is ``h``)."""
-    if node.target in CASTS and val(node).dtype == val(node.args[0]).dtype:
-        return node.args[0]
-    return None
+    """The state a same-dtype cast returns (``h.to(h.dtype)``, ``h.to(device)`` are ``h``)."""
+    cast = node.target in CASTS or node.target is aten.to.dtype_layout
+    return node.args[0] if cast and val(node).dtype == val(node.args[0]).dtype else None
 
 
 def _read_only_by(h: fx.Node, readers: set) -> bool:
@@ -165,7 +177,7 @@ def fold_linear_recurrences(gm: fx.GraphModule) -> int:
     graph = gm.graph
     folded = 0
     for node in list(graph.nodes):
-        if node.target is not aten.select_scatter.default or getattr(node, "_erased", False):
+        if node.target is not aten.select_scatter.default:
             continue
         if any(u.target is aten.select_scatter.default and u.args[0] is node for u in node.users):
             continue  # not the chain's last write
@@ -205,65 +217,33 @@ def _recurrence_of(last: fx.Node) -> tuple | None:
     buffer, length = writes[0].args[0], len(writes)
     if buffer.target not in _ZEROS or len(shape(buffer)) != 3 or shape(buffer)[1] != length:
         return None
-    steps = []
+    steps, chains = [], []  # each write's step, and what its value is read through
     for i, w in enumerate(writes):
         if w.args[2:] not in ((1, i), (-2, i)) or (i and len(uses(writes[i - 1])) != 1):
             return None
-        h = _unwrapped(w.args[1])
-        step = _rnn_step(h, i)
-        if step is None:
+        chain = [w, w.args[1]]  # the write, then the clone and the cast it writes
+        while isinstance(chain[-1], fx.Node) and chain[-1].target in _WRITTEN_THROUGH:
+            chain.append(chain[-1].args[0])
+        step = _linear_step(chain[-1], i, 1, _uncast)
+        if step is None or any(len(uses(n)) != 1 for n in chain[1:-1]):
             return None
         steps.append(step)
-    a, x, first = steps[0][0], steps[0][1], steps[0][2]
-    if any(s[:2] != (a, x) for s in steps) or _unaliased(first).target not in _ZEROS:
+        chains.append(chain)
+    a, x, first = steps[0][:3]
+    if any(s[:2] != (a, x) for s in steps) or (_alias_of(first) or first).target not in _ZEROS:
         return None
     if shape(a) != shape(buffer) or shape(x) != shape(buffer):
         return None
-    hs = [_unwrapped(w.args[1]) for w in writes]
-    for i, h in enumerate(hs):
-        before = steps[i][2]
-        if i and _unaliased(before) is not hs[i - 1]:
+    for i, chain in enumerate(chains):
+        h = chain[-1]
+        if i and (_alias_of(steps[i][2]) or steps[i][2]) is not chains[i - 1][-1]:
             return None
         # each state is read by its own write and the next step alone (a cache reads more)
-        written = [writes[i], writes[i].args[1]]
-        while written[-1] is not h:
-            written.append(written[-1].args[0])
-        readers = {*written, *(steps[i + 1][2:] if i + 1 < length else ())}
-        if not _read_only_by(h, readers) or any(len(uses(n)) != 1 for n in written[1:-1]):
+        readers = {*chain, *(steps[i + 1][2:] if i + 1 < length else ())}
+        if not _read_only_by(h, readers):
             return None
-    return a, x, val(hs[0]).dtype
-
-
-def _unwrapped(value: fx.Node) -> fx.Node:
-    """The state a write's value is: through the clone and the cast the write makes."""
-    while isinstance(value, fx.Node) and (
-        value.target in CASTS or value.target is aten.clone.default
-    ):
-        value = value.args[0]
-    return value
-
-
-def _rnn_step(h: fx.Node, i: int) -> tuple | None:
-    """``(a, x, the state before, the product)`` if ``h = a[:, i] * before + x[:, i]``
-    (each selected row possibly cast)."""
-    if h.target is not aten.add.Tensor or len(h.args) != 2 or h.kwargs.get("alpha", 1) != 1:
-        return None
-    for decayed, added in (h.args, h.args[::-1]):
-        x = _position(_uncast(added), i)
-        if x is None or x[1] != 1 or decayed.target is not aten.mul.Tensor:
-            continue
-        for factor, before in (decayed.args, decayed.args[::-1]):
-            a = _position(_uncast(factor), i)
-            if a is not None and a[1] == 1 and isinstance(before, fx.Node):
-                return a[0], x[0], before, decayed
-    return None
+    return a, x, val(chains[0][-1]).dtype
 
 
 def _uncast(node):
     return node.args[0] if isinstance(node, fx.Node) and node.target in CASTS else node
-
-
-def _unaliased(node: fx.Node) -> fx.Node:
-    """The state a same-dtype cast returns (``h.to(device)`` is ``h``)."""
-    cast = node.target in CASTS or node.target is aten.to.dtype_layout
-    return node.args[0] if cast and val(node).dtype == val(node.args[0]).dtype else node
