@@ -5,11 +5,13 @@ of its whole graph over a ring of P ranks, and replaces every
 ``scaled_dot_product_attention`` with ring attention (``ringify.runtime``);
 with ``dilation=Dilation(...)``, with LongNet's dilated attention on the ring.
 Ranks that disagree raise together: ``ValueError`` naming what differs, or
-``RankFailed`` on the ranks whose peer raised.
+``RankFailed`` on the ranks whose peer raised. ``estimate`` sizes a job before it runs:
+memory per GPU and a modelled step for every mesh.
 """
 
 from ringify import runtime
 from ringify.config import Hybrid
+from ringify.estimate import estimate
 from ringify.module import RingifiedModule, ringify
 from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
@@ -23,6 +25,7 @@ __all__ = [
     "Report",
     "RingSampler",
     "RingifiedModule",
+    "estimate",
     "ringify",
     "runtime",
 ]

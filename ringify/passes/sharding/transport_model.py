@@ -19,14 +19,33 @@ from ringify.runtime.collectives.heads import Transport, kv_repeats
 
 @dataclass(frozen=True)
 class Cluster:
-    """What the model assumes of the hardware: an H100 node of 8 by default."""
+    """What the model assumes of the hardware: an H100 node of 8 by default. ``flops`` is
+    what kernels achieve, ``peak_flops`` the dense bf16 peak (for MFU); bandwidths are one
+    direction per GPU."""
 
     flops: float = 400e12  # per second, one GPU's attention kernels (FA2-class, not the peak)
     host_bandwidth: float = 450e9  # bytes per second one GPU sends inside its host (NVLink 4)
     network_bandwidth: float = 50e9  # to another host (one 400 Gb/s NIC per GPU)
+    memory: float = 80e9  # bytes of device memory
+    peak_flops: float = 989e12
+    per_host: int = 8
 
 
 H100 = Cluster()
+
+# The GPUs ``ringify.estimate`` plans for: datasheet memory, dense bf16 peak, NVLink and one
+# NIC per GPU; achieved FLOP/s at 40% of the peak on Hopper and Blackwell, 55% on Ampere.
+GPUS = {
+    "h100-80gb": H100,
+    "h200": Cluster(memory=141e9),
+    "b200": Cluster(flops=900e12, host_bandwidth=900e9, memory=180e9, peak_flops=2250e12),
+    "a100-80gb": Cluster(flops=170e12, host_bandwidth=300e9, network_bandwidth=25e9,
+                         peak_flops=312e12),
+    "a100-40gb": Cluster(flops=170e12, host_bandwidth=300e9, network_bandwidth=25e9,
+                         memory=40e9, peak_flops=312e12),
+    "a800-80gb": Cluster(flops=170e12, host_bandwidth=200e9, network_bandwidth=25e9,
+                         peak_flops=312e12),  # an A100 with NVLink at 400 GB/s both ways
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
