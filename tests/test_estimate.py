@@ -1,6 +1,7 @@
 """``ringify.estimate``: memory per GPU read from the traced graph, checked against the peak a
 real step measures on gloo ranks (slow); the table, the command and the errors (fast, on the
-meta device: nothing of the model's size allocated)."""
+meta device: nothing of the model's size allocated), for models built from transformers
+configs."""
 
 from __future__ import annotations
 
@@ -137,3 +138,22 @@ def test_the_command(tmp_path, capsys):
     config = _config(tmp_path, num_hidden_layers=2)
     assert main(["--config", config, "--seq", "65536", "--gpus", "8", "--why", "0"]) == 0
     assert main(["--config", config, "--seq", "65536", "--gpus", "8", "--gpu", "tpu"]) == 2
+
+
+def test_mla_and_routed_experts_are_traced_with_their_heads_and_checkpointed():
+    """HF DeepSeek-V3 (MLA: q/k head dim 48, v 32; a dense layer, then routed and shared
+    experts), its KV cache left out as in training: every block recomputes under the
+    checkpoint, and each attention is read with its own head dims."""
+    from ringify.estimate import _module
+
+    config = dict(
+        model_type="deepseek_v3", hidden_size=256, intermediate_size=512,
+        moe_intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=64,
+        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        vocab_size=1000,
+    )  # fmt: skip
+    fp = footprint(_module(config, torch.bfloat16), _ids)
+    assert [(a.heads, a.head_dim, a.v_head_dim) for a in fp.attentions] == [(8, 48, 32)] * 2
+    assert 0 < fp.checkpointed.per_position < fp.activations.per_position

@@ -48,6 +48,7 @@ class Estimate:
     gpus: int
     gpu: str
     headroom: float
+    outputs: str
     rows: tuple[Row, ...]
 
     @property
@@ -84,7 +85,7 @@ class Estimate:
         head = (
             f"{self.seq_len:,} positions on {self.gpus} x {self.gpu} "
             f"({self.usable / GIB:.1f} GiB usable each, {self.headroom:.0%} headroom), "
-            'outputs="sharded". '
+            f'outputs="{self.outputs}". '
             "Memory from the traced graph; time a paper model, not a measurement."
         )
         return head + "\n" + tabulate(rows, headers="keys", tablefmt="github")
@@ -131,6 +132,7 @@ def estimate(
     headroom: float = 0.1,
     dtype: torch.dtype = torch.bfloat16,
     inputs: Callable[[int], dict] | None = None,
+    outputs: str = "sharded",
 ) -> Estimate:
     """Memory per GPU and a modelled step of every ``dp x tp x cp`` mesh of ``gpus`` GPUs
     for training on ``batch`` sequences of ``seq_len`` per replica.
@@ -138,7 +140,11 @@ def estimate(
     ``model``: a module (any device: a meta copy is traced), a transformers config (or its
     dict), or a config's path or a model id in the local Hugging Face cache. ``inputs(n)``: the
     module's keyword inputs at n positions on the meta device (a causal LM's ids and labels
-    by default). Raises ``ValueError`` where no mesh fits, naming what would."""
+    by default). ``outputs``: ringify's, ``"sharded"`` (memory-optimal training) or
+    ``"full"`` (every rank holds the whole outputs, a causal LM's logits). Raises
+    ``NoMeshFits`` where no mesh fits, naming what would."""
+    if outputs not in ("sharded", "full"):
+        raise ValueError(f'outputs={outputs!r}: give "sharded" or "full", as to ringify().')
     if gpu not in GPUS:
         raise ValueError(f"Unknown GPU {gpu!r}: ringify.estimate knows {', '.join(GPUS)}.")
     cluster = GPUS[gpu]
@@ -159,20 +165,24 @@ def estimate(
             if mesh.tp not in footprints:
                 try:
                     footprints[mesh.tp] = footprint(module, inputs, tp=mesh.tp, dtype=dtype)
-                except ValueError as e:  # the plan's shapes do not split over tp
+                except (ValueError, RuntimeError) as e:  # the plan does not split over tp
                     logger.info("ringify.estimate: no tp=%d: %s", mesh.tp, e)
                     footprints[mesh.tp] = None
             fp = footprints[mesh.tp]
             if fp is None:
                 continue
-            plain = row(fp, mesh, seq, batch, cluster, checkpointing=False)
+            plain = row(fp, mesh, seq, batch, cluster, False, outputs=outputs)
             usable = cluster.memory * (1 - headroom)
-            out.append(plain if plain.total <= usable else row(fp, mesh, seq, batch, cluster, True))
+            out.append(
+                plain
+                if plain.total <= usable
+                else row(fp, mesh, seq, batch, cluster, True, outputs=outputs)
+            )
         usable = cluster.memory * (1 - headroom)
         return sorted(out, key=lambda r: (r.total > usable, -r.tokens_per_gpu, r.total))
 
     rows = rows_for(gpus, seq_len)
-    result = Estimate(seq_len, gpus, gpu, headroom, tuple(rows))
+    result = Estimate(seq_len, gpus, gpu, headroom, outputs, tuple(rows))
     if footprints[1].bend > 0.02:
         logger.warning(
             "ringify.estimate: memory grows faster than the sequence (%.0f%% off a line "
@@ -233,7 +243,7 @@ def _plan(module: nn.Module) -> bool:
 def _causal_lm_inputs(batch: int) -> Callable[[int], dict]:
     def inputs(positions: int) -> dict:
         ids = torch.zeros(batch, positions // batch, dtype=torch.long, device="meta")
-        return {"input_ids": ids, "labels": ids}
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     return inputs
 
@@ -263,12 +273,18 @@ def _module(model, dtype: torch.dtype) -> nn.Module:
                     f"No config at {path!r}: give a config.json, a folder holding one, or a "
                     "model id whose config is in the local Hugging Face cache."
                 ) from e
-    config._attn_implementation = "sdpa"
+    config.use_cache = False  # training: no KV cache (ringify leaves it out)
     experts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     if dtype == torch.bfloat16 and any(getattr(config, k, None) for k in experts):
         config._experts_implementation = "grouped_mm"
     with torch.device("meta"):
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return transformers.AutoModel.from_config(config)
+        for attention in ("sdpa", None):  # SDPA where the model has it
+            if attention is not None:
+                config._attn_implementation = attention
+            for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+                try:
+                    return auto.from_config(config)
+                except ValueError:
+                    continue
+            config._attn_implementation = None
+    raise ValueError(f"transformers builds no model from {type(config).__name__}.")

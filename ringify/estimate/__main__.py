@@ -20,6 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--batch", type=int, default=1, help="sequences per replica")
     parser.add_argument("--headroom", type=float, default=0.1, help="memory left free")
+    parser.add_argument(
+        "--outputs",
+        default="sharded",
+        choices=["sharded", "full"],
+        help="ringify's outputs: whole on every rank, or each rank's part",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows shown")
     parser.add_argument("--why", type=int, metavar="ROW", help="explain one row")
     args = parser.parse_args(argv)

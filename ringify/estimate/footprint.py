@@ -186,6 +186,24 @@ class _Attentions(TorchFunctionMode):
         return _AttentionKept.apply(q, k, v)
 
 
+def _as_configured(model: nn.Module, calls: list[Attention], tp: int) -> list[Attention]:
+    """Attention as a transformers model is configured, where its trace wrote it out:
+    transformers before 5.2x repeats K/V to every head (``repeat_kv``) and, under fake
+    tensors, passes a causal LM's causal mask as a tensor. ringify folds both back (the
+    K/V heads round the ring, the mask a causal program); so does the estimate."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 0)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    causal_lm = type(model).__name__.endswith("ForCausalLM")
+    out = []
+    for a in calls:
+        kv_heads = a.kv_heads
+        if a.kv_heads == a.heads and kv < heads and a.heads * tp == heads and kv % tp == 0:
+            kv_heads = kv // tp
+        out.append(Attention(a.heads, kv_heads, a.head_dim, a.v_head_dim, a.causal or causal_lm))
+    return out
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the longest ``ModuleList`` of one class (a decoder's layers)."""
     best: list[nn.Module] = []
@@ -360,6 +378,6 @@ def footprint(
         forward_checkpointed=_fit([(n, peak) for n, _, peak in checkpointed])[0],
         flops=Affine(fit.fixed, fit.per_position - 2 * whole * (1 - 1 / tp)),
         outputs=_fit(outputs)[0],
-        attentions=tuple(calls),
+        attentions=tuple(_as_configured(meta, calls, tp)),
         bend=bend,
     )
