@@ -250,8 +250,8 @@ def split_for_tp(model: nn.Module, tp: int) -> tuple[int, int]:
     split = whole = 0
     for name, p in list(model.named_parameters()):
         module_name, _, leaf = name.rpartition(".")
-        style = next((s for pat, s in patterns if pat.match(name)), None)
-        if style is None:
+        style = next((s for pat, s in patterns if pat.match(name)), None)  # the parameter's
+        if style is None:  # else its module's: a weight, and a colwise layer's bias
             style = next((s for pat, s in patterns if pat.match(module_name)), None)
             style = style if style in _COLWISE + _ROWWISE or leaf == "weight" else None
             if style in _ROWWISE and leaf != "weight":
@@ -287,8 +287,9 @@ def _loss(output) -> torch.Tensor:
 
 def _probe(model: nn.Module, inputs: dict, current: list) -> tuple[int, int, float, int, list]:
     """``(peak bytes, the forward's peak bytes, forward FLOPs, output bytes, attentions)`` of
-    one forward and backward, beyond the parameters, buffers and inputs. ``current[0]`` is set to the attentions' mode, which a
-    checkpoint's recompute enters again (function modes do not reach the backward)."""
+    one forward and backward, beyond the parameters, buffers and inputs. ``current[0]`` is
+    set to the attentions' mode, which a checkpoint's recompute enters again (function modes
+    do not reach the backward)."""
     # fake tensors over the meta ones: models skip their data-dependent checks under them,
     # as under torch.export. Each meta tensor becomes one fake tensor, made here.
     fake = FakeTensorMode(allow_non_fake_inputs=True)
