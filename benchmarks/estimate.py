@@ -23,18 +23,13 @@ import torch
 from tabulate import tabulate
 
 from ringify.estimate import _module, estimate
-from ringify.estimate.footprint import footprint
+from ringify.estimate.footprint import causal_lm_inputs, footprint
 from ringify.estimate.plan import Mesh, row
 from ringify.passes.sharding.transport_model import GPUS
 from ringify.runtime.collectives.heads import Transport
 from ringify.testing.ranks import RankPool
-from ringify.testing.sizing import CASES, measured_and_estimated
+from ringify.testing.sizing import CASES, LLAMA_8B, measured_and_estimated
 
-LLAMA_8B = dict(
-    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-    max_position_embeddings=131072, rms_norm_eps=1e-5,
-)  # fmt: skip
 PUBLISHED = [
     # (source, gpu, seq, (dp, tp, cp, heads group), published tokens/s per GPU, MFU)
     ("torchtitan, FSDP 8", "h100-80gb", 32768, (8, 1, 1, 1), 3890, None),
@@ -70,7 +65,7 @@ def memory_rows() -> list[dict]:
 
 def time_rows() -> list[dict]:
     module = _module(dict(LLAMA_8B), torch.bfloat16)
-    fp = footprint(module, _ids)
+    fp = footprint(module, causal_lm_inputs())
     rows = []
     for source, gpu, seq, (dp, tp, cp, u), tokens, mfu in PUBLISHED:
         r = row(fp, Mesh(dp, tp, cp, Transport(cp, u)), seq, 1, GPUS[gpu], checkpointing=True)
@@ -84,11 +79,6 @@ def time_rows() -> list[dict]:
             "GiB / GPU": round(r.total / 2**30, 1),
         })  # fmt: skip
     return rows
-
-
-def _ids(n: int) -> dict:
-    ids = torch.zeros(1, n, dtype=torch.long, device="meta")
-    return {"input_ids": ids, "labels": ids}
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
-from ringify.estimate.footprint import Footprint, footprint
+from ringify.estimate.footprint import Footprint, causal_lm_inputs, footprint
 from ringify.estimate.plan import GIB, Row, meshes, row
 from ringify.passes.sharding.transport_model import GPUS, Cluster
 
@@ -150,14 +150,13 @@ def estimate(
     cluster = GPUS[gpu]
     _check_gpus(gpus, cluster)
     module = _module(model, dtype)
-    inputs = inputs or _causal_lm_inputs(batch)
-    footprints: dict[int, Footprint | None] = {}
+    inputs = inputs or causal_lm_inputs(batch)
+    usable = cluster.memory * (1 - headroom)
+    first = footprint(module, inputs, dtype=dtype)
+    footprints: dict[int, Footprint | None] = {1: first}
+    heads, kv = _heads(first)
 
     def rows_for(n: int, seq: int) -> list[Row]:
-        if 1 not in footprints:
-            footprints[1] = footprint(module, inputs, dtype=dtype)
-        first = footprints[1]
-        heads, kv = _heads(first)
         out = []
         for mesh in meshes(n, cluster, heads, kv, seq):
             if mesh.tp > 1 and not _plan(module):
@@ -172,22 +171,20 @@ def estimate(
             if fp is None:
                 continue
             plain = row(fp, mesh, seq, batch, cluster, False, outputs=outputs)
-            usable = cluster.memory * (1 - headroom)
             out.append(
                 plain
                 if plain.total <= usable
                 else row(fp, mesh, seq, batch, cluster, True, outputs=outputs)
             )
-        usable = cluster.memory * (1 - headroom)
         return sorted(out, key=lambda r: (r.total > usable, -r.tokens_per_gpu, r.total))
 
     rows = rows_for(gpus, seq_len)
     result = Estimate(seq_len, gpus, gpu, headroom, outputs, tuple(rows))
-    if footprints[1].bend > 0.02:
+    if first.bend > 0.02:
         logger.warning(
             "ringify.estimate: memory grows faster than the sequence (%.0f%% off a line "
             "between the probes): something keeps more than O(S) per rank.",
-            100 * footprints[1].bend,
+            100 * first.bend,
         )
     if not rows or not result.fits(rows[0]):
         raise _none_fits(result, rows, cluster, rows_for)
@@ -240,14 +237,6 @@ def _plan(module: nn.Module) -> bool:
     return bool(getattr(module, "tp_plan", None))
 
 
-def _causal_lm_inputs(batch: int) -> Callable[[int], dict]:
-    def inputs(positions: int) -> dict:
-        ids = torch.zeros(batch, positions // batch, dtype=torch.long, device="meta")
-        return {"input_ids": ids, "labels": ids, "use_cache": False}
-
-    return inputs
-
-
 def _module(model, dtype: torch.dtype) -> nn.Module:
     """A module from a module, a transformers config, or a config's path or model id; built
     on the meta device, attention through SDPA and (in bf16) experts through grouped GEMMs,
@@ -257,22 +246,19 @@ def _module(model, dtype: torch.dtype) -> nn.Module:
     import transformers
 
     config = model
+    if isinstance(model, (str, os.PathLike)) and os.path.isfile(model):
+        with open(model) as f:
+            model = json.load(f)
     if isinstance(model, dict):
         config = transformers.AutoConfig.for_model(**model)
-    elif isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if os.path.isfile(path):
-            with open(path) as f:
-                fields = json.load(f)
-            config = transformers.AutoConfig.for_model(**fields)
-        else:
-            try:
-                config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-            except OSError as e:
-                raise ValueError(
-                    f"No config at {path!r}: give a config.json, a folder holding one, or a "
-                    "model id whose config is in the local Hugging Face cache."
-                ) from e
+    elif isinstance(model, (str, os.PathLike)):  # a folder, or a cached model id
+        try:
+            config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
+        except OSError as e:
+            raise ValueError(
+                f"No config at {os.fspath(model)!r}: give a config.json, a folder holding "
+                "one, or a model id whose config is in the local Hugging Face cache."
+            ) from e
     config.use_cache = False  # training: no KV cache (ringify leaves it out)
     experts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     if dtype == torch.bfloat16 and any(getattr(config, k, None) for k in experts):

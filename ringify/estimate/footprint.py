@@ -74,10 +74,10 @@ class Footprint:
     block (what FSDP2 gathers at a time). ``activations``/``checkpointed``: peak live bytes
     of forward and backward beyond parameters and gradients, without and with each block
     checkpointed; ``forward``/``forward_checkpointed``: the same over the forward alone
-    (where the outputs are whole beside it). ``flops``: forward FLOPs of everything but attention; ``outputs``: bytes of
-    the model's outputs (what ``outputs="full"`` gathers). ``bend``: how far
-    the smallest probe lies off the line through the others (relative): memory growing
-    faster than the sequence shows here."""
+    (where the outputs are whole beside it). ``flops``: forward FLOPs of everything but
+    attention; ``outputs``: bytes of the model's outputs (what ``outputs="full"``
+    gathers). ``bend``: how far the smallest probe lies off the line through the others
+    (relative): memory growing faster than the sequence shows here."""
 
     parameters: int
     tp_split: int
@@ -275,7 +275,20 @@ def split_for_tp(model: nn.Module, tp: int) -> tuple[int, int]:
     return split, whole
 
 
-def _loss(output) -> torch.Tensor:
+def causal_lm_inputs(batch: int = 1) -> Callable[[int], dict]:
+    """A causal LM's inputs at n positions on the meta device: ids, labels, no KV cache (as
+    in training: a cache would grow again in each recompute)."""
+
+    def inputs(positions: int) -> dict:
+        ids = torch.zeros(batch, positions // batch, dtype=torch.long, device="meta")
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return inputs
+
+
+def loss_of(output) -> torch.Tensor:
+    """What a step trains: the model's ``loss``, else the sum of every output that
+    requires grad."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -301,7 +314,7 @@ def _probe(model: nn.Module, inputs: dict, current: list) -> tuple[int, int, flo
     with fake, live, attentions:
         with counter:
             output = model(**inputs)
-            loss = _loss(output)
+            loss = loss_of(output)
         leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
         outputs = sum(t.numel() * t.element_size() for t in leaves)
         del output, leaves
@@ -365,7 +378,7 @@ def footprint(
     checkpointed = [(n, *_probe(meta, inputs(n), current)[:2]) for n in probes]
     activations, bend = _fit(plain)
     fit = _fit(flops)[0]  # less the rank's share of what the trace left whole
-    element = torch.finfo(dtype).bits // 8 if dtype is not None else 4
+    element = next((p.element_size() for p in meta.parameters() if p.is_floating_point()), 4)
     return Footprint(
         parameters=parameters,
         tp_split=tp_split,

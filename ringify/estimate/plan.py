@@ -167,9 +167,7 @@ def row(
         fsdp_time = moved / (cluster.host_bandwidth if inside else cluster.network_bandwidth)
     exposed = (attention - kernels) + tp_time + max(0.0, fsdp_time - compute)
     step = compute + exposed
-    useful = 3 * fp.flops.at(positions) + sum(
-        4 * s.q * s.keys * (0.5 if s.causal else 1.0) * 3.5 for s in shapes
-    )
+    useful = 3 * fp.flops.at(positions) + kernels * cluster.flops  # recompute left out
     auto = mesh.cp > 1 and bool(shapes)
     auto = auto and fastest(shapes[0], mesh.cp, per_host, cluster) == mesh.transport
     return Row(

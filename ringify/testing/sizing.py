@@ -28,6 +28,13 @@ CASES = {
     "sd3": (2, 1, False, (1152, 2048)),
 }
 _M_MMAP_THRESHOLD = -3
+# Llama-3-8B's config (the time and cost checks of tests/test_estimate.py and
+# benchmarks/estimate.py)
+LLAMA_8B = dict(
+    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5,
+)  # fmt: skip
 
 
 def model_of(case: str):
@@ -88,11 +95,6 @@ def _sd3():
     return model, inputs
 
 
-def loss_of(output) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    return loss if loss is not None else output[0].sum()
-
-
 def measured_and_estimated(case: str, length: int) -> dict:
     """On each rank: the measured and the estimated bytes of ``case`` at its ``length``-th
     per-rank positions (0 or 1)."""
@@ -100,7 +102,7 @@ def measured_and_estimated(case: str, length: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ringify import ringify
-    from ringify.estimate.footprint import footprint
+    from ringify.estimate.footprint import footprint, loss_of
     from ringify.estimate.plan import Mesh, row
     from ringify.passes.sharding.transport_model import H100
     from ringify.runtime.collectives.heads import Transport
