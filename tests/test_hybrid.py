@@ -96,6 +96,12 @@ def hybrid(family: str):
             attention_window_size=16, conv1d_width=4, block_types=("recurrent", "attention"),
         )  # fmt: skip
         return tf.RecurrentGemmaForCausalLM, config
+    if family == "minimax":  # lightning attention: a decaying linear attention in blocks
+        config = tf.MiniMaxConfig(
+            **common, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            block_size=8, num_local_experts=2, num_experts_per_tok=1,
+        )  # fmt: skip
+        return tf.MiniMaxForCausalLM, config
     if family == "mamba":
         config = tf.MambaConfig(**mamba, state_size=8, expand=2, conv_kernel=4, use_mambapy=False)
         return tf.MambaForCausalLM, config
@@ -212,6 +218,7 @@ ENTERED = {
     ("falcon_mamba", 1): ([], 0, 0), ("zamba", 1): ([], 0, 0), ("recurrent_gemma", 1): ([], 0, 0),
     ("recurrent_gemma", 2): ([], 0, 0),
     ("qwen3next", 1): ([1] * 5, 0, 1), ("qwen3_5", 1): ([1] * 5, 0, 1),
+    ("minimax", 1): ([1] * 3, 0, 1),
 }  # fmt: skip
 # Mamba1 mixers: one selective scan each (Zamba's: one per mixer head, 2 heads in 6 layers)
 STATE_PASSING = {"jamba": 1, "mamba": 2, "falcon_mamba": 2, "zamba": 12, "recurrent_gemma": 1}
@@ -237,6 +244,7 @@ def test_bamba_matches_unmodified_model(ranks, world, length, backend):
         ("falconh1", 1, 2, 32), ("nemotronh", 1, 2, 32), ("granitemoehybrid", 1, 2, 32),
         ("lfm2", 1, 2, 32), ("qwen3next", 1, 2, 32), ("qwen3_5", 1, 2, 32),
         ("bamba-square", 1, 2, 32), ("recurrent_gemma", 1, 2, 40), ("recurrent_gemma", 2, 4, 37),
+        ("minimax", 1, 2, 32), ("minimax", 1, 4, 37),
     ],
 )  # fmt: skip
 def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
@@ -244,7 +252,9 @@ def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
     GraniteMoeHybrid (Mamba2 beside attention, one sequence); LFM2 (short convolutions);
     Qwen3-Next (Gated DeltaNet, its region cut before the gated norm that merges the heads
     with the positions); RecurrentGemma (its RG-LRU, unrolled over the positions and
-    written into a buffer, folded into a selective scan with a state per channel); and
+    written into a buffer, folded into a selective scan with a state per channel); MiniMax
+    (lightning attention, its blocks unrolled by export, one region on a share of the
+    heads); and
     models with no attention at all: HF Mamba and Mamba2, their sequence followed from the
     token ids."""
     check(ranks(world).run(compare, world, length, None, family, batch), family, batch)

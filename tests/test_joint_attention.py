@@ -1,5 +1,6 @@
-"""Joint-attention diffusion transformers on the ring (diffusers SD3, Flux, CogVideoX, and
-QwenImage and HunyuanVideo under a padding mask of the text tokens), against
+"""Joint-attention diffusion transformers on the ring (diffusers SD3, Flux, CogVideoX;
+QwenImage and HunyuanVideo under a padding mask of the text tokens; Chroma under a token
+mask made a queries x keys matrix), against
 the unmodified model in float64: output and every parameter gradient, 2 and 4 ranks, eager
 and compiled.
 
@@ -8,7 +9,8 @@ tokens stay sharded through every block, the text tokens replicated; each joint 
 is the ring (image queries) and the memory merge (text queries), each with a local block
 over the text keys. Their last view into the image's grid keeps its rows sharded where
 every chunk of the layout is whole rows (whole frames for CogVideoX): the sizes below are
-chosen so. Zero gathers; the grid cut by the chunks is in test_unpatchify.py."""
+chosen so; where the chunks cut them, the unpatchify runs on a share of the channels. Zero
+gathers."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ CASES = {
     # under a padding mask of the text tokens
     ("qwenimage", 2): {}, ("qwenimage", 4): {"side": 16}, ("hunyuan_video", 2): {},
     ("cogview4", 2): {},
+    # under a token mask made a (queries x keys) matrix: text padding, and image tokens too
+    ("chroma", 2): {}, ("chroma", 4): {"masked": 5},
 }  # fmt: skip
 
 
@@ -89,6 +93,27 @@ def test_joint_attention_with_padding(ranks, name, sizes, world, on_a_share):
     for r in ranks(world).run(compare, name, None, sizes):
         assert r["padded"] and r["out"] < TOL and r["grads"] < TOL, r
         assert r["gathers"] == [] and len(r["resharded"]) == on_a_share, r
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes"),
+    [
+        (2, {"frames": 9}),  # 3 frames of 16 patches, chunks of 12
+        # CogVideoX's own latent grid: 13 frames of 30 x 45 patches, chunks of 2194
+        pytest.param(
+            4, {"frames": 49, "side": 90, "height": 60, "layers": 1}, marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_video_frames_cut_by_the_chunks_run_on_a_share_of_the_channels(ranks, world, sizes):
+    """CogVideoX's unpatchify (a view into frames of patches, a permute, two flattens) where
+    the layout's chunks cut the frames: one all-to-all moves its tokens onto a share of the
+    output channels, every position there; nothing gathered, the output 1/P per rank."""
+    for r in ranks(world).run(compare, "cogvideox", None, sizes):
+        assert r["out"] < TOL and r["grads"] < TOL and r["same_grads"], r
+        assert r["gathers"] == [], r["gathers"]
+        [region] = r["resharded"]
+        assert region.startswith("reshape"), r
 
 
 @pytest.mark.parametrize("name", ["flux", "sd3", pytest.param("cogvideox", marks=pytest.mark.slow)])

@@ -40,6 +40,18 @@ class GridModel(nn.Module):
         return torch.einsum("bhwc->bchw", grid), grid.sum(1)
 
 
+class PatchGrid(GridModel):
+    """``GridModel`` unpatchified as diffusers writes it: each token's channels unflattened
+    into (channels, patch), permuted beside the grid's rows and columns, and flattened."""
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, c)
+        grid = self.out(y).unflatten(1, (self.rows, self.columns)).unflatten(-1, (c // 2, 2))
+        return (grid + self.grid.unflatten(-1, (c // 2, 2))).permute(0, 3, 1, 2, 4).flatten(3, 4)
+
+
 def _gradients(model, outputs):
     weights = torch.Generator().manual_seed(7)
     loss = sum((o * torch.randn(o.shape, generator=weights, dtype=o.dtype)).sum() for o in outputs)
@@ -71,6 +83,11 @@ def compare(build, sizes: tuple = (), backend: str | None = None):
 def grid_model(rows: int = 7, columns: int = 2):
     """14 tokens: padded to 16 by a whole row, 2 or 4 rows per rank's pair of chunks."""
     model = GridModel(rows, columns).double()
+    return model, {"x": torch.randn(2, rows * columns, 8, dtype=torch.float64)}
+
+
+def patch_grid(rows: int, columns: int):
+    model = PatchGrid(rows, columns).double()
     return model, {"x": torch.randn(2, rows * columns, 8, dtype=torch.float64)}
 
 
@@ -113,3 +130,14 @@ def test_rows_cut_by_the_chunks_run_on_a_share_of_the_channels(ranks):
         assert r["gathers"] == [], r
         [(node, entered, whole)] = r["resharded"]
         assert node.startswith("view") and [d for _, d in entered] == [2] and whole == (), r
+
+
+def test_unflatten_and_flatten_run_on_a_share_of_the_channels(ranks):
+    """The same cut rows, unpatchified by ``unflatten`` and ``flatten`` (diffusers' spelling):
+    DTensor has no rule for either, so each is asked as the view it is, and ``unflatten``'s
+    sizes are made local; one all-to-all onto the channels, nothing gathered."""
+    for r in ranks(4).run(compare, patch_grid, (2, 3)):
+        assert r["out"] < TOL and r["grads"] < TOL and r["same_grads"], r
+        assert r["gathers"] == [], r
+        [(node, entered, whole)] = r["resharded"]
+        assert node.startswith("unflatten") and [d for _, d in entered] == [2] and whole == (), r

@@ -70,19 +70,21 @@ def _flux_inputs(height: int, width: int) -> dict:
     }
 
 
-def cogvideox(frames: int = 9, side: int = 8) -> tuple[torch.nn.Module, dict]:
-    """CogVideoX: ((frames - 1) / 4 + 1) latent frames of (side / 2)^2 patches beside 5 text
-    tokens."""
+def cogvideox(
+    frames: int = 9, side: int = 8, height: int | None = None, layers: int = 2
+) -> tuple[torch.nn.Module, dict]:
+    """CogVideoX: ((frames - 1) / 4 + 1) latent frames of (height / 2) x (side / 2) patches
+    (square unless ``height``) beside 5 text tokens."""
     from diffusers import CogVideoXTransformer3DModel
 
-    latent = (frames - 1) // 4 + 1
+    latent, height = (frames - 1) // 4 + 1, height or side
     model = CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        num_layers=2, sample_width=side, sample_height=side, sample_frames=frames,
+        num_layers=layers, sample_width=side, sample_height=height, sample_frames=frames,
         patch_size=2, text_embed_dim=16, time_embed_dim=8, max_text_seq_length=5,
     )  # fmt: skip
     kwargs = {
-        "hidden_states": _randn(2, latent, 4, side, side),
+        "hidden_states": _randn(2, latent, 4, height, side),
         "encoder_hidden_states": _randn(2, 5, 16, seed=4),
         "timestep": torch.tensor([3, 500]),
         "return_dict": False,
@@ -272,8 +274,9 @@ def allegro(frames: int = 4, side: int = 8) -> tuple[torch.nn.Module, dict]:
     return model.double(), kwargs
 
 
-def chroma(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
-    """Chroma: Flux's blocks under a token mask made a (queries x keys) matrix."""
+def chroma(height: int = 4, width: int = 8, masked: int = 0) -> tuple[torch.nn.Module, dict]:
+    """Chroma: Flux's blocks under a token mask made a (queries x keys) matrix; ``masked``:
+    the second sample's last image tokens masked too (rows and columns)."""
     from diffusers import ChromaTransformer2DModel
 
     model = ChromaTransformer2DModel(
@@ -282,4 +285,5 @@ def chroma(height: int = 4, width: int = 8) -> tuple[torch.nn.Module, dict]:
         approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1,
     )  # fmt: skip
     mask = torch.cat([_text_mask(), torch.ones(2, height * width, dtype=torch.bool)], 1)
+    mask[1, mask.shape[1] - masked :] = False
     return model.double(), _flux_inputs(height, width) | {"attention_mask": mask}

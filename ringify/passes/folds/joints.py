@@ -12,7 +12,8 @@ parts, before placement:
   part (``positionwise.py``); a full-length operand that is not joint is sliced to them;
 - a ``slice``/``split`` at the parts' bounds is the parts; a ``slice_scatter`` of a part
   replaces it (CogVideoX's RoPE on the image tokens only);
-- SDPA (no mask, not causal) of joint queries runs per query part, and over joint keys and
+- SDPA (not causal; no mask, a padding mask of the keys, or one ANDed with a mask of the
+  queries, as Chroma's) of joint queries runs per query part, and over joint keys and
   values it is ``joint_attention`` of the key parts (``runtime/attention/reference.py``),
   which the rules run as the ring plus a local block (``joint_attention.py``);
 - any other reader of a joint value gets it put back together (``cat``) where it reads it.
@@ -49,6 +50,7 @@ from ringify.runtime.zero_grads import with_zero_grads
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
+_ANDS = frozenset({aten.mul.Tensor, aten.logical_and.default, aten.bitwise_and.Tensor})
 
 
 @dataclass
@@ -276,9 +278,10 @@ def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
     att = read_attention(node)
     if att.is_causal or att.dropout_p or att.sinks is not None or att.softcap:
         return None
-    if att.mask is not None and (
-        att.mask in joints or shape(att.mask)[-2] != 1 or _may_be_learned(att.mask)
-    ):
+    rows, mask = _rows_and_keys(att.mask)
+    if mask is not None and (mask in joints or shape(mask)[-2] != 1 or _may_be_learned(mask)):
+        return None
+    if rows is not None and (rows in joints or shape(rows)[-2] not in (1, shape(att.q)[2])):
         return None
     if shape(att.k)[1] != shape(att.q)[1]:  # GQA's fewer K/V heads: left to the ring op
         return None
@@ -291,24 +294,48 @@ def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
         return None  # a joint sequence attends to itself (not a cache's past beside a step)
     queries = q.parts if q is not None else (att.q,)
     masks = None
-    if att.mask is not None and k is not None:
-        ends = k.bounds()
+    if mask is not None and k is not None:
         masks = [
-            call(graph, aten.slice.Tensor, (att.mask, -1, start, end))
-            for start, end in itertools.pairwise(ends)
+            call(graph, aten.slice.Tensor, (mask, -1, start, end))
+            for start, end in itertools.pairwise(k.bounds())
         ]
     outs = []
-    for part in queries:
+    starts = q.bounds() if q is not None else [0, shape(att.q)[2]]
+    for part, (start, end) in zip(queries, itertools.pairwise(starts), strict=True):
         if k is not None:
             args = (part, k.parts, v.parts, att.scale, masks)
-            outs.append(call(graph, joint_attention, args))
+            out = call(graph, joint_attention, args)
         else:
-            kwargs = {"attn_mask": att.mask, "scale": att.scale}
-            outs.append(call(graph, _SDPA, (part, att.k, att.v), kwargs))
+            kwargs = {"attn_mask": mask, "scale": att.scale}
+            out = call(graph, _SDPA, (part, att.k, att.v), kwargs)
+        if rows is not None:  # a query the mask leaves no key: SDPA's zero row
+            kept = (
+                rows
+                if shape(rows)[-2] == 1
+                else call(graph, aten.slice.Tensor, (rows, -2, start, end))
+            )
+            out = call(graph, aten.where.ScalarOther, (kept, out, 0.0))
+        outs.append(out)
     seeds = frozenset().union(*(j.seeds for j in (q, k, v) if j is not None))
     carried.reached.update(seeds)
     carried.attentions.append((outs, list(queries)))
     return Joint(2, tuple(outs), seeds) if q is not None else outs[0]
+
+
+def _rows_and_keys(mask: fx.Node | None) -> tuple[fx.Node | None, fx.Node | None]:
+    """A bool mask ``rows & keys`` of a query factor (..., S, 1) and a key factor (..., 1, S)
+    (Chroma's token mask times itself) as ``(rows, keys)``: SDPA under it is SDPA under the
+    keys' factor, with the rows ``rows`` leaves no key made zero, as SDPA makes a row with
+    no key. Any other mask: ``(None, mask)``."""
+    if mask is None or mask.target not in _ANDS or val(mask).dtype != torch.bool:
+        return None, mask
+    factors = mask.args[:2]
+    if not all(isinstance(f, fx.Node) and is_tensor(f) and len(shape(f)) >= 2 for f in factors):
+        return None, mask
+    for rows, keys in (factors, factors[::-1]):
+        if shape(rows)[-1] == 1 and shape(keys)[-2] == 1:
+            return rows, keys
+    return None, mask
 
 
 def _may_be_learned(mask: fx.Node) -> bool:

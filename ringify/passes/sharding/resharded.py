@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from ringify.passes.graph.crossings import PassState
@@ -32,6 +33,8 @@ from ringify.passes.graph.report import ReshardedRegion
 from ringify.passes.sharding.rules import infer_placements
 from ringify.passes.sharding.shares import SHAPED, Resharded, mesh_of, nbytes, propagated
 from ringify.runtime.collectives.ring import ring_by_name
+
+aten = torch.ops.aten
 
 
 def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
@@ -216,10 +219,12 @@ def rewrite_member(node: fx.Node, plan: Resharded, state: PassState) -> None:
         return value
 
     node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), operand)
-    if node.target in SHAPED and isinstance(d, int) and node.args[1][d] != -1:
-        sizes = list(node.args[1])
-        sizes[d] //= state.geo.ring_size
-        node.args = (node.args[0], sizes, *node.args[2:])
+    if node.target in SHAPED and isinstance(d, int):
+        node.args = _local_sizes(node.args, 1, d, state.geo.ring_size)
+    if node.target is aten.unflatten.int and isinstance(d, int):  # (x, dim, sizes)
+        dim = node.args[1] % len(shape(node.args[0]))
+        if dim <= d < dim + len(node.args[2]):
+            node.args = _local_sizes(node.args, 2, d - dim, state.geo.ring_size)
     outside = [u for u in node.users if u not in plan.dims]
     seq = state.place.get(node)
     if outside and isinstance(seq, Seq):  # a cut: back to the sequence for the ops after it
@@ -231,6 +236,15 @@ def rewrite_member(node: fx.Node, plan: Resharded, state: PassState) -> None:
         whole = state.gather_dim(node, d)
         for u in outside:
             u.replace_input_with(node, whole)
+
+
+def _local_sizes(args: tuple, at: int, d: int, ring_size: int) -> tuple:
+    """``args`` with the size at ``d`` of the sizes ``args[at]`` made this rank's share of it
+    (a ``-1`` stays: it follows)."""
+    sizes = list(args[at])
+    if sizes[d] != -1:
+        sizes[d] //= ring_size
+    return (*args[:at], sizes, *args[at + 1 :])
 
 
 def _entered(a: fx.Node, plan: Resharded, state: PassState) -> fx.Node:

@@ -90,8 +90,11 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
     args, kwargs = fx.node.map_aggregate(
         (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
     )  # fmt: skip
+    target = node.target
+    if target in (aten.flatten.using_ints, aten.unflatten.int):  # no DTensor rule: asked as
+        target, args = aten.reshape.default, (args[0], shape(node))  # the view each one is
     try:
-        out = ask(node.target, tuple(args), dict(kwargs))
+        out = ask(target, tuple(args), dict(kwargs))
     except Exception:  # no strategy for the op: the region stays gathered
         return False
     if out.needs_redistribute:
@@ -218,7 +221,7 @@ def _refused(op: torch._ops.OpOverload) -> bool:
 
 
 # ops with sizes that neither DTensor nor ``SHAPED`` makes local
-UNSIZED = frozenset({aten.unflatten.int, aten.as_strided.default})
+UNSIZED = frozenset({aten.as_strided.default})
 # the ops whose argument 1 is a shape: its sharded dim becomes the local size
 SHAPED = frozenset({
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
