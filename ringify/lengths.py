@@ -49,8 +49,8 @@ from ringify.observers import is_library_hook
 from ringify.parallelized import fsdp_units, unsharded_for_trace
 from ringify.passes.length_integers import (
     NotLiftable,
+    check_no_wrapped_regions,
     fitted_integers,
-    inline_no_grad_regions,
     padded,
     read_at_run_time,
 )
@@ -257,7 +257,7 @@ def _lifted(model: nn.Module, config: Config, args, kwargs, dims) -> tuple[list,
         except Exception as e:  # e.g. a length the model's position table cannot hold
             raise NotLiftable(f"the pass at length {n} failed ({type(e).__name__})") from e
     for r in done:
-        inline_no_grad_regions(r.gm)
+        check_no_wrapped_regions(r.gm)
     lifts = fitted_integers([r.gm.graph for r in done], probes, m)
     read_at_run_time(done[0].gm.graph, lifts, dims, m)
     return done, multiple

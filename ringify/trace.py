@@ -26,9 +26,9 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from ringify.block_masks import has_flat_block_masks, rebuilt
+from ringify.block_masks import rebuilt
 from ringify.config import Config
-from ringify.export_errors import export_failure
+from ringify.export_errors import custom_backward_error, custom_backwards, export_failure
 from ringify.observers import Observed, Observers
 from ringify.parallelized import fsdp_units, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
@@ -323,17 +323,15 @@ def _export(
             recorder,
             observers,
         ):
-            wrapped = observers.stood_in or has_flat_block_masks((args, kwargs))
-            exported = torch.export.export(
-                _Exported(model, observers) if wrapped else model,
-                tuple(args),
-                kwargs,
-                strict=False,
-            )
+            backwards: list[str] = []  # noted by the wrapper as the model's output is traced
+            wrapper = _Exported(model, observers, backwards)
+            exported = torch.export.export(wrapper, tuple(args), kwargs, strict=False)
     except Exception as e:
         recorder.check()
         raise RuntimeError(export_failure(model, e)) from e
     recorder.check()
+    if backwards:
+        raise ValueError(custom_backward_error(backwards))
     return exported, recorder.regions, observers
 
 
@@ -363,20 +361,22 @@ def holds_the_models_state(module: nn.Module, model: nn.Module) -> None:
 
 
 class _Exported(nn.Module):
-    """What is exported where the call has BlockMask inputs or the modules have hooks: the
-    model called with its BlockMasks rebuilt (``block_masks.py``), returning beside its
-    output what its observing hooks were given (``observers.py``). It holds the model's own
-    parameter, buffer and submodule dicts (not copies), so the export names the model's
-    state, and its modules, as the model does."""
+    """What is exported: the model called with its BlockMasks rebuilt (``block_masks.py``),
+    returning beside its output what its observing hooks were given (``observers.py``), and
+    noting the custom autograd Functions its output's gradient would run. It holds the
+    model's own parameter, buffer and submodule dicts (not copies), so the export names the
+    model's state, and its modules, as the model does."""
 
-    def __init__(self, model: nn.Module, observers: Observers):
+    def __init__(self, model: nn.Module, observers: Observers, backwards: list[str]):
         super().__init__()
         holds_the_models_state(self, model)
         object.__setattr__(self, "_observers", observers)
+        object.__setattr__(self, "_backwards", backwards)
 
     def forward(self, *args, **kwargs):
         args, kwargs = rebuilt((args, kwargs))
         out = self._model(*args, **kwargs)
+        self._backwards.extend(custom_backwards(out))
         # (known once the model has run: which hooks observed is fixed by the trace)
         return (out, list(self._observers.tensors)) if self._observers.calls else out
 

@@ -1,6 +1,8 @@
 """Dropout outside attention on a sharded sequence: independent draws per position, as in
 the unmodified model (statistically: the masks are not its bits), a gradient that uses the
-forward's mask, and the same mask again when a checkpoint recomputes it."""
+forward's mask, and the same mask again when a checkpoint recomputes it. Random draws shaped
+like the sequence that a router samples from (Gumbel noise, a coin per token): the unmodified
+model's own numbers."""
 
 from __future__ import annotations
 
@@ -73,3 +75,54 @@ def test_dropout_draws_independently_per_position(ranks, ring_size, checkpointed
         for j in range(i + 1, 2 * ring_size):
             agree = (chunks[i] == chunks[j]).double().mean().item()
             assert 0.3 < agree < 0.7, (i, j, agree)
+
+
+class _SampledRouter(torch.nn.Module):
+    """Attention, then each token's expert sampled with Gumbel noise (``exponential_``, as
+    PhiMoE samples in training) and its output halved on a coin (``rand_like``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        y = y.reshape(b, s, 8)
+        scores = self.router(y)
+        chosen = (scores - torch.empty_like(scores).exponential_().log()).max(-1)[1]
+        coin = torch.rand_like(scores[..., :1]) > 0.5
+        out = torch.einsum("bsd,bsde->bse", y, self.experts[chosen])
+        return out * torch.where(coin, 1.0, 0.5) * scores.softmax(-1).amax(-1, keepdim=True)
+
+
+def sampled(world: int, length: int) -> dict:
+    torch.manual_seed(0)
+    model = _SampledRouter().double()
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    ringified = ringify(model, ring_size=world)
+    ringified(x)  # traced first: the trace draws on fake tensors
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)  # every rank's generator as the unmodified model's
+        out = fn(x)
+        out.sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters())]
+
+    want, got = run(model), run(ringified)
+    return {
+        "worst": max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)),
+        "gathers": [g.op for g in ringified.report().gathers],
+    }
+
+
+@pytest.mark.parametrize(("world", "length"), [(2, 16), (4, 30)])
+def test_a_routers_draws_are_the_unmodified_models(ranks, world, length):
+    """Each draw is made whole, as the unmodified model makes it from the same generator,
+    and each rank keeps its share (padding included on 4 ranks): exact, nothing gathered."""
+    for r in ranks(world).run(sampled, world, length):
+        assert r["worst"] < 1e-12 and r["gathers"] == [], r

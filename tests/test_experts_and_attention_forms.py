@@ -92,13 +92,14 @@ def compare(
     strategy: str = "auto",
     experts: str | None = None,
     length: int | None = None,
+    training: bool = True,
 ):
     import torch.distributed as dist
 
     from ringify.testing.tolerance import differences, exceeding
 
     world = dist.get_world_size()
-    model = _model(name, experts)
+    model = _model(name, experts).train(training)
     ids = torch.randint(
         1, 64, (2, length or 16 * world), generator=torch.Generator().manual_seed(1)
     )
@@ -197,3 +198,28 @@ def test_more_of_the_class(ranks, name):
         assert r["wrong"] == {}, r["wrong"]
         assert r["same grads"], r
         assert (r["gathers"] == []) == (name != "jetmoe"), r["gathers"]
+
+
+def sampled_routing() -> str | None:
+    """PhiMoE in training: ringify's error, where it raises one."""
+    _, run = ringified_run(_model("phimoe"), None)
+    try:
+        run(input_ids=torch.randint(1, 64, (2, 32), generator=torch.Generator().manual_seed(1)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sampling_router(ranks, world):
+    """PhiMoE's sparse mixer. In eval mode its best experts are a ``max`` over the experts
+    inside ``torch.no_grad()`` (a region export wraps, inlined): exact, nothing gathered.
+    In training it samples them (Gumbel noise: ``exponential_``, drawn whole on every rank
+    as the model draws it, this rank's share kept) and scales their gradients by a custom
+    autograd Function, whose backward torch.export does not keep: every rank refuses it,
+    naming it."""
+    for r in ranks(world).run(compare, "phimoe", None, "auto", None, None, False, timeout=600):
+        assert r["wrong"] == {} and r["same grads"], r
+        assert r["gathers"] == [], r["gathers"]
+    for error in ranks(world).run(sampled_routing, timeout=600):
+        assert error is not None and "PhimoeMultiplier" in error, error

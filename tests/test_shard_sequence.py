@@ -334,3 +334,48 @@ def test_transformer_decoder_mask_inspection_names_tgt_is_causal():
     got = ringify(decoder, ring_size=1)(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
     want = decoder(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+class _Doubled(torch.autograd.Function):
+    """The identity, whose gradient it doubles: a backward that is not its forward's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class CustomBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, q):
+        x = _Doubled.apply(self.lin(q))
+        return F.scaled_dot_product_attention(x, x, x)
+
+
+def custom_backward(world: int) -> dict:
+    torch.manual_seed(0)
+    model = CustomBackward().double()
+    x = torch.randn(1, 2, 8 * world, 4, dtype=torch.float64)
+    ringified, raised = ringify(model, ring_size=world), None
+    try:
+        ringified(x)
+    except ValueError as e:
+        raised = str(e)
+    with torch.no_grad():  # nothing runs a backward: exact
+        error = (ringified(x) - model(x)).abs().max().item()
+    return {"no_grad": error, "raised": raised}
+
+
+def test_a_custom_autograd_function_is_refused_where_its_backward_would_run(ranks):
+    """torch.export traces an autograd.Function's forward only: with gradients, the graph's
+    would be the forward's (here half the model's). Every rank refuses, naming the
+    Function; without gradients the model runs, exact."""
+    for r in ranks(2).run(custom_backward, 2):
+        assert r["no_grad"] < 1e-12, r
+        assert r["raised"] is not None and "_Doubled" in r["raised"], r

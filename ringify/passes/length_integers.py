@@ -4,8 +4,8 @@
 for node, each integer argument that differs between them is fitted exactly as
 (a L + b Lp + c) / d of the length L and the padded length Lp, and in one of the graphs each
 becomes a node computing it from an input's size (``sym_size``): one graph for every length.
-Export's no-grad regions are inlined first where nothing in them needs a gradient, since
-Dynamo cannot trace such a region once the length is symbolic.
+A no-grad region export wrapped and the folds left (one reading its own attributes) makes
+the graph not liftable: Dynamo cannot trace such a region once the length is symbolic.
 """
 
 from __future__ import annotations
@@ -18,42 +18,18 @@ import torch
 from torch import fx
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
-from ringify.passes.graph.nodes import val
-
 
 class NotLiftable(Exception):
     """The model's graph is not one graph for every length; the message says why."""
 
 
-def inline_no_grad_regions(gm: fx.GraphModule) -> None:
-    """Inline the regions export wrapped in ``wrap_with_set_grad_enabled`` where no input
-    requires a gradient (RoPE's ``torch.no_grad()`` block), where that changes nothing:
-    Dynamo cannot trace such a region once the length is symbolic."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.target is not wrap_with_set_grad_enabled:
-            continue
-        _, body, *inputs = node.args
-        if any(getattr(val(x), "requires_grad", False) for x in inputs):
-            raise NotLiftable(f"{node.name}: a no-grad region reads tensors that require grad")
-        sub = getattr(gm, body.target)
-        if any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
-            raise NotLiftable(f"{node.name}: a no-grad region reads its own attributes")
-        values = dict(
-            zip([n for n in sub.graph.nodes if n.op == "placeholder"], inputs, strict=True)
-        )
-        with graph.inserting_before(node):
-            outputs = graph.graph_copy(sub.graph, values)
-        for user in list(node.users):
-            if user.target is not operator.getitem:
-                raise NotLiftable(f"{node.name}: a no-grad region's outputs read whole")
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not body.users:
-            graph.erase_node(body)
-            delattr(gm, body.target)
-    graph.lint()
+def check_no_wrapped_regions(gm: fx.GraphModule) -> None:
+    """Raise unless the folds inlined every region export wrapped in
+    ``wrap_with_set_grad_enabled`` (``folds/wrapped.py``): Dynamo cannot trace such a region
+    once the length is symbolic."""
+    for node in gm.graph.nodes:
+        if node.target is wrap_with_set_grad_enabled:
+            raise NotLiftable(f"{node.name}: a no-grad region left as a submodule")
 
 
 def fitted_integers(graphs: list[fx.Graph], lengths: list[int], m: int) -> dict:

@@ -27,7 +27,6 @@ from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 from ringify.config import Config
 from ringify.parallelized import units_reducing_over_ring
 from ringify.passes.checkpoints import keep_checkpoints
-from ringify.passes.folds.autocast import inline_autocast_regions
 from ringify.passes.folds.constants import drop_empty_concatenated
 from ringify.passes.folds.convs import fold_sequence_convs
 from ringify.passes.folds.flex import fold_flex_attention
@@ -41,6 +40,7 @@ from ringify.passes.folds.mask_programs import fold_mask_programs
 from ringify.passes.folds.scans import fold_linear_recurrences, fold_selective_scans
 from ringify.passes.folds.shifts import fold_shifts
 from ringify.passes.folds.spellings import fold_synonyms
+from ringify.passes.folds.wrapped import inline_autocast_regions, inline_no_grad_regions
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.report import Report
 from ringify.passes.regions import keep_fsdp_units
@@ -56,6 +56,7 @@ Fold = Callable[[fx.GraphModule], int]
 # In order; where an order matters, the line says why.
 FOLDS: tuple[Fold, ...] = (
     inline_autocast_regions,  # first: the other folds read the regions' ops as the graph's
+    inline_no_grad_regions,
     fold_flex_attention,  # before functionalize_writes: its BlockMask is built by vmapped writes
     functionalize_writes,
     fold_synonyms,  # before the folds that read cat, expand and views in one spelling

@@ -1,8 +1,9 @@
 """HF mixture-of-experts LMs from small configs with random weights, as tests and benchmarks
 build them (nothing downloaded): Qwen3-MoE, Mixtral, DeepSeek-V3 (group-limited routing and
 MLA) and gpt-oss (attention sinks, biased experts, sliding and full layers); more of the class:
-DeepSeek-V2 (MLA), OLMoE, JetMoE (mixture of attention heads) and Llama 4's text model (every
-token through every expert, weighted; chunked attention). Each returns its
+DeepSeek-V2 (MLA), OLMoE, JetMoE (mixture of attention heads), PhiMoE (a sampling router
+in training) and Llama 4's text model (every token through every expert, weighted; chunked
+attention). Each returns its
 router logits with ``output_router_logits`` and adds the load-balancing loss to its loss."""
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def jetmoe(layers=2, experts=4, top_k=2):
     config._attn_implementation = "sdpa"
     config._experts_implementation = "batched_mm"
     return JetMoeForCausalLM(config)
+
+
+def phimoe(layers=2, experts=4, top_k=2):
+    """HF PhiMoE: the sparse mixer, which in training samples each token's experts (Gumbel
+    noise) and scales their gradients by a custom autograd Function."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    return _built(
+        PhimoeConfig, PhimoeForCausalLM, num_hidden_layers=layers, intermediate_size=64,
+        num_local_experts=experts, num_experts_per_tok=top_k, output_router_logits=True,
+        max_position_embeddings=256,
+    )  # fmt: skip
 
 
 def llama4(layers=2, experts=4):

@@ -45,7 +45,7 @@ def _reduced_dims(node: fx.Node, ndim: int) -> list[int]:
 
 _WHOLE = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
 # reductions with no ring form, whose arguments are sum's (x, dims, keepdim)
-LOCAL_REDUCTIONS = frozenset({aten.logsumexp.default})
+LOCAL_REDUCTIONS = frozenset({aten.logsumexp.default, aten.max.dim, aten.min.dim})
 
 
 def infer_reduction(node: fx.Node, place: Placements) -> Placement:
@@ -61,9 +61,12 @@ def infer_reduction(node: fx.Node, place: Placements) -> Placement:
 @sharded_first
 def infer_local_reduction(node: fx.Node, place: Placements, p: Seq, ndim: int):
     """A reduction with no ring form (``LOCAL_REDUCTIONS``): local over other dims, as a
-    router's logsumexp over its experts; over the sequence, its input is gathered."""
+    router's logsumexp or best expert (``max.dim``: values and indices alike) over its
+    experts; over the sequence, its input is gathered."""
     out = infer_reduction(node, place)
-    return Fallback(GatherReason.REDUCED_SEQUENCE) if out is None else out
+    if out is None:
+        return Fallback(GatherReason.REDUCED_SEQUENCE)
+    return [out, out] if isinstance(val(node), (tuple, list)) else out
 
 
 def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:

@@ -10,7 +10,8 @@ compute its own tokens only, so the rules keep the tokens sharded through all of
   sharded alike; along it, the sort of a token dispatch (``dispatch.py``);
 - ``repeat_interleave`` of an int count along the sequence: each position's elements
   repeated, a placement whose ``inner`` is multiplied by the count;
-- ``one_hot``: a new last dim; ``zeros_like`` and its kin: placed as their model;
+- ``one_hot``: a new last dim; ``zeros_like`` and its kin: placed as their model; random
+  draws shaped so (``rand_like``, ``exponential``): drawn whole, this rank's share kept;
 - ``scatter`` off the sequence (a mask of the chosen expert groups): local;
 - a replicated table indexed by sharded ids (``gate_up_proj[expert_ids]``): the ids' rows;
 - the router's load-balancing statistics are sums over the tokens: ``histc``, ``bincount``
@@ -38,7 +39,12 @@ aten = torch.ops.aten
 SELECTIONS = frozenset({aten.topk.default, *SORTS, *ARGSORTS})
 LIKE = frozenset({
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+    aten.full_like.default,
+})  # fmt: skip
+# random draws shaped like their input, whatever its values (a sampling router's noise)
+DRAWS = frozenset({
+    aten.rand_like.default, aten.randn_like.default, aten.exponential.default,
+    aten.uniform.default,
 })  # fmt: skip
 SCATTERS = frozenset({aten.scatter.value, aten.scatter.src, aten.scatter.reduce,
                       aten.scatter.value_reduce})  # fmt: skip
@@ -177,6 +183,28 @@ def infer_like(node, place, p: Seq, ndim: int):
     return p
 
 
+@sharded_first
+def infer_draw(node, place, p: Seq, ndim: int):
+    """A draw shaped like a sharded tensor: placed as it is, unless its rows are in a sort's
+    order (its share by position would not be its rows)."""
+    if p.order is not None:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(a draw shaped like sorted rows)")
+    return p
+
+
+def rewrite_draw(node: fx.Node, out: Seq, state: PassState) -> None:
+    """A draw shaped like a sharded tensor, drawn whole (the shape the unmodified model
+    draws, from the same generator, which every rank holds alike) and this rank's share
+    kept: the model's own numbers (PhiMoE's Gumbel sampling). The whole draw is O(S) times
+    its width per position for a moment: a router's experts."""
+    graph = state.graph
+    with graph.inserting_before(node):
+        like = {"dtype": val(node).dtype, "device": val(node).device}
+        whole = call(graph, aten.empty.memory_format, (list(shape(node)),), like, like=node)
+        drawn = call(graph, node.target, (whole, *node.args[1:]), dict(node.kwargs))
+    state.replace(node, state.slice(drawn, out, 0), out)
+
+
 def infer_scatter_off_sequence(node, place: Placements):
     """``scatter(x, dim, ids, value or src)`` off the sequence, all sharded alike: local (the
     group masks of DeepSeek's routing)."""
@@ -238,4 +266,5 @@ RULES = {
     aten.scatter_add.default: Rule(infer_scatter_add, rewrite_scatter_add),
     **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, as_it_is)),
     **dict.fromkeys(LIKE, Rule(infer_like, as_it_is)),
+    **dict.fromkeys(DRAWS, Rule(infer_draw, rewrite_draw)),
 }
