@@ -32,7 +32,10 @@ def main(doc: str, families: tuple[str, ...], compare) -> None:
     rows = []
     try:
         for family in args.families:
-            rows.append(pool.run(compare, family, args.ranks, timeout=900)[0])
+            try:
+                rows.append(pool.run(compare, family, args.ranks, timeout=900)[0])
+            except ValueError as e:  # ringify's clear error, on every rank: the family's row
+                rows.append({"family": family, "error": str(e).splitlines()[0][:160]})
     finally:
         pool.close()
     print(tabulate(rows, headers="keys", floatfmt=".1e"))
