@@ -87,11 +87,6 @@ def with_flat_block_masks(tree):
     )
 
 
-def has_flat_block_masks(tree) -> bool:
-    leaves = pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, FlatBlockMask))
-    return any(isinstance(x, FlatBlockMask) for x in leaves)
-
-
 def rebuilt(tree):
     """``tree`` with each FlatBlockMask in it a BlockMask again."""
     return pytree.tree_map(

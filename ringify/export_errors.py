@@ -113,7 +113,7 @@ def custom_backwards(outputs) -> list[str]:
         stack.extend(f for f, _ in fn.next_functions)
     for name in [n for n in found if n in DERIVATIVE_BACKWARDS]:
         log.info("ringify: %s traced as its forward: its backward is %s", name,
-                 DERIVATIVE_BACKWARDS.get(name))  # fmt: skip
+                 DERIVATIVE_BACKWARDS[name])  # fmt: skip
         del found[name]
     return list(found)
 

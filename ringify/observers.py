@@ -65,11 +65,6 @@ class Observers:
                         table[key] = self._stand_in(path, hook, pre)
         return self
 
-    @property
-    def stood_in(self) -> bool:
-        """Whether any hook is stood in for (the export then goes through ``trace._Exported``)."""
-        return bool(self._saved)
-
     def __exit__(self, *exc) -> None:
         for table, key, hook in self._saved:
             table[key] = hook

@@ -14,6 +14,8 @@ and each rank's experts see 1/P of the tokens' rows."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -218,7 +220,8 @@ def test_a_sampling_router(ranks, world):
     as the model draws it, this rank's share kept) and scales their gradients by a custom
     autograd Function, whose backward torch.export does not keep: every rank refuses it,
     naming it."""
-    for r in ranks(world).run(compare, "phimoe", None, "auto", None, None, False, timeout=600):
+    in_eval_mode = functools.partial(compare, training=False)
+    for r in ranks(world).run(in_eval_mode, "phimoe", timeout=600):
         assert r["wrong"] == {} and r["same grads"], r
         assert r["gathers"] == [], r["gathers"]
     for error in ranks(world).run(sampled_routing, timeout=600):

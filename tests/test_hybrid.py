@@ -254,9 +254,8 @@ def test_scans_on_a_share_of_their_heads(ranks, family, batch, world, length):
     with the positions); RecurrentGemma (its RG-LRU, unrolled over the positions and
     written into a buffer, folded into a selective scan with a state per channel); MiniMax
     (lightning attention, its blocks unrolled by export, one region on a share of the
-    heads); and
-    models with no attention at all: HF Mamba and Mamba2, their sequence followed from the
-    token ids."""
+    heads); and models with no attention at all: HF Mamba and Mamba2, their sequence
+    followed from the token ids."""
     check(ranks(world).run(compare, world, length, None, family, batch), family, batch)
 
 

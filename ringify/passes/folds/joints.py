@@ -300,8 +300,8 @@ def _attention(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
             for start, end in itertools.pairwise(k.bounds())
         ]
     outs = []
-    starts = q.bounds() if q is not None else [0, shape(att.q)[2]]
-    for part, (start, end) in zip(queries, itertools.pairwise(starts), strict=True):
+    bounds = q.bounds() if q is not None else [0, shape(att.q)[2]]
+    for part, (start, end) in zip(queries, itertools.pairwise(bounds), strict=True):
         if k is not None:
             args = (part, k.parts, v.parts, att.scale, masks)
             out = call(graph, joint_attention, args)

@@ -24,7 +24,7 @@ from torch import fx
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
-from ringify.passes.graph.nodes import call, is_tensor
+from ringify.passes.graph.nodes import call, is_tensor, val
 
 
 def inline_autocast_regions(gm: fx.GraphModule) -> int:
@@ -58,7 +58,7 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             inputs = [
                 call(gm.graph, torch.ops.aten.detach.default, (x,))
-                if is_tensor(x) and getattr(x.meta["val"], "requires_grad", False) else x
+                if is_tensor(x) and val(x).requires_grad else x
                 for x in inputs
             ]  # fmt: skip
         _inline(gm, node, body, inputs, lambda graph, copy: copy())
