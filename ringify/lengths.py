@@ -40,7 +40,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -369,6 +369,9 @@ def _as_containers(spec, values):
 
 
 def _affine(expr, symbol) -> bool:
-    """Whether the size ``expr`` (a sympy expression of the shape environment) is a + b L."""
-    poly = expr.as_poly(symbol) if expr.free_symbols <= {symbol} else None
-    return poly is not None and poly.degree() <= 1
+    """Whether the size ``expr`` (a sympy expression of the shape environment) is a + b L,
+    plus sizes the data decides whatever the length (``u0``: an MoE's counts, read with
+    ``item``), none of them times L."""
+    data = free_unbacked_symbols(expr)
+    poly = expr.as_poly(symbol, *data) if expr.free_symbols <= {symbol, *data} else None
+    return poly is not None and poly.total_degree() <= 1

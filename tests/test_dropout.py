@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ringify import ringify
+from ringify.testing.models import AttendedRouter
 
 P_DROP = 0.5
 
@@ -77,21 +78,12 @@ def test_dropout_draws_independently_per_position(ranks, ring_size, checkpointed
             assert 0.3 < agree < 0.7, (i, j, agree)
 
 
-class _SampledRouter(torch.nn.Module):
+class _SampledRouter(AttendedRouter):
     """Attention, then each token's expert sampled with Gumbel noise (``exponential_``, as
     PhiMoE samples in training) and its output halved on a coin (``rand_like``)."""
 
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(8, 24)
-        self.router = torch.nn.Linear(8, 4)
-        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8))
-
     def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        y = y.reshape(b, s, 8)
+        y = self.attended(x)
         scores = self.router(y)
         chosen = (scores - torch.empty_like(scores).exponential_().log()).max(-1)[1]
         coin = torch.rand_like(scores[..., :1]) > 0.5

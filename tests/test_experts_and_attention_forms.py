@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ringify.testing.models import AttendedRouter
 from ringify.testing.runs import ringified_run
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "bloom", "llama4")
@@ -75,7 +76,7 @@ def _tolerances(want: dict, reordered: dict, float64: dict) -> dict[str, float]:
 
 def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
     """The rows (token copies) each batched or grouped expert product of a graph multiplies,
-    from its nodes' values (on a rank, once the pass is done: its local shapes)."""
+    or that it splits by the experts' counts to multiply one by one, from its nodes' values (on a rank, once the pass is done: its local shapes)."""
     from ringify.passes.graph.token_dispatch import GROUPED_MM
 
     rows = []
@@ -85,6 +86,10 @@ def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
                 batched = n.target is torch.ops.aten.bmm.default and n.meta["val"].dim() == 3
                 if batched or str(n.target) in GROUPED_MM:
                     rows.append(n.meta["val"].shape[0])
+                split = n.target is torch.ops.aten.split_with_sizes.default
+                if split and any(isinstance(s, torch.fx.Node) for s in n.args[1]):
+                    size = n.args[0].meta["val"].shape[0]  # split by the experts' counts
+                    rows += [size] if isinstance(size, int) else []  # (not a cat of pieces)
     return rows
 
 
@@ -182,11 +187,9 @@ def test_the_family_matches_the_unmodified_model_compiled(ranks, name):
 
 
 @pytest.mark.slow  # breadth of the class (25 s each): the families above are the default's
-@pytest.mark.parametrize("name", ["deepseek_v2", "olmoe", "jetmoe"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "olmoe"])
 def test_more_of_the_class(ranks, name):
-    """DeepSeek-V2 (MLA) and OLMoE: nothing gathered. JetMoE picks each token's query heads
-    by its routing (a mixture of attention heads, sorted and scattered over the flattened
-    tokens): that and its attention run gathered, exact, reported."""
+    """DeepSeek-V2 (MLA) and OLMoE: nothing gathered."""
     import transformers
 
     version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
@@ -199,7 +202,79 @@ def test_more_of_the_class(ranks, name):
     for r in ranks(2).run(compare, name, timeout=600):
         assert r["wrong"] == {}, r["wrong"]
         assert r["same grads"], r
-        assert (r["gathers"] == []) == (name != "jetmoe"), r["gathers"]
+        assert r["gathers"] == [], r["gathers"]
+
+
+@pytest.mark.parametrize(
+    ("world", "length"), [(2, None), (2, 29), pytest.param(4, 37, marks=pytest.mark.slow)]
+)
+def test_experts_one_by_one_over_rows_split_by_counts(ranks, world, length):
+    """JetMoE runs its experts as ScatterMoE does, in the MLP and in its mixture of attention
+    heads: the routed slots sorted by expert, split by each expert's count
+    (``counts.tolist()``), one product per expert, the pieces put back together, the rows
+    added back at their tokens or slots. Each rank splits its own slots by its own counts
+    (padding included on 29 and 37 tokens): exact, nothing gathered, each expert product
+    sees this rank's token copies only."""
+    tokens = length or 16 * world
+    padded = -(-tokens // (2 * world)) * 2 * world  # the zigzag layout's 2P chunks
+    for r in ranks(world).run(functools.partial(compare, "jetmoe", length=length), timeout=600):
+        assert r["wrong"] == {} and r["same grads"], r
+        assert r["gathers"] == [], r["gathers"]
+        assert set(r["expert rows"]) == {r["token copies"] // tokens * padded // world}, r
+
+
+class _ExpertsOneByOne(AttendedRouter):
+    """Attention, then ScatterMoE-style experts written small: the slots sorted by expert,
+    split by each expert's count (a ``histc`` of the ids, read with ``tolist``), one product
+    per expert, the pieces put together in expert order or (``reversed``) not, and added
+    back at their tokens."""
+
+    def __init__(self, reverse: bool):
+        super().__init__()
+        self.reverse = reverse
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.attended(x).reshape(b * s, 8)
+        gates, ids = self.router(y).softmax(-1).topk(2, dim=-1)
+        perm = ids.flatten().argsort()
+        rows = y[perm // 2]
+        counts = torch.histc(ids.flatten().double(), bins=4, min=0, max=3)
+        pieces = rows.split(counts.long().tolist())
+        outs = [piece @ self.experts[e] for e, piece in enumerate(pieces)]
+        out = torch.cat(outs[::-1] if self.reverse else outs) * gates.flatten()[perm, None]
+        return torch.zeros_like(y).index_add(0, perm // 2, out).view(b, s, 8)
+
+
+def experts_one_by_one(reverse: bool) -> dict:
+    from ringify import ringify
+
+    torch.manual_seed(0)
+    model = _ExpertsOneByOne(reverse).double()
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(x)
+        out.sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters())]
+
+    ringified = ringify(model, ring_size=2)
+    want, got = run(model), run(ringified)
+    return {
+        "worst": max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)),
+        "gathers": {g.op for g in ringified.report().gathers},
+    }
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_pieces_put_together_out_of_order_are_gathered(ranks, reverse):
+    """The region holds only where the pieces come back in expert order: the rows are then
+    in the sort's order again. Out of order (a model's choice, whatever it means) the sort is
+    gathered and the result is still the unmodified model's."""
+    for r in ranks(2).run(experts_one_by_one, reverse, timeout=600):
+        assert r["worst"] < 1e-12, r
+        assert ("aten.argsort.default" in r["gathers"]) == reverse, r
 
 
 def sampled_routing() -> str | None:

@@ -294,3 +294,35 @@ def test_a_long_first_call_whose_export_holds_any_length_is_traced_at_its_own(ra
     ones (``lift_from_small``)."""
     for lengths, worst in ranks(2).run(long_first_call):
         assert lengths == "this length" and worst < TOL, (lengths, worst)
+
+
+def counts_read_on_the_host() -> list:
+    """JetMoE (its experts split by counts read with ``tolist()``: sizes the data decides)
+    at 32, 48 and 29 tokens: each step's differences, and the traces."""
+    from ringify.testing.hf_moe import jetmoe
+
+    torch.manual_seed(0)
+    model = jetmoe().double()
+    model.config.output_router_logits = False  # its aux loss divides by a float of the length
+    ringified, _ = ringified_run(model)
+    worst = []
+    for length in (32, 48, 29):
+        ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(length))
+
+        def step(fn, ids):
+            model.zero_grad(set_to_none=True)
+            logits = fn(input_ids=ids).logits
+            (logits * torch.linspace(0, 1, logits.numel()).view_as(logits)).sum().backward()
+            return [logits.detach(), *(p.grad.clone() for p in model.parameters())]
+
+        diffs = zip(step(model, ids), step(ringified, ids), strict=True)
+        worst.append(max((a - b).abs().max().item() for a, b in diffs))
+    return [worst, ringified.traces, ringified.report().lengths]
+
+
+def test_sizes_the_data_decides_share_one_graph_for_every_length(ranks):
+    """A size read from the data (``u0``, an expert's count) is no size of the length: the
+    graph still holds for every length, the counts read at run time. Exact, two traces."""
+    for worst, traces, lengths in ranks(2).run(counts_read_on_the_host, timeout=600):
+        assert max(worst) < TOL, worst
+        assert traces == 2 and lengths.startswith("any length"), (traces, lengths)

@@ -292,6 +292,13 @@ CASES = {
         None,
     ),
     "gather": (
+        lambda x: x.gather(-1, torch.arange(2 * S).view(2, S, 1) % 4),
+        (x3(2, S, 4),),
+        1,
+        aten.gather.default,
+        Seq(1),
+    ),
+    "gather by a fresh index": (
         lambda x: x.gather(-1, torch.zeros(2, S, 1, dtype=torch.long)),
         (x3(2, S, 4),),
         1,
@@ -390,6 +397,14 @@ def test_gather_slices_a_replicated_index_that_lines_up():
     index = node_of(graph, aten.gather.default).args[2]
     assert index.target is aten.reshape.default  # of take_shard's output
     assert index.args[0].target is ringify_ops.take_shard.default
+
+
+def test_a_fresh_tensor_that_lines_up_is_made_at_a_ranks_size():
+    """A ``zeros`` that meets the sequence (an MoE's base to add rows into) is never made
+    whole: the factory makes this rank's part."""
+    graph, _ = targets_after(CASES, "gather by a fresh index")
+    index = node_of(graph, aten.gather.default).args[2]
+    assert index.target is aten.zeros.default and index.args[0] == [2, S // 2, 1]
 
 
 def test_a_fallback_gathers_its_sharded_inputs():

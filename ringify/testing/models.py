@@ -258,3 +258,21 @@ class FlexTransformer(nn.Module):
             x = x + block["out"](y.transpose(1, 2).reshape(batch, length, -1))
             x = x + block["mlp"](block["mlp_norm"](x))
         return self.head(x)
+
+
+class AttendedRouter(nn.Module):
+    """Causal attention (2 heads of 4), then a router over 4 experts of width 8: the opening
+    of the small MoE layers the routing tests write after it (``attended``: the attention's
+    output, (batch, sequence, 8))."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def attended(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, s, 8)

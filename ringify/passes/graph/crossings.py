@@ -78,6 +78,15 @@ class PassState:
             self._cache[key] = y = self.from_dim(*self.on_dim[x], seq, pad_value)
             return y
         g, geo, units = self.graph, self.geo, self.geo.in_units(seq)
+        fill = _filled_with(x)
+        if fill is not None and (fill == pad_value or not geo.pads):
+            # a fresh tensor (an MoE's ``zeros`` base): made at this rank's size, never whole
+            with g.inserting_before(self.after(x)):
+                y = g.call_function(x.target, (self.local_shape(x, seq), *x.args[1:]), x.kwargs)
+            y.meta["val"] = val(x)
+            self.place[y] = seq
+            self._cache[key] = y
+            return y
         with g.inserting_before(self.after(x)):
             factored = geo.factored_shape(shape(x), seq, units.length)
             y = g.call_function(torch.ops.aten.reshape.default, (x, factored))
@@ -230,6 +239,15 @@ class PassState:
         self.gathers.append(
             InsertedGather(node.name, str(node.target), fallback.reason, fallback.detail)
         )
+
+
+def _filled_with(x: fx.Node):
+    """The value a factory of a fresh tensor fills it with (``zeros``, ``ones``, ``full``);
+    ``None``: not one."""
+    fills = {torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 1}
+    if x.target in fills:
+        return fills[x.target]
+    return x.args[1] if x.target is torch.ops.aten.full.default else None
 
 
 Infer = Callable[[fx.Node, Placements], "Placement | Fallback"]

@@ -5,18 +5,23 @@ default ``grouped_mm`` implementation) sorts the routed (token, expert) slots by
 (``argsort``/``sort`` of the flattened top-k ids), picks the tokens in that order
 (``x[perm // top_k]``), runs ``grouped_mm`` with the experts' cumulated counts as offsets,
 and puts each slot's result back on its token (a ``scatter_add``/``index_add`` at
-``perm // top_k``, or the rows indexed by the inverse permutation). ``find`` reads each such
-region: from the sort, every value must be
+``perm // top_k``, or the rows indexed by the inverse permutation). An MoE that runs its
+experts one by one (JetMoE's ``ParallelExperts``) instead splits the sorted rows by the
+experts' counts (``split(rows, counts.tolist())``), multiplies each piece by its expert and
+puts the pieces back together in order (``cat``); it may put rows back at their slots
+(``index_add`` at ``perm``). ``find`` reads each such region: from the sort, every value
+must be
 - an index: the permutation (``SLOTS``), ``// top_k`` of it (``TOKENS``), views of them,
   used only to pick rows of a tensor outside the region or as a put-back's index; or the
   inverse permutation (``INVERSE``), used only to put rows back;
 - rows in the sort's order (``ROWS``): what those indices picked, the sorted ids, and
   pointwise work, casts, views, ``linear`` and ``grouped_mm`` on them, ops along their other
-  dims, an expert table indexed by them; a count of them feeding the offsets alone;
-and the region ends where rows go back, positional again. ``grouped_mm``'s offsets must be
-the cumulated count of the same ``topk``'s ids (a histogram, a ``bincount``, or a one-hot
-mark summed over the tokens). Anything else: no region (``sharding/dispatch.py`` then
-gathers the sort, exactly).
+  dims, an expert table indexed by them; a count of them feeding the offsets alone; a
+  split of them along the rows by the experts' counts, and the pieces' ``cat`` in order;
+and the region ends where rows go back, positional again. ``grouped_mm``'s offsets, and a
+split's sizes, must be the (cumulated) count of the same ``topk``'s ids (a histogram, a
+``bincount``, or a one-hot mark summed over the tokens). Anything else: no region
+(``sharding/dispatch.py`` then gathers the sort, exactly).
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ aten = torch.ops.aten
 ARGSORTS = frozenset({aten.argsort.default, aten.argsort.stable})
 SORTS = frozenset({aten.sort.default, aten.sort.stable})
 # the ops that carry a value's rows as they are: views, copies and casts (dropout left out)
-CARRY = (SIZED_VIEWS | SAME_SHAPE | CASTS_LIKE | {aten.unsqueeze.default, aten.expand.default}) - {
-    aten.dropout.default
-}
+CARRY = (
+    SIZED_VIEWS | SAME_SHAPE | CASTS_LIKE
+    | {aten.flatten.using_ints, aten.unsqueeze.default, aten.expand.default}
+) - {aten.dropout.default}  # fmt: skip
 # ops known by name: their libraries (torchtitan, transformers) are not ringify's imports
 GROUPED_MM = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 SCATTER_BACK = frozenset({"aten.scatter_add.default", "aten.index_add.default",
@@ -44,6 +50,9 @@ SCATTER_BACK = frozenset({"aten.scatter_add.default", "aten.index_add.default",
 INDEX_PUTS = frozenset({aten.index_put.default, aten.index_put_.default})
 NEW_LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default})
 COUNTS = frozenset({aten.histc.default, aten.bincount.default})
+SPLIT = aten.split_with_sizes.default
+PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.matmul.default})
+ITEMS = frozenset({aten.item.default, aten._local_scalar_dense.default})  # a count's number
 # ops that act on each row alone, given a dim other than the rows' (the op -> its dim argument)
 ALONG_ROWS = {**INDEXING, aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten._softmax.default: 1,
               aten.softmax.int: 1, aten.cat.default: 1}  # fmt: skip
@@ -114,6 +123,11 @@ def _region(sort: fx.Node) -> Dispatch | None:
     for c in combines:  # its index and rows are the region's
         if not _combine_ok(c, kinds):
             return None
+    for node in kinds:  # rows split by the experts' counts, and put together in order
+        if node.target is SPLIT and _along_rows(node) and not _split_by_counts(node, ids):
+            return None
+        if node.target is aten.cat.default and _along_rows(node) and not _in_order(node, kinds):
+            return None
     if not combines or not all(_feedsoffsets(c, grouped) for c in counts):
         return None
     return Dispatch(sort, top_k, kinds, frozenset(combines), frozenset(grouped))
@@ -155,12 +169,14 @@ def _user_kind(user: fx.Node, node: fx.Node, kind: str, top_k: int, slots: int):
         return None
     if target in COUNTS:  # the offsets' counts: checked to feed them alone
         return "count"
+    if target in (SPLIT, aten.cat.default) and _along_rows(user):
+        return ROWS  # checked once the walk is done: by the counts, in order
     if target in ALONG_ROWS and _off_rows(user):
         return ROWS
     if name in GROUPED_MM and user.args[0] is node:
         return ROWS
-    if target is aten.linear.default and user.args[0] is node:
-        return ROWS
+    if target in PRODUCTS and user.args[0] is node and len(shape(user.args[1])) == 2:
+        return ROWS  # rows times a weight
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return ROWS
     return None
@@ -211,14 +227,58 @@ def _combine_ok(node: fx.Node, kinds: dict) -> bool:
         base, dim, index, src = node.args[:4]
         if dim != 0:
             return False
-    return base not in kinds and kinds.get(index) == TOKENS and kinds.get(src) == ROWS
+    return base not in kinds and kinds.get(index) in (TOKENS, SLOTS) and kinds.get(src) == ROWS
+
+
+def _along_rows(node: fx.Node) -> bool:
+    """A split or cat along dim 0, the rows'."""
+    dim = argument(node, "dim")
+    return (
+        dim % len(shape(node.args[0][0] if node.target is aten.cat.default else node.args[0])) == 0
+    )
+
+
+def _split_by_counts(split: fx.Node, ids: fx.Node) -> bool:
+    """``split(rows, sizes)`` with ``sizes[e]`` the number (``item``) of the slots of expert
+    ``e`` among ``ids``, for every expert in order: ``counts.tolist()``."""
+    sizes, topk = split.args[1], _topk(ids)
+    if not all(isinstance(s, fx.Node) and s.target in ITEMS for s in sizes):
+        return False
+    picked = [
+        s.args[0] for s in sizes
+    ]  # counts[e]: ``unbind(counts)[e]``, ``select(counts, 0, e)``
+    if not all(
+        (p.target is operator.getitem and p.args[0].target is aten.unbind.int)
+        or (p.target is aten.select.int and p.args[1] == 0)
+        for p in picked
+    ):
+        return False
+    counts = {p.args[0].args[0] if p.target is operator.getitem else p.args[0] for p in picked}
+    if len(counts) != 1 or [p.args[-1] for p in picked] != list(range(len(sizes))):
+        return False
+    return len(sizes) == shape(topk.args[0])[-1] and _counts_of(counts.pop(), ids, topk)
+
+
+def _in_order(cat: fx.Node, kinds: dict) -> bool:
+    """A ``cat`` along the rows of the pieces of one split by counts, each in its place
+    (each piece through row-wise work alone): the rows in the sort's order again."""
+    pieces = []
+    for x in cat.args[0]:
+        while kinds.get(x) == ROWS and not (
+            x.target is operator.getitem and getattr(x.args[0], "target", None) is SPLIT
+        ):
+            x = x.args[0]
+        pieces.append((x.args[0], x.args[1]) if kinds.get(x) == ROWS else None)
+    split = pieces[0][0] if pieces[0] else None
+    return split is not None and pieces == [(split, i) for i in range(len(split.args[1]))]
 
 
 def _floor_divided_by(user: fx.Node, node: fx.Node):
     if user.args[0] is not node or len(user.args) < 2:
         return None
-    if user.target is aten.floor_divide.default or (
-        user.target is aten.div.Tensor_mode and user.kwargs.get("rounding_mode") == "floor"
+    if user.target is aten.floor_divide.default or (  # (trunc is floor: slots are >= 0)
+        user.target is aten.div.Tensor_mode
+        and user.kwargs.get("rounding_mode") in ("floor", "trunc")
     ):
         return user.args[1] if isinstance(user.args[1], int) else None
     return None
@@ -265,15 +325,20 @@ def offsets(node: fx.Node):
 
 
 def _offsets_count(offs, ids: fx.Node, top_k: int) -> bool:
-    """Whether ``offs`` is the cumulated count of each expert's slots among ``ids``: a
-    ``cumsum`` over a histogram, a ``bincount`` or a sum over the tokens of a one-hot mark
-    of the same ``topk``'s ids, with one bin per expert."""
+    """Whether ``offs`` is the ``cumsum`` of each expert's count of its slots among ``ids``."""
     topk = _topk(ids)
-    experts = shape(topk.args[0])[-1]
     cumsum = _through(offs)
     if getattr(cumsum, "target", None) is not aten.cumsum.default or cumsum.args[1] != 0:
         return False
-    counts = _through(cumsum.args[0])
+    return _counts_of(cumsum.args[0], ids, topk)
+
+
+def _counts_of(counts: fx.Node, ids: fx.Node, topk: fx.Node) -> bool:
+    """Whether ``counts`` (back through casts) counts each expert's slots among ``ids``:
+    a histogram, a ``bincount`` or a sum over the tokens of a one-hot mark of ``topk``'s
+    ids, one bin per expert."""
+    experts = shape(topk.args[0])[-1]
+    counts = _through(counts)
     if shape(counts) != [experts]:
         return False
     if counts.target is aten.histc.default:

@@ -45,6 +45,8 @@ def infer_cat(node, place: Placements):
     if isinstance(seq, Fallback):
         return seq
     if norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(tensors[0]))) == seq.dim:
+        if seq.order is not None:  # an MoE's pieces of rows put back together in order
+            return _in_sorts_order(node, tensors, seq, place)
         return _cat_of_sequences(tensors, seq, place)
     return place.line_up(node, tensors, seq)
 
@@ -56,6 +58,15 @@ def _cat_of_sequences(tensors, seq: Seq, place: Placements):
     if all(place[a] == seq and shape(a)[seq.dim] % per_position == 0 for a in tensors):
         return seq
     return Fallback(GatherReason.CAT_ALONG_SEQUENCE)
+
+
+def _in_sorts_order(node, tensors, seq: Seq, place: Placements):
+    """The pieces of a token dispatch's rows, split by its experts' counts, put together in
+    order (``graph/token_dispatch.py`` checked the order): its rows again."""
+    d = place.dispatches.get(seq.order)
+    if d is not None and d.kinds.get(node) is not None and all(place[a] == seq for a in tensors):
+        return seq
+    return Fallback(GatherReason.CAT_ALONG_SEQUENCE, "(rows in a sort's order)")
 
 
 def infer_stack(node, place: Placements):

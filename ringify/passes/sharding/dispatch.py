@@ -6,8 +6,10 @@ alone, so each rank sorts its own slots: the experts' work falls as 1/P and no t
 its rank. Rows in a rank's own sorted order are sharded, but not by position: their
 placement is a ``Seq`` whose ``order`` is the sort. The rules here place the sort, the picks
 by its indices (this rank's rows), ``grouped_mm`` (its offsets become this rank's cumulated
-counts of its own slots' ids, padding included as its sorted rows include it), the inverse
-permutation (its values this rank's row numbers) and the put-backs (positional again).
+counts of its own slots' ids, padding included as its sorted rows include it), a split by
+the experts' counts (its sizes become this rank's counts, read to the host once per
+dispatch, as the model reads its own), the inverse permutation (its values this rank's row
+numbers) and the put-backs (positional again; a fresh base made at this rank's size).
 ``failed`` checks after inference that every node of a region got the placement it needs
 and that no replicated tensor lines up with its rows; a sort whose region did not hold is
 inferred again as an op with no rule: gathered, exact.
@@ -20,20 +22,23 @@ import dataclasses
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_whole
-from ringify.passes.graph.nodes import call, shape, val
+from ringify.passes.graph.crossings import PassState, Rule, fit_broadcast, fit_whole
+from ringify.passes.graph.nodes import argument, call, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq
 from ringify.passes.graph.report import GatherReason
 from ringify.passes.graph.token_dispatch import (
     GROUPED_MM,
     INDEX_PUTS,
     INVERSE,
+    ROWS,
     SLOTS,
     SORTS,
+    SPLIT,
     TOKENS,
     Dispatch,
     offsets,
 )
+from ringify.passes.sharding.indexing import infer_indexing
 
 aten = torch.ops.aten
 
@@ -118,17 +123,11 @@ def rewrite_grouped_mm(node: fx.Node, out: Seq, state: PassState) -> None:
     offs = offsets(node)
     key = ("offsets", out.order, val(offs).dtype)
     if key not in state._cache:
-        ids, g = out.order.args[0], state.graph
-        with g.inserting_before(out.order):
-            long = call(g, aten._to_copy.default, (ids,), {"dtype": torch.int64})
-            ones = call(g, aten.ones_like.default, (long,))
-            zeros = call(g, aten.zeros.default, ([shape(offs)[0]],),
-                         {"dtype": torch.int64, "device": val(ids).device}, like=ids)  # fmt: skip
-            counts = call(g, aten.scatter_add.default, (zeros, 0, long, ones))
+        counts = _local_counts(out.order, shape(offs)[0], state)
+        with state.graph.inserting_before(out.order):
             state._cache[key] = call(
-                g, aten.cumsum.default, (counts, 0), {"dtype": val(offs).dtype}
+                state.graph, aten.cumsum.default, (counts, 0), {"dtype": val(offs).dtype}
             )
-        state.place.update({long: state.place[ids], ones: state.place[ids]})
     local = state._cache[key]
     if "offs" in node.kwargs:
         node.update_kwarg("offs", local)
@@ -137,15 +136,100 @@ def rewrite_grouped_mm(node: fx.Node, out: Seq, state: PassState) -> None:
     fit_whole(node, out, state)
 
 
+def _local_counts(sort: fx.Node, experts: int, state: PassState) -> fx.Node:
+    """This rank's count of its own slots per expert (int64), computed before ``sort``."""
+    key = ("counts", sort)
+    if key not in state._cache:
+        ids, g = sort.args[0], state.graph
+        with g.inserting_before(sort):
+            long = call(g, aten._to_copy.default, (ids,), {"dtype": torch.int64})
+            ones = call(g, aten.ones_like.default, (long,))
+            zeros = call(g, aten.zeros.default, ([experts],),
+                         {"dtype": torch.int64, "device": val(ids).device}, like=ids)  # fmt: skip
+            state._cache[key] = call(g, aten.scatter_add.default, (zeros, 0, long, ones))
+        state.place.update({long: state.place[ids], ones: state.place[ids]})
+    return state._cache[key]
+
+
+def infer_split(node: fx.Node, place: Placements):
+    """A split along a dispatch's rows by its experts' counts (``token_dispatch``): each
+    piece in the sort's order. Any other split: an indexing op."""
+    p, dim = place[node.args[0]], argument(node, "dim")
+    if not (
+        isinstance(p, Seq)
+        and p.order is not None
+        and norm_dim(dim, len(shape(node.args[0]))) == p.dim
+    ):
+        return infer_indexing(node, place)
+    d = place.dispatches.get(p.order)
+    if d is None or d.kinds.get(node) != ROWS:
+        return Fallback(GatherReason.ALONG_SEQUENCE, "(rows split by another sort's counts)")
+    return [p] * len(val(node))
+
+
+def rewrite_split(node: fx.Node, out, state: PassState) -> None:
+    """The sizes become this rank's counts, read to the host once per dispatch (the model's
+    ``tolist``); the export's checks of the ring's counts are dropped."""
+    p = out[0] if isinstance(out, list) else None
+    if not (isinstance(p, Seq) and p.order is not None and p == state.place[node.args[0]]):
+        return fit_whole(node, out, state)
+    sizes, key = node.args[1], ("sizes", p.order)
+    if key not in state._cache:
+        counts, g = _local_counts(p.order, len(sizes), state), state.graph
+        with g.inserting_before(p.order):
+            host = call(g, aten._to_copy.default, (counts,), {"device": torch.device("cpu")})
+            numbers = []
+            for e, size in enumerate(sizes):
+                count = call(g, aten.select.int, (host, 0, e))
+                numbers.append(g.call_function(aten.item.default, (count,)))
+                numbers[-1].meta["val"] = val(size)  # the model's count, as every value global
+        state._cache[key] = numbers
+    node.update_arg(1, state._cache[key])
+    for size in sizes:
+        _drop_checks(size, state.graph)
+
+
+def _drop_checks(count: fx.Node, graph: fx.Graph) -> None:
+    """Erase export's runtime checks of the ring's ``count`` (``u0 >= 0``, ``Eq(u0 + ... +
+    u3, slots)``: true of the model's counts, never of a rank's) once nothing else reads it:
+    ``split`` checks a rank's own sizes."""
+    chain, pending = [], [count]
+    while pending:
+        for user in pending.pop().users:
+            if user.target is not aten._assert_scalar.default and not _on_numbers(user):
+                return  # read by a computation: left as it is
+            if user not in chain:
+                chain.append(user)
+                pending.append(user)
+    while chain:
+        for node in [n for n in chain if not n.users]:
+            graph.erase_node(node)
+            chain.remove(node)
+
+
+def _on_numbers(node: fx.Node) -> bool:
+    """Arithmetic on Python numbers (``operator.add``, ``operator.ge``, ``torch.sym_sum``)."""
+    module = getattr(node.target, "__module__", None)
+    name = getattr(node.target, "__name__", "")
+    return module == "_operator" or (module == "torch" and name.startswith("sym_"))
+
+
 def infer_combine(node: fx.Node, place: Placements):
-    """A dispatch's scatter back at its tokens: positional again, as the base."""
+    """A dispatch's scatter back at its tokens (or slots): positional again, as the base; a
+    replicated base (``zeros``) that lines up with them is sliced, made at a rank's size."""
     named = str(node.target) == "torchtitan.deterministic_scatter_add.default"
     base, index, src = node.args[:3] if named else (node.args[0], *node.args[2:4])
     p = place[index]
     d = place.dispatches.get(getattr(p, "order", None))
-    if d is None or place[src] != p or place[base] != _token_rows(d.sort, place):
+    if d is None or place[src] != p:
         return Fallback(GatherReason.ALONG_SEQUENCE, "(a scatter along the sequence)")
-    return place[base]
+    want = _token_rows(d.sort, place) if d.kinds.get(index) == TOKENS else place[d.sort.args[0]]
+    rows = shape(d.sort.args[0])[0] // (d.top_k if d.kinds.get(index) == TOKENS else 1)
+    if place[base] == want or (not place.sharded(base) and shape(base)[0] == rows):
+        if not place.sharded(base):
+            place.meetings.append((base, want))
+        return want
+    return Fallback(GatherReason.ALONG_SEQUENCE, "(a scatter along the sequence)")
 
 
 def infer_inverse(node: fx.Node, place: Placements):
@@ -172,9 +256,10 @@ def rewrite_inverse(node: fx.Node, out: Seq, state: PassState) -> None:
 
 NAMED = {
     **dict.fromkeys(GROUPED_MM, Rule(infer_grouped_mm, rewrite_grouped_mm)),
-    "torchtitan.deterministic_scatter_add.default": Rule(infer_combine, as_it_is),
+    "torchtitan.deterministic_scatter_add.default": Rule(infer_combine, fit_broadcast),
 }
 RULES = {
-    aten.index_add.default: Rule(infer_combine, as_it_is),
+    aten.index_add.default: Rule(infer_combine, fit_broadcast),
+    SPLIT: Rule(infer_split, rewrite_split),
     **dict.fromkeys(INDEX_PUTS, Rule(infer_inverse, rewrite_inverse)),
 }

@@ -202,8 +202,9 @@ def rewrite_scatter(node, out: Seq, state: PassState) -> None:
 
 
 RULES = {
-    **dict.fromkeys(
-        INDEXING.keys() - {aten.select.int, aten.slice.Tensor}, Rule(infer_indexing, fit_whole)
+    **dict.fromkeys(  # (a split by an MoE's counts: ``dispatch.py``)
+        INDEXING.keys() - {aten.select.int, aten.slice.Tensor, aten.split_with_sizes.default},
+        Rule(infer_indexing, fit_whole),
     ),
     **dict.fromkeys((aten.select.int, aten.slice.Tensor), Rule(infer_indexing, rewrite_indexing)),
     aten.index_select.default: Rule(infer_index_select, rewrite_indexing),

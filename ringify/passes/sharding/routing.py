@@ -26,7 +26,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from ringify.passes.graph.crossings import PassState, Rule, as_it_is
+from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadcast
 from ringify.passes.graph.nodes import argument, call, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
@@ -207,15 +207,19 @@ def rewrite_draw(node: fx.Node, out: Seq, state: PassState) -> None:
 
 def infer_scatter_off_sequence(node, place: Placements):
     """``scatter(x, dim, ids, value or src)`` off the sequence, all sharded alike: local (the
-    group masks of DeepSeek's routing)."""
+    group masks of DeepSeek's routing); a replicated ``x`` that lines up (JetMoE's one-hot
+    mark of ``zeros``) is sliced."""
     x, dim, ids = node.args[:3]
     src = node.args[3] if len(node.args) > 3 else None
     others = [a for a in (ids, src) if isinstance(a, fx.Node)]
-    if not place.sharded(x) or any(place[a] != place[x] for a in others):
+    if not place.sharded(ids) or any(place[a] != place[ids] for a in others):
         return Fallback(GatherReason.MIXED_DIMS)
-    if norm_dim(dim, len(shape(x))) == place[x].dim:
+    p = place[ids]
+    if norm_dim(dim, len(shape(x))) == p.dim:
         return Fallback(GatherReason.ALONG_SEQUENCE)
-    return place[x]
+    if place.sharded(x):
+        return p if place[x] == p else Fallback(GatherReason.MIXED_DIMS)
+    return place.line_up(node, [x], p)
 
 
 def infer_scatter_add(node, place: Placements):
@@ -238,7 +242,7 @@ def rewrite_scatter_add(node: fx.Node, out, state: PassState) -> None:
     """Off the sequence: local. Along it: this rank's tokens (padding adding 0) scattered
     into zeros, the ring's sums added to the base."""
     if out is not None:
-        return
+        return fit_broadcast(node, out, state)  # (a dispatch's fresh base, sliced)
     base, dim, ids, src = node.args[:4]
     g = state.graph
     with g.inserting_before(node):
@@ -264,7 +268,7 @@ RULES = {
     aten.histc.default: Rule(infer_histc, rewrite_histc),
     aten.bincount.default: Rule(infer_bincount, rewrite_bincount),
     aten.scatter_add.default: Rule(infer_scatter_add, rewrite_scatter_add),
-    **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, as_it_is)),
+    **dict.fromkeys(SCATTERS, Rule(infer_scatter_off_sequence, fit_broadcast)),
     **dict.fromkeys(LIKE, Rule(infer_like, as_it_is)),
     **dict.fromkeys(DRAWS, Rule(infer_draw, rewrite_draw)),
 }
