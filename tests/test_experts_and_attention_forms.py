@@ -226,12 +226,12 @@ def test_experts_one_by_one_over_rows_split_by_counts(ranks, world, length):
 class _ExpertsOneByOne(AttendedRouter):
     """Attention, then ScatterMoE-style experts written small: the slots sorted by expert,
     split by each expert's count (a ``histc`` of the ids, read with ``tolist``), one product
-    per expert, the pieces put together in expert order or (``reversed``) not, and added
-    back at their tokens."""
+    per expert, the pieces put together (``order``: in expert order, reversed, or in order
+    by two ``cat``s in a ``cat``), and added back at their tokens."""
 
-    def __init__(self, reverse: bool):
+    def __init__(self, order: str):
         super().__init__()
-        self.reverse = reverse
+        self.order = order
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -242,15 +242,19 @@ class _ExpertsOneByOne(AttendedRouter):
         counts = torch.histc(ids.flatten().double(), bins=4, min=0, max=3)
         pieces = rows.split(counts.long().tolist())
         outs = [piece @ self.experts[e] for e, piece in enumerate(pieces)]
-        out = torch.cat(outs[::-1] if self.reverse else outs) * gates.flatten()[perm, None]
+        if self.order == "nested":
+            out = torch.cat([torch.cat(outs[:2]), torch.cat(outs[2:])])
+        else:
+            out = torch.cat(outs[::-1] if self.order == "reversed" else outs)
+        out = out * gates.flatten()[perm, None]
         return torch.zeros_like(y).index_add(0, perm // 2, out).view(b, s, 8)
 
 
-def experts_one_by_one(reverse: bool) -> dict:
+def experts_one_by_one(order: str) -> dict:
     from ringify import ringify
 
     torch.manual_seed(0)
-    model = _ExpertsOneByOne(reverse).double()
+    model = _ExpertsOneByOne(order).double()
     x = torch.randn(2, 12, 8, dtype=torch.float64)
 
     def run(fn):
@@ -267,14 +271,15 @@ def experts_one_by_one(reverse: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_pieces_put_together_out_of_order_are_gathered(ranks, reverse):
+@pytest.mark.parametrize("order", ["in order", "reversed", "nested"])
+def test_pieces_put_together_out_of_order_are_gathered(ranks, order):
     """The region holds only where the pieces come back in expert order: the rows are then
-    in the sort's order again. Out of order (a model's choice, whatever it means) the sort is
-    gathered and the result is still the unmodified model's."""
-    for r in ranks(2).run(experts_one_by_one, reverse, timeout=600):
+    in the sort's order again. Out of order (a model's choice, whatever it means), or by a
+    form the region does not read (a ``cat`` of ``cat``s), the sort is gathered and the
+    result is still the unmodified model's."""
+    for r in ranks(2).run(experts_one_by_one, order, timeout=600):
         assert r["worst"] < 1e-12, r
-        assert ("aten.argsort.default" in r["gathers"]) == reverse, r
+        assert ("aten.argsort.default" in r["gathers"]) == (order != "in order"), r
 
 
 def sampled_routing() -> str | None:

@@ -232,10 +232,8 @@ def _combine_ok(node: fx.Node, kinds: dict) -> bool:
 
 def _along_rows(node: fx.Node) -> bool:
     """A split or cat along dim 0, the rows'."""
-    dim = argument(node, "dim")
-    return (
-        dim % len(shape(node.args[0][0] if node.target is aten.cat.default else node.args[0])) == 0
-    )
+    source = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+    return argument(node, "dim") % len(shape(source)) == 0
 
 
 def _split_by_counts(split: fx.Node, ids: fx.Node) -> bool:
@@ -244,9 +242,8 @@ def _split_by_counts(split: fx.Node, ids: fx.Node) -> bool:
     sizes, topk = split.args[1], _topk(ids)
     if not all(isinstance(s, fx.Node) and s.target in ITEMS for s in sizes):
         return False
-    picked = [
-        s.args[0] for s in sizes
-    ]  # counts[e]: ``unbind(counts)[e]``, ``select(counts, 0, e)``
+    # counts[e]: ``unbind(counts)[e]`` or ``select(counts, 0, e)``
+    picked = [s.args[0] for s in sizes]
     if not all(
         (p.target is operator.getitem and p.args[0].target is aten.unbind.int)
         or (p.target is aten.select.int and p.args[1] == 0)
@@ -264,13 +261,18 @@ def _in_order(cat: fx.Node, kinds: dict) -> bool:
     (each piece through row-wise work alone): the rows in the sort's order again."""
     pieces = []
     for x in cat.args[0]:
-        while kinds.get(x) == ROWS and not (
-            x.target is operator.getitem and getattr(x.args[0], "target", None) is SPLIT
-        ):
+        while isinstance(x, fx.Node) and kinds.get(x) == ROWS and not _piece(x):
             x = x.args[0]
-        pieces.append((x.args[0], x.args[1]) if kinds.get(x) == ROWS else None)
+        pieces.append(_piece(x) if isinstance(x, fx.Node) and kinds.get(x) == ROWS else None)
     split = pieces[0][0] if pieces[0] else None
     return split is not None and pieces == [(split, i) for i in range(len(split.args[1]))]
+
+
+def _piece(node: fx.Node):
+    """``(split, i)`` where ``node`` is piece ``i`` of a split along the rows, else ``None``."""
+    source = node.args[0] if node.target is operator.getitem else None
+    along = getattr(source, "target", None) is SPLIT and _along_rows(source)
+    return (source, node.args[1]) if along else None
 
 
 def _floor_divided_by(user: fx.Node, node: fx.Node):
