@@ -151,15 +151,18 @@ def _local_counts(sort: fx.Node, experts: int, state: PassState) -> fx.Node:
     return state._cache[key]
 
 
+def _splits_rows(node: fx.Node, p) -> bool:
+    """Whether a split of a value placed ``p`` cuts a dispatch's rows: along them, in a
+    sort's order (any other split is an indexing op)."""
+    dim = norm_dim(argument(node, "dim"), len(shape(node.args[0])))
+    return isinstance(p, Seq) and p.order is not None and dim == p.dim
+
+
 def infer_split(node: fx.Node, place: Placements):
     """A split along a dispatch's rows by its experts' counts (``token_dispatch``): each
     piece in the sort's order. Any other split: an indexing op."""
-    p, dim = place[node.args[0]], argument(node, "dim")
-    if not (
-        isinstance(p, Seq)
-        and p.order is not None
-        and norm_dim(dim, len(shape(node.args[0]))) == p.dim
-    ):
+    p = place[node.args[0]]
+    if not _splits_rows(node, p):
         return infer_indexing(node, place)
     d = place.dispatches.get(p.order)
     if d is None or d.kinds.get(node) != ROWS:
@@ -170,8 +173,8 @@ def infer_split(node: fx.Node, place: Placements):
 def rewrite_split(node: fx.Node, out, state: PassState) -> None:
     """The sizes become this rank's counts, read to the host once per dispatch (the model's
     ``tolist``); the export's checks of the ring's counts are dropped."""
-    p = out[0] if isinstance(out, list) else None
-    if not (isinstance(p, Seq) and p.order is not None and p == state.place[node.args[0]]):
+    p = state.place[node.args[0]]
+    if not _splits_rows(node, p):
         return fit_whole(node, out, state)
     sizes, key = node.args[1], ("sizes", p.order)
     if key not in state._cache:
@@ -223,11 +226,12 @@ def infer_combine(node: fx.Node, place: Placements):
     d = place.dispatches.get(getattr(p, "order", None))
     if d is None or place[src] != p:
         return Fallback(GatherReason.ALONG_SEQUENCE, "(a scatter along the sequence)")
-    want = _token_rows(d.sort, place) if d.kinds.get(index) == TOKENS else place[d.sort.args[0]]
-    rows = shape(d.sort.args[0])[0] // (d.top_k if d.kinds.get(index) == TOKENS else 1)
-    if place[base] == want or (not place.sharded(base) and shape(base)[0] == rows):
-        if not place.sharded(base):
-            place.meetings.append((base, want))
+    tokens = d.kinds.get(index) == TOKENS
+    want = _token_rows(d.sort, place) if tokens else place[d.sort.args[0]]
+    if place[base] == want:
+        return want
+    if not place.sharded(base) and shape(base)[0] == shape(index)[0] // (d.top_k if tokens else 1):
+        place.meetings.append((base, want))  # a fresh base, made at this rank's size
         return want
     return Fallback(GatherReason.ALONG_SEQUENCE, "(a scatter along the sequence)")
 
