@@ -195,6 +195,8 @@ def finish(done: Rewritten, model: nn.Module, config: Config, outer: nn.Module |
             gather.reason.value,
             gather.detail,
         )
+    if report.run_whole_note:  # a cost like a gather's: each runs P times
+        log.warning("ringify: %s", report.run_whole_note)
     log.info("ringify: traced a new input signature\n%s", report)
     return Traced(
         module,

@@ -17,7 +17,9 @@ from torch import nn
 
 from ringify import ringify
 from ringify.passes.folds.handwritten import UNREAD_NOTE, fold_handwritten_attention
+from ringify.passes.folds.spellings import fold_synonyms
 from ringify.passes.graph.report import AttentionRun, GatherReason
+from ringify.runtime.attention import reference
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import rounding
 
@@ -39,6 +41,36 @@ class SelfAttention(nn.Module):
         y = self.norm(x)
         out, weights = self.attention(y, y, y, attn_mask=mask)
         return (x + out, weights) if self.return_weights else (x + out,)
+
+
+class Spelled(nn.Module):
+    """Three layers of causal attention by hand, each spelling the keys' transpose its own
+    way: ``k.mT``; einsum over (batch, seq, heads, dim) with no transpose at all; ``permute``
+    under a tanh soft cap (Gemma 2's)."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(3))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        for i, qkv in enumerate(self.qkv):
+            q, k, v = qkv(x).view(b, s, 3, self.heads, -1).unbind(2)  # (b, s, h, e)
+            scale = q.shape[-1] ** -0.5
+            if i == 1:
+                scores = torch.einsum("bihe,bjhe->bhij", q, k) * scale
+            else:
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+                keys = k.mT if i == 0 else k.permute(0, 1, 3, 2)
+                scores = q @ keys * scale
+            if i == 2:
+                scores = torch.tanh(scores / 5.0) * 5.0
+            p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            y = torch.einsum("bhij,bjhe->bihe", p, v) if i == 1 else (p @ v).transpose(1, 2)
+            x = x + y.reshape(b, s, d)
+        return (x,)
 
 
 def _case(name: str, length: int):
@@ -67,6 +99,8 @@ def _case(name: str, length: int):
     if name == "nanogpt":
         model = models.NanoGPT(attend=models.AttentionByHand())
         return model, (ids, ids), {}, None
+    if name == "spelled":
+        return Spelled(), (torch.randn(2, length, 16, generator=g, dtype=torch.float64),), {}, None
     if name == "mha_discarded":  # the weights computed (need_weights=True), then dropped
         x = torch.randn(2, length, 32, generator=g, dtype=torch.float64)
         return SelfAttention(return_weights=False), (x, None), {}, None
@@ -149,6 +183,16 @@ def test_matches_unmodified_model_without_gathers(ranks, world, name, length):
         assert _matches(r), r
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_spellings_of_the_keys_transpose(ranks, world):
+    """``k.mT``, an einsum with no transpose, ``permute`` under a soft cap: each a ring."""
+    for r in ranks(world).run(compare, "spelled", 6 * world):
+        assert r["runs"] == [AttentionRun.RING] * 3, r
+        assert r["forms"] == ["by hand"] * 2 + ["by hand, soft-capped"], r["forms"]
+        assert r["gathers"] == [], r["gathers"]
+        assert _matches(r), r
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(("name", "attentions"), [("mha", 1), ("gpt2_attentions", 2)])
 def test_weights_are_an_output(ranks, world, name, attentions):
@@ -187,9 +231,11 @@ class _Function(nn.Module):
 
 
 def _fold(fn, *shapes, dtype=torch.float64):
-    """The exported graph of ``fn`` on inputs of ``shapes``, after the fold; how many it folded."""
+    """The exported graph of ``fn`` on inputs of ``shapes``, after the fold (and the one of
+    spellings before it, as the pipeline runs them); how many it folded."""
     inputs = [torch.randn(s, dtype=dtype) for s in shapes]
     gm = torch.export.export(_Function(fn), tuple(inputs), strict=False).module()
+    fold_synonyms(gm)
     return gm, inputs, fold_handwritten_attention(gm)
 
 
@@ -244,6 +290,47 @@ SPELLINGS = {
             "bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q, k).mul(0.5).softmax(-1), v
         ),
         lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    # the same transpose of the keys, as models spell it
+    "k.mT": (
+        lambda q, k, v: torch.softmax(q @ k.mT * 0.5, -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "k.swapaxes": (
+        lambda q, k, v: torch.softmax(q @ k.swapaxes(-1, -2) * 0.5, -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "k.permute": (
+        lambda q, k, v: torch.softmax(q @ k.permute(0, 1, 3, 2) * 0.5, -1) @ v,
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "einsum of the keys transposed": (
+        lambda q, k, v: torch.einsum(
+            "bhij,bhjd->bhid", torch.einsum("bhid,bhdj->bhij", q, k.mT).mul(0.5).softmax(-1), v
+        ),
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "einsum in (batch, seq, heads, dim)": (
+        lambda q, k, v: torch.einsum(
+            "bhij,bjhd->bihd",
+            torch.einsum("bihd,bjhd->bhij", q.transpose(1, 2), k.transpose(1, 2))
+            .mul(0.5)
+            .softmax(-1),
+            v.transpose(1, 2),
+        ).transpose(1, 2),
+        lambda q, k, v: sdpa(q, k, v, scale=0.5),
+    ),
+    "soft cap, k.mT": (
+        lambda q, k, v: torch.softmax(torch.tanh(q @ k.mT * 0.5 / 3.0) * 3.0, -1) @ v,
+        lambda q, k, v: reference.attention(q, k, v, scale=0.5, softcap=3.0),
+    ),
+    "soft cap, einsum": (
+        lambda q, k, v: torch.einsum(
+            "bhij,bhjd->bhid",
+            (torch.tanh(torch.einsum("bhid,bhjd->bhij", q, k) * 0.5 / 3.0) * 3.0).softmax(-1),
+            v,
+        ),
+        lambda q, k, v: reference.attention(q, k, v, scale=0.5, softcap=3.0),
     ),
     "3-D bmm": (
         lambda q, k, v: torch.bmm(

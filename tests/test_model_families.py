@@ -114,6 +114,8 @@ def compare(name: str, length: int, backend: str | None = None, strategy="ring")
         "runs": [a.run for a in report.attentions],
         "gathers": [(x.node, x.reason) for x in report.gathers],
         "births": report.births,
+        "run_whole": [a.run for a in report.run_whole],
+        "whole_share": report.whole_flops_share,
     }
 
 
@@ -200,9 +202,13 @@ def test_seq2seq_with_a_shorter_decoder(ranks, world, backend):
     """T5, the labels half as long as the input: the ring splits the encoder's sequence (its
     self-attentions are rings, their learned position bias included); the decoder's
     self-attentions run whole (another sequence), its cross-attentions merge each rank's
-    part of the encoder over the ring."""
+    part of the encoder over the ring. The summary counts the decoder's replicated
+    self-attentions like gathers: 8 x 8 positions beside the rings' 16 x 16 and the
+    cross-attentions' 8 x 16 (heads alike), 1/7 of the attention FLOPs."""
     for r in ranks(world).run(compare, "t5", 16, backend):
         assert r["runs"] == [RING, RING, REPLICATED, MEMORY, REPLICATED, MEMORY]
         assert r["gathers"] == []
+        assert r["run_whole"] == [REPLICATED, REPLICATED]
+        assert r["whole_share"] == pytest.approx(1 / 7)
         for kind in ("out", "grads", "inputs"):
             assert r[kind] <= TOL, (kind, r)

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from rule_graphs import S, check_inferred, infer, node_of, targets_after, x3
 
-from ringify.passes.graph.crossings import PassState
-from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
-from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.crossings import PassState, Rule, as_it_is
+from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry, view_placement
+from ringify.passes.graph.report import STRICT, GatherReason
+from ringify.passes.sharding import rules
 from ringify.runtime.collectives.reduce import copy_to_ring
 
 aten = torch.ops.aten
@@ -420,3 +421,23 @@ def test_state_crossings_are_inserted_once():
     assert state.slice(p, Seq(0), 0) is state.slice(p, Seq(0), 0)
     assert state.copy_to_ring(p) is state.copy_to_ring(p)
     assert state.place[state.slice(p, Seq(0), 0)] == Seq(0)
+
+
+def test_a_rule_that_raises_is_ringifys_defect(monkeypatch):
+    """A rule that raises is a bug in ringify, not a property of the model: the suite (strict
+    mode, set in conftest) fails on it; a user's pass gathers the op (exact) and reports it
+    as ringify's defect, naming the op and the error."""
+
+    def broken(node, place):
+        raise KeyError("a slip in the rule")
+
+    monkeypatch.setitem(rules.RULES, aten.exp.default, Rule(broken, as_it_is))
+    fn, inputs = (lambda x: x.exp() + 1), (x3(2, S, 4),)
+    with pytest.raises(RuntimeError) as raised:
+        infer(fn, inputs, 1)
+    assert isinstance(raised.value.__cause__, KeyError)
+    monkeypatch.setenv(STRICT, "0")
+    graph, _, _, inference = infer(fn, inputs, 1)
+    decided = inference.decisions[node_of(graph, aten.exp.default)]
+    assert isinstance(decided, Fallback) and decided.reason is GatherReason.RULE_FAILED
+    assert "aten.exp.default" in decided.detail and "KeyError" in decided.detail

@@ -20,6 +20,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from ringify.passes.graph.nodes import val
+from ringify.passes.graph.report import strict
 
 log = logging.getLogger("ringify")
 
@@ -34,6 +35,8 @@ def record_local_values(gm: fx.GraphModule, inputs: list) -> None:
         with mode:
             _Recorder(gm).run(*fakes)
     except Exception as e:  # the graph still runs: only its metadata is incomplete
+        if strict():  # the suite and ringify.check: a rank's graph that fails
+            raise  # on fake tensors is a defect of the rewrite until shown otherwise
         log.warning(
             "ringify: could not record every node's value on a rank (%s: %s); later FX "
             "passes may find nodes without meta['val']",

@@ -86,9 +86,13 @@ def _fold(graph: fx.Graph, softmax: fx.Node) -> fx.Node:
         raise _NotAttention("the softmax is not over the last dim")
     scores = _Scores(softmax.args[0])
     chain, dropout_p, product = _probabilities(softmax, scores)
-    q, k, v = scores.q, scores.k, _times(product)[1]
-    _check_operands(q, k, v)
+    v, v_order, out_order = _v_of(product)
+    operands = ((scores.q, scores.q_order), (scores.k, scores.k_order), (v, v_order))
+    _check_operands(*(_laid_out(shape(x), order) for x, order in operands))
+    if len({val(x).dtype for x, _ in operands}) != 1:
+        raise _NotAttention("q, k and v have different dtypes")
     with graph.inserting_before(product):
+        q, k, v = (_permuted(graph, x, order) for x, order in operands)
         mask = scores.sdpa_mask(graph)
         q4, k4, v4 = (scores.four_dims(graph, x) for x in (q, k, v))
         kwargs = {"attn_mask": mask, "dropout_p": dropout_p, "scale": scores.scale}
@@ -97,7 +101,8 @@ def _fold(graph: fx.Graph, softmax: fx.Node) -> fx.Node:
         else:
             kwargs |= {"sinks": scores.sinks, "softcap": scores.softcap}
             attention = call(graph, reference_attention, (q4, k4, v4), kwargs)
-        out = scores.as_written(graph, attention, shape(product))
+        out = scores.as_written(graph, attention, _laid_out(shape(product), _inverse(out_order)))
+        out = _permuted(graph, out, out_order)
     escaped = any(u not in chain and u is not product for x in chain for u in uses(x))
     form = (
         "by hand"
@@ -115,6 +120,7 @@ class _Scores:
 
     def __init__(self, x: fx.Node):
         self.scale, self.masks = 1.0, []  # masks: ("add" | "hide" | "keep", node, fill)
+        self.q_order = self.k_order = None  # an einsum's q and k dims in SDPA's order
         self.sinks, self.softcap = None, 0.0
         self.heads: list | None = None  # (B, H) where (B * H, S, S) scores are viewed 4-D
         while True:
@@ -154,8 +160,10 @@ class _Scores:
             elif target in PRODUCTS:
                 self._read_product(*x.args[:2])
                 break
-            elif einsum(x) == "qk":  # einsum("bhid,bhjd->bhij", q, k): k not transposed
+            elif (e := einsum(x)) is not None and e.scores:  # "bhid,bhjd->bhij", any order
                 self.q, self.k = (self._unscaled(f) for f in x.args[1])
+                self.q_order = e.order(e.a, e.batch + e.i + e.c)
+                self.k_order = e.order(e.b, e.batch + e.j + e.c)
                 break
             else:
                 raise _NotAttention(f"the scores come from {target}, not a product of q and k")
@@ -280,24 +288,47 @@ def _passes_probabilities(node: fx.Node, scores: _Scores, sink_dropped: bool) ->
     return False
 
 
-def _check_operands(q: fx.Node, k: fx.Node, v: fx.Node) -> None:
-    """q (..., L, E), k (..., S, E) and v (..., S, Ev) with the same leading dims and dtype,
-    as SDPA takes them (the product broadcasts; SDPA's kernels do not)."""
-    qs, ks, vs = (shape(x) for x in (q, k, v))
+def _check_operands(qs: list, ks: list, vs: list) -> None:
+    """q (..., L, E), k (..., S, E) and v (..., S, Ev) with the same leading dims, as SDPA
+    takes them (the product broadcasts; SDPA's kernels do not)."""
     if not (len(qs) == len(ks) == len(vs) and len(qs) in (3, 4)):
         raise _NotAttention("q, k and v are not all 3-D or all 4-D")
     if qs[:-2] != ks[:-2] or ks[:-1] != vs[:-1] or qs[-1] != ks[-1]:
         raise _NotAttention(f"q {qs}, k {ks} and v {vs} do not line up without broadcasting")
-    if len({val(x).dtype for x in (q, k, v)}) != 1:
-        raise _NotAttention("q, k and v have different dtypes")
 
 
 def _times(node: fx.Node) -> tuple | None:
     """``(probabilities, v)`` if ``node`` multiplies them (``matmul``, ``bmm``, or an einsum
-    of the form "bhij,bhjd->bhid"), else None."""
+    whose first operand is laid out (batch, i, j): "bhij,bhjd->bhid", v and the result in any
+    order), else None."""
     if node.target in PRODUCTS:
         return tuple(node.args[:2])
-    return tuple(node.args[1]) if einsum(node) == "pv" else None
+    e = einsum(node)
+    if e is None or e.order(e.a, e.batch + e.i + e.c) is not None:
+        return None
+    return tuple(node.args[1])
+
+
+def _v_of(product: fx.Node) -> tuple:
+    """``(v, v's dims in SDPA's order, the result's dims in the product's order)`` (orders:
+    None where they are SDPA's already)."""
+    v = _times(product)[1]
+    e = einsum(product)
+    if e is None:
+        return v, None, None
+    return v, e.order(e.b, e.batch + e.c + e.j), e.order(e.batch + e.i + e.j, e.out)
+
+
+def _laid_out(sizes: list, order: list[int] | None) -> list:
+    return list(sizes) if order is None else [sizes[d] for d in order]
+
+
+def _inverse(order: list[int] | None) -> list[int] | None:
+    return None if order is None else sorted(range(len(order)), key=order.__getitem__)
+
+
+def _permuted(graph: fx.Graph, x: fx.Node, order: list[int] | None) -> fx.Node:
+    return x if order is None else call(graph, aten.permute.default, (x, order))
 
 
 def _fill(arg, node: fx.Node) -> float:

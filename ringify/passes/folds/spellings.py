@@ -10,6 +10,10 @@ and folds read:
 
 - ``concat`` and ``concatenate`` (Zamba joins its hidden states with ``torch.concatenate``)
   are ``cat``.
+- Transposes spelled as their own ops (``k.mT``, ``mH`` and ``adjoint`` of a real tensor,
+  ``swapaxes``, ``swapdims``, ``.T``, ``movedim``) are ``transpose`` or ``permute``: hand-
+  written attention reads ``q @ k.mT`` as it reads ``q @ k.transpose(-2, -1)``, and the
+  rules move the sequence through one op where it would otherwise have none.
 - Ops that take their sizes from another tensor (``expand_as``, ``view_as``, ``reshape_as``)
   become the ops that name them (``expand``, ``reshape``). The other tensor is read for its
   shape alone; as an argument it would tie the result's placement to it. With the sizes
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -35,10 +40,35 @@ CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
 WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 
 
-def einsum(node: fx.Node) -> str | None:
-    """ "qk" for an einsum of q (..., i, d) and k (..., j, d) into (..., i, j); "pv" for one
-    of p (..., i, j) and v (..., j, d) into (..., i, d); the batch letters the same, in the
-    same order, one or two of them. Else None."""
+@dataclass(frozen=True)
+class Einsum:
+    """A two-operand einsum that is a batched product: ``a`` (batch, ``i``, ``c``) times ``b``
+    (batch, ``c``, ``j``) into (batch, ``i``, ``j``), each term's letters in any order; the
+    batch (one or two letters) in the output's order."""
+
+    a: str
+    b: str
+    out: str
+    batch: str
+    i: str
+    c: str
+    j: str
+
+    @property
+    def scores(self) -> bool:
+        """The output is (batch, i, j) as SDPA's scores are: q's rows by k's."""
+        return self.out == self.batch + self.i + self.j
+
+    def order(self, term: str, letters: str) -> list[int] | None:
+        """The permutation that lays ``term``'s dims out as ``letters`` (None: as they are)."""
+        order = [term.index(x) for x in letters]
+        return None if order == sorted(order) else order
+
+
+def einsum(node: fx.Node) -> Einsum | None:
+    """``node`` as a batched product (``Einsum``), else None. q times k is the ``scores``
+    form (k's letters (batch, j, c) or (batch, c, j): k or its transpose); probabilities
+    times v take p as (batch, i, c), v and the output in any order."""
     if node.target is not aten.einsum.default or len(node.args[1]) != 2:
         return None
     equation = node.args[0].replace(" ", "")
@@ -46,17 +76,21 @@ def einsum(node: fx.Node) -> str | None:
         return None
     inputs, out = equation.split("->")
     a, b = inputs.split(",")
-    batch = out[:-2]
-    if len(batch) not in (1, 2) or not (a[:-2] == b[:-2] == batch) or len(a) != len(out):
+    if any(len(set(t)) != len(t) for t in (a, b, out)):
+        return None  # a diagonal
+    batch = "".join(x for x in out if x in a and x in b)
+    i, j = set(a) & set(out) - set(b), set(b) & set(out) - set(a)
+    c = set(a) & set(b) - set(out)
+    if len(batch) not in (1, 2) or not (len(i) == len(j) == len(c) == 1):
         return None
-    (a1, a2), (b1, b2), (o1, o2) = a[-2:], b[-2:], out[-2:]
-    if len({*batch, a1, a2, b1, b2, o1, o2}) != len(batch) + 3:
-        return None  # three distinct letters besides the batch's
-    if a2 == b2 and (o1, o2) == (a1, b1):
-        return "qk"
-    if a2 == b1 and (o1, o2) == (a1, b2):
-        return "pv"
-    return None
+    if len(a) != len(batch) + 2 or len(b) != len(batch) + 2 or len(out) != len(batch) + 2:
+        return None  # a letter summed over in one operand alone
+    return Einsum(a, b, out, batch, i.pop(), c.pop(), j.pop())
+
+
+def _scores_einsum(x: fx.Node) -> bool:
+    e = einsum(x)
+    return e is not None and e.scores
 
 
 def skip_casts(x: fx.Node) -> fx.Node:
@@ -90,7 +124,7 @@ def reaches_product(x, depth: int = 8) -> bool:
     for _ in range(depth):
         if not isinstance(x, fx.Node) or x.op != "call_function":
             return False
-        if x.target in PRODUCTS or x.target is aten.baddbmm.default or einsum(x) == "qk":
+        if x.target in PRODUCTS or x.target is aten.baddbmm.default or _scores_einsum(x):
             return True
         x = x.args[1] if x.target in WHERES else x.args[0]
     return False
@@ -162,6 +196,37 @@ _AS = {
 }
 
 
+_LAST_TWO = frozenset({aten.mT.default, aten.mH.default, aten.adjoint.default})
+_SWAPS = frozenset({aten.swapaxes.default, aten.swapdims.default})
+
+
+def _as_transpose(node: fx.Node) -> tuple | None:
+    """``(target, args)`` of ``transpose``/``permute`` for a transpose spelled otherwise (a
+    conjugating one of a real tensor only), else None."""
+    x = node.args[0] if node.args else None
+    if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor):
+        return None
+    ndim, real = val(x).dim(), not val(x).is_complex()
+    if node.target in _LAST_TWO and ndim >= 2 and (real or node.target is aten.mT.default):
+        return aten.transpose.int, (x, ndim - 2, ndim - 1)
+    if node.target is aten.matrix_H.default and real:
+        return aten.transpose.int, (x, 0, 1)
+    if node.target in _SWAPS:
+        return aten.transpose.int, (x, *node.args[1:3])
+    if node.target is aten.numpy_T.default:
+        return aten.permute.default, (x, list(reversed(range(ndim))))
+    if node.target in (aten.movedim.int, aten.movedim.intlist):
+        sources, targets = node.args[1:3]
+        sources = [sources] if isinstance(sources, int) else sources
+        targets = [targets] if isinstance(targets, int) else targets
+        order = [None] * ndim
+        for s, t in zip(sources, targets, strict=True):
+            order[t % ndim] = s % ndim
+        rest = iter(d for d in range(ndim) if d not in {s % ndim for s in sources})
+        return aten.permute.default, (x, [d if d is not None else next(rest) for d in order])
+    return None
+
+
 def fold_synonyms(gm: fx.GraphModule) -> int:
     """Rewrite each op above in its one spelling, in place; how many."""
     folded = 0
@@ -171,4 +236,7 @@ def fold_synonyms(gm: fx.GraphModule) -> int:
         elif node.target in _AS:
             x, other = node.args[:2]
             node.target, node.args = _AS[node.target], (x, shape(other))
+            folded += 1
+        elif (spelled := _as_transpose(node)) is not None:
+            (node.target, node.args), node.kwargs = spelled, {}
             folded += 1

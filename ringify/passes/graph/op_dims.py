@@ -56,6 +56,13 @@ _ALONG = frozenset({
     aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
     aten.cumsum.default,
 })  # fmt: skip
+# ops that read across a dim but keep every index of every dim where it was (scans, masks)
+_IN_PLACE = _ALONG | {
+    aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default,
+    aten.tril.default, aten.triu.default,
+}  # fmt: skip
+_TOTALS = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
+DROPPED = "dropped"  # ``kept_dim``: the op reduces the dim or selects along it
 
 
 def result_dim(node: fx.Node, d: int, nd: int) -> int | None:
@@ -63,6 +70,21 @@ def result_dim(node: fx.Node, d: int, nd: int) -> int | None:
     None (the op reads across it, drops it, or is not in the table)."""
     dim_map = DIM_MAPS.get(node.target)
     return None if dim_map is None else dim_map(node, d, nd)
+
+
+def kept_dim(node: fx.Node, d: int, nd: int) -> int | str | None:
+    """Where dim ``d`` of ``node``'s first input lies in its result, whether or not the op
+    reads across it (a softmax along it keeps it in place, where ``result_dim`` says None);
+    ``DROPPED`` where the op reduces it or selects one element of it; None where the table
+    cannot tell (a view that splits it, a slice, an op it lacks)."""
+    landed = result_dim(node, d, nd)
+    if landed is not None:
+        return landed
+    if node.target in _IN_PLACE:
+        return d
+    if node.target in _REDUCTIONS | _TOTALS or node.target is aten.select.int:
+        return DROPPED
+    return None
 
 
 def view_dim(before: list, after: list, d: int) -> int | None:

@@ -7,12 +7,22 @@ their values are the prose the tables print.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, fields
 
 from tabulate import tabulate
 
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.heads import Transport
+
+STRICT = "RINGIFY_STRICT"  # =1: the test suite and ringify.check
+
+
+def strict() -> bool:
+    """Whether a defect of ringify's own (a rule that raised, a rewritten graph that fails on
+    fake tensors) raises, as the suite and ``ringify.check`` ask, instead of being gathered
+    (exact) and reported as a defect."""
+    return os.environ.get(STRICT) == "1"
 
 
 class MaskKind(enum.Enum):
@@ -34,6 +44,10 @@ class AttentionRun(enum.Enum):
 class GatherReason(enum.Enum):
     NO_RULE = "no sequence-sharding rule"
     UNREADABLE = "could not read its arguments"
+    RULE_FAILED = (
+        "ringify's rule for this op raised: a defect in ringify, not in the model (exact, "
+        "gathered); please report it with the op and the error"
+    )
     FEATURE_DIM = "the sequence is a feature dim"
     PRODUCT = "a product over the sequence"
     WHOLE_FACTOR = "a product's second factor, sharded along its columns: used whole"
@@ -75,6 +89,7 @@ class ReportedAttention:
     ring_bytes: int = 0
     all_to_all_bytes: int = 0
     strategy_note: str = ""
+    flops: int = 0  # of its forward on the whole sequence: 2 x (q @ k^T and p @ v)
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,31 @@ class Report:
     tensor_parallel: tuple[TpCollective, ...] = ()
 
     @property
+    def run_whole(self) -> tuple[ReportedAttention, ...]:
+        """The attentions every rank runs on the whole sequence, replicated (a second tower
+        none of whose inputs carries the sequence) or gathered: a cost like a gather's."""
+        return tuple(
+            a for a in self.attentions if a.run in (AttentionRun.REPLICATED, AttentionRun.GATHERED)
+        )
+
+    @property
+    def whole_flops_share(self) -> float:
+        """The share of the attention FLOPs that ``run_whole`` holds: each is run P times."""
+        total = sum(a.flops for a in self.attentions)
+        return sum(a.flops for a in self.run_whole) / total if total else 0.0
+
+    @property
+    def run_whole_note(self) -> str:
+        """The summary line for ``run_whole`` (empty where there is none)."""
+        if not self.run_whole:
+            return ""
+        names = ", ".join(f"{a.node} ({a.run.name.lower()})" for a in self.run_whole)
+        return (
+            f"attentions run whole on every rank: {len(self.run_whole)} of "
+            f"{len(self.attentions)}, {self.whole_flops_share:.0%} of the attention FLOPs: {names}"
+        )
+
+    @property
     def rewritten(self) -> tuple[ReportedAttention, ...]:
         """The attentions rewritten into ring (or dilated ring, or all-to-all) attention."""
         sharded = (AttentionRun.RING, AttentionRun.ALL_TO_ALL)
@@ -145,6 +185,8 @@ class Report:
         )
         attn = _table(self.attentions) or "(none)"
         gathers = _table(self.gathers) or "(none)"
+        if self.run_whole:
+            gathers += f"\n{self.run_whole_note}"
         resharded = _table(self.resharded)
         tp = _table(self.tensor_parallel)
         return (

@@ -216,6 +216,7 @@ def reported(
         layout=state.geo.layout if sharded else None,
         dilation=dilation,
         bytes_per_step=bytes,
+        flops=2 * math.prod(q_shape[:-1]) * shape(att.k)[-2] * (q_shape[-1] + shape(att.v)[-1]),
     )
 
 

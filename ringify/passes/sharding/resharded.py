@@ -29,7 +29,8 @@ from torch import fx
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import ASSERTS, is_tensor, shape, val
 from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry
-from ringify.passes.graph.report import ReshardedRegion
+from ringify.passes.graph.report import ReshardedRegion, strict
+from ringify.passes.sharding.positions import FREE, positions_held, whole_sequence
 from ringify.passes.sharding.rules import infer_placements
 from ringify.passes.sharding.shares import SHAPED, Resharded, mesh_of, nbytes, propagated
 from ringify.runtime.collectives.ring import ring_by_name
@@ -37,9 +38,11 @@ from ringify.runtime.collectives.ring import ring_by_name
 aten = torch.ops.aten
 
 
-def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
+def regions(graph: fx.Graph, decisions: dict, ends=frozenset()) -> list[list[fx.Node]]:
     """The gathered regions of an inferred graph: each a fallback node with everything
-    computed whole from it, joined where they meet, in graph order."""
+    computed whole from it, joined where they meet, in graph order. ``ends``: members whose
+    values leave their region whole (a cut's values free of the sequence), so that what is
+    computed from them is no longer part of it."""
     owner: dict[fx.Node, int] = {}
     parent: list[int] = []
 
@@ -51,7 +54,7 @@ def regions(graph: fx.Graph, decisions: dict) -> list[list[fx.Node]]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        whole_from = {find(owner[a]) for a in node.all_input_nodes if a in owner}
+        whole_from = {find(owner[a]) for a in node.all_input_nodes if a in owner and a not in ends}
         if isinstance(decisions.get(node), Fallback):
             parent.append(len(parent))
             whole_from.add(parent[-1])
@@ -145,10 +148,13 @@ def reshard_plans(graph: fx.Graph, geo: SequenceGeometry, seeds: dict, group_nam
         plans: dict[fx.Node, Resharded] = {}
         why: dict[fx.Node, str] = {}
         more: dict[fx.Node, Seq] = {}
-        for nodes in regions(graph, inference.decisions):
+        ends = {c for c, seq in cuts.items() if seq is None}
+        for nodes in regions(graph, inference.decisions, ends):
             try:
                 plan = plan_region(nodes, inference.place.of, geo, group_name)
             except Exception as error:  # a question DTensor cannot answer: the gather is exact
+                if strict():
+                    raise
                 plan = f"its plan failed ({type(error).__name__}: {error})"
             if isinstance(plan, Cut):
                 more |= plan.exits
@@ -176,18 +182,23 @@ def _cut(
     nodes: list[fx.Node], failed: fx.Node, place, geo: SequenceGeometry, group_name: str, why: str
 ):
     """The cut of a region before ``failed``, or ``why`` where its first part plans nothing
-    or a value it hands on has no sequence dim of its own."""
+    or a value it hands on is neither the whole sequence on a dim the graph gives it nor free
+    of the sequence (an exit free of it is handed on whole: ``None``)."""
     head = nodes[: nodes.index(failed)]
     if not head or not isinstance(plan_region(head, place, geo, group_name, cut=False), Resharded):
         return why
     inside = set(head)
+    held = positions_held(head, place)
     exits = {}
     for m in head:
         if any(u not in inside for u in m.users) and is_tensor(m):
-            dims = [d for d, size in enumerate(shape(m)) if size == geo.length]
-            if len(dims) != 1:
+            ats = held.get(m)
+            if ats == FREE:
+                exits[m] = None
+            elif ats and len(ats) == 1 and whole_sequence(*ats, shape(m), geo.length):
+                exits[m] = Seq(next(iter(ats)).dim)
+            else:
                 return why
-            exits[m] = Seq(dims[0])
     return Cut(exits, why)
 
 

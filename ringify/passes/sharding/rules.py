@@ -28,7 +28,7 @@ from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadc
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.op_dims import CASTS_LIKE, SAME_SHAPE
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, SequenceGeometry
-from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.report import GatherReason, strict
 from ringify.passes.graph.token_dispatch import find as find_dispatches
 from ringify.passes.sharding import (
     along,
@@ -171,14 +171,18 @@ def rule_for(target) -> Rule | None:
 
 
 def infer(node: fx.Node, place: Placements) -> Placement | Fallback:
-    """The placement of ``node``'s output(s) given its inputs', or why it must fall back."""
+    """The placement of ``node``'s output(s) given its inputs', or why it must fall back. A
+    rule that raises is ringify's defect: gathered (exact) and reported as one, or raised
+    in strict mode (``report.strict``), so that the suite fails on it."""
     rule = rule_for(node.target)
     if rule is None:
         return Fallback(GatherReason.NO_RULE, str(node.target))
     try:
         return rule.infer(node, place)
     except (IndexError, KeyError, TypeError, ValueError) as e:
-        return Fallback(GatherReason.UNREADABLE, str(e))
+        if strict():
+            raise RuntimeError(f"ringify's rule for {node.target} ({node.name}) raised") from e
+        return Fallback(GatherReason.RULE_FAILED, f"{node.target}: {type(e).__name__}: {e}")
     except GuardOnDataDependentSymNode:  # a decision on a size the data decides
         return Fallback(GatherReason.UNREADABLE, "(a size the data decides)")
 

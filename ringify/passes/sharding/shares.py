@@ -70,6 +70,8 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
         return outs[node.args[1]] if isinstance(outs, list) else outs
     if node.target in ASSERTS:  # erased by the rewrite: it computes nothing
         return None
+    if node.target is aten.dropout.default and (node.args[1] == 0 or not node.args[2]):
+        return plan.dims[node.args[0]] if node.args[0] in members else plan.inputs.get(node.args[0])
     if not isinstance(node.target, torch._ops.OpOverload) or _refused(node.target):
         return False
 
