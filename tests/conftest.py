@@ -27,7 +27,9 @@ def pytest_collection_modifyitems(items):
     """Mark ``hf`` every test of a module that runs HF transformers code: CI runs those again
     against the oldest transformers the project supports (``.ci/run``). Mark ``slow`` every
     test compiled with Inductor: on a fresh machine each compiles C++ for half a minute or
-    more, and its graphs are the aot_eager tests' (CI runs them in a pass of their own)."""
+    more, and its graphs are the aot_eager tests' (CI runs them in a pass of their own);
+    but for one case per strategy, marked ``inductor_default``, which the default pass keeps:
+    Inductor is the compiler users run."""
     uses: dict[str, bool] = {}
     for item in items:
         module = item.module
@@ -37,7 +39,7 @@ def pytest_collection_modifyitems(items):
         if uses[module.__name__]:
             item.add_marker(pytest.mark.hf)
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "inductor" in params.values():
+        if "inductor" in params.values() and not item.get_closest_marker("inductor_default"):
             item.add_marker(pytest.mark.slow)
 
 

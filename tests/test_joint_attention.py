@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from ringify.passes.graph.report import AttentionRun
-from ringify.testing.runs import ringified_run
+from ringify.testing.runs import inductor_control, ringified_run
+from ringify.testing.tolerance import inductor_bound
 
 pytest.importorskip("diffusers")
 
@@ -47,6 +48,11 @@ def _run(model, fn, kwargs):
     }
 
 
+def _largest(got, want) -> tuple[float, float]:
+    grads = max((got[1][n] - want[1][n]).abs().max().item() for n in want[1])
+    return (got[0] - want[0]).abs().max().item(), grads
+
+
 def compare(name: str, backend: str | None, sizes: dict | None = None):
     from ringify.testing import diffusers_models
 
@@ -56,9 +62,11 @@ def compare(name: str, backend: str | None, sizes: dict | None = None):
     ringified, run = ringified_run(model, backend)
     got = _run(model, run, kwargs)
     report = ringified.report()
+    control = inductor_control(model, backend)  # Inductor's own move: the bound under it
+    own = _largest(_run(model, control, kwargs), want) if control else (0.0, 0.0)
     return {
-        "out": (got[0] - want[0]).abs().max().item(),
-        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        **dict(zip(("out", "grads"), _largest(got, want), strict=True)),
+        "bounds": [inductor_bound(d) for d in own],
         "same_grads": set(got[1]) == set(want[1]),
         "runs": {a.run for a in report.attentions},
         "gathers": [g.op for g in report.gathers],
@@ -116,10 +124,12 @@ def test_video_frames_cut_by_the_chunks_run_on_a_share_of_the_channels(ranks, wo
         assert region.startswith("reshape"), r
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name", ["flux", "sd3", pytest.param("cogvideox", marks=pytest.mark.slow)])
-def test_joint_attention_compiled(ranks, name):
-    for r in ranks(2).run(compare, name, "aot_eager", CASES[name, 2]):
-        assert r["out"] < TOL and r["grads"] < TOL, r
+def test_joint_attention_compiled(ranks, name, backend):
+    """Under Inductor within 1.5x of the unmodified model's own move under it."""
+    for r in ranks(2).run(compare, name, backend, CASES[name, 2], timeout=900):
+        assert r["out"] <= r["bounds"][0] and r["grads"] <= r["bounds"][1], r
         assert r["gathers"] == [], r["gathers"]
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ringify.passes.graph.report import AttentionRun
-from ringify.testing.runs import ringified_run
+from ringify.testing.runs import inductor_control, ringified_run
+from ringify.testing.tolerance import inductor_bound
 
 TOL = 1e-10
 
@@ -95,6 +96,16 @@ def _run(model, fn, args, kwargs, pick):
     return out.detach(), grads, [a.grad for a in args if a.grad is not None]
 
 
+def _largest(got, want) -> dict[str, float]:
+    return {
+        "out": (got[0] - want[0]).abs().max().item(),
+        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
+        "inputs": max(
+            [(a - b).abs().max().item() for a, b in zip(got[2], want[2], strict=True)] or [0.0]
+        ),
+    }
+
+
 def compare(name: str, length: int, backend: str | None = None, strategy="ring"):
     """On every rank: the largest differences, the report's attention runs and gathers."""
 
@@ -105,12 +116,11 @@ def compare(name: str, length: int, backend: str | None = None, strategy="ring")
     got = _run(model, run, args, kwargs, pick)
     assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
     report = ringified.report()
+    control = inductor_control(model, backend)  # Inductor's own move: the bound under it
+    own = _largest(_run(model, control, args, kwargs, pick), want) if control else {}
     return {
-        "out": (got[0] - want[0]).abs().max().item(),
-        "grads": max((got[1][n] - want[1][n]).abs().max().item() for n in want[1]),
-        "inputs": max(
-            [(a - b).abs().max().item() for a, b in zip(got[2], want[2], strict=True)] or [0.0]
-        ),
+        **_largest(got, want),
+        "bounds": {k: inductor_bound(own.get(k, 0.0)) for k in ("out", "grads", "inputs")},
         "runs": [a.run for a in report.attentions],
         "gathers": [(x.node, x.reason) for x in report.gathers],
         "births": report.births,
@@ -180,24 +190,28 @@ def test_the_families_on_the_hybrid(ranks, name, length):
             assert r[kind] <= TOL, (kind, r)
 
 
+FAMILIES = [("vit", 17), ("whisper", 16), ("decoder", 12)]
+
+
 @pytest.mark.parametrize(
     ("name", "length", "backend"),
     [
-        ("vit", 17, "aot_eager"),
-        ("whisper", 16, "aot_eager"),
+        *[(n, k, b) for n, k in FAMILIES for b in ("aot_eager", "inductor")],
         ("wav2vec2", 16, "inductor"),
-        ("decoder", 12, "aot_eager"),
         ("dit", 32, "inductor"),
     ],
 )
 def test_compiled_matches_unmodified_model(ranks, name, length, backend):
-    for r in ranks(2).run(compare, name, length, backend):
+    """Under Inductor, within 1.5x of the unmodified model's own move under it."""
+    for r in ranks(2).run(compare, name, length, backend, timeout=900):
         assert r["gathers"] == [], r["gathers"]
         for kind in ("out", "grads", "inputs"):
-            assert r[kind] <= TOL, (kind, r)
+            assert r[kind] <= r["bounds"][kind], (kind, r)
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, None), (4, None), (2, "aot_eager")])
+@pytest.mark.parametrize(
+    ("world", "backend"), [(2, None), (4, None), (2, "aot_eager"), (2, "inductor")]
+)
 def test_seq2seq_with_a_shorter_decoder(ranks, world, backend):
     """T5, the labels half as long as the input: the ring splits the encoder's sequence (its
     self-attentions are rings, their learned position bias included); the decoder's
@@ -211,4 +225,4 @@ def test_seq2seq_with_a_shorter_decoder(ranks, world, backend):
         assert r["run_whole"] == [REPLICATED, REPLICATED]
         assert r["whole_share"] == pytest.approx(1 / 7)
         for kind in ("out", "grads", "inputs"):
-            assert r[kind] <= TOL, (kind, r)
+            assert r[kind] <= r["bounds"][kind], (kind, r)

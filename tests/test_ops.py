@@ -163,6 +163,12 @@ def opcheck_beside_the_ring(name: str) -> None:
         scan = [t if t is None else t.requires_grad_() for t in scan]
         args = (*scan, torch.float64, torch.float64)
         torch.library.opcheck(torch.ops.ringify.selective_scan.default, args)
+    logits = torch.randn(12, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    for largest in (True, False):  # a router's top-k, its backward opaque to Inductor
+        torch.library.opcheck(torch.ops.ringify.topk.default, (logits, 2, 1, largest, True))
+    _, chosen = logits.detach().topk(2, 1)
+    grad = torch.randn(12, 2, generator=g, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.ringify.topk_backward.default, (grad, chosen, [12, 5], 1))
     if name:  # a ring's maximum needs a ring: checked on 2 ranks
         torch.library.opcheck(torch.ops.ringify.ring_amax.default, (x, [1], name))
         # tensor parallelism's collectives, over the ring's group taken as a TP group
@@ -418,7 +424,7 @@ def test_ring_shift_is_shifted_on_the_full_sequence(ranks, world, layout):
 
 
 def test_every_op_is_opchecked():
-    """opcheck_ops covers every op ringify registers (29): a new op must join it."""
+    """opcheck_ops covers every op ringify registers (31): a new op must join it."""
     import inspect
     import re
 
@@ -431,4 +437,28 @@ def test_every_op_is_opchecked():
     }
     source = inspect.getsource(opcheck_ops) + inspect.getsource(opcheck_beside_the_ring)
     checked = {name for name in registered if re.search(rf"torch\.ops\.ringify\.{name}\b", source)}
-    assert len(registered) == 29 and checked == registered, registered - checked
+    assert len(registered) == 31 and checked == registered, registered - checked
+
+
+def test_a_routers_topk_is_its_own_op_with_the_same_gradient():
+    """``opaque_topks``: a top-k whose values are read becomes ``ringify::topk`` (its backward
+    one kernel Inductor cannot misorder, ``docs/inductor_scatter.md``); one whose indices
+    alone are read stays. Outputs and gradients are torch.topk's."""
+    from ringify.runtime.topk import opaque_topks
+
+    class Router(torch.nn.Module):
+        def forward(self, logits):
+            gates, chosen = logits.topk(2, -1)
+            counted = logits.softmax(-1).topk(2, dim=1, largest=False)[1]  # indices only
+            return gates.softmax(-1) * chosen + counted
+
+    logits = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    gm = torch.export.export(Router(), (logits,), strict=False).module()
+    assert opaque_topks(gm) == 1
+    targets = [n.target for n in gm.graph.nodes if "topk" in str(n.target)]
+    assert targets == [torch.ops.ringify.topk.default, torch.ops.aten.topk.default]
+    want = Router()(logits)
+    (grad,) = torch.autograd.grad(want.square().sum(), logits)
+    got = gm(logits)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), logits)
+    assert torch.equal(got, want) and torch.equal(got_grad, grad)

@@ -6,7 +6,8 @@
    design.md section 3.1), then each tensor-parallel layer gets its collectives;
 2. ``sharded``: where the sequence is (the plan), then every node rewritten for one rank
    (rules, crossings, attention on its transport), with what was done (the report);
-3. ``runnable``: the graph's values recorded, the model's state lifted to inputs, and the
+3. ``runnable``: the graph's values recorded, a router's top-k run as ``ringify::topk``
+   (its backward opaque to Inductor), the model's state lifted to inputs, and the
    checkpointed spans and FSDP2 units kept.
 
 A ``Composition`` names a way through them, and is what a caller picks: ``ONE_LENGTH``
@@ -49,6 +50,7 @@ from ringify.passes.sharding.shard_sequence import shard_sequence
 from ringify.passes.tensor_parallel import place_tp_collectives
 from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring
+from ringify.runtime.topk import opaque_topks
 from ringify.tensor_parallel import TpLayer
 
 Fold = Callable[[fx.GraphModule], int]
@@ -154,6 +156,7 @@ def runnable(
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:  # fmt: skip
     """3. ``gm`` made runnable in place: ``(state names, checkpointed spans, FSDP2 units)``."""
     record_local_values(gm, flat)
+    opaque_topks(gm)  # Inductor misorders topk's own backward (runtime/topk.py)
     state_names = lift_state(gm.graph, model)
     checkpointed = keep_checkpoints(gm, checkpoints)
     reduced_outside = units_reducing_over_ring(units, outer, ring)

@@ -21,6 +21,17 @@ def ringified_run(model: nn.Module, backend: str | None = None, **config):
     return ringified, torch.compile(ringified, backend=backend, fullgraph=True)
 
 
+def inductor_control(model: nn.Module, backend: str | None):
+    """The unmodified ``model`` compiled with Inductor when ``backend`` is Inductor, else None:
+    a compiled test's control. Inductor fuses and reorders what a model computes below
+    float64 (HF's float32 loss, a float32 router); its own difference from eager, measured
+    beside the ringified model's, sets that model's bound (``tolerance.inductor_bound``)."""
+    if backend != "inductor":
+        return None
+    torch._dynamo.reset()
+    return torch.compile(model, backend="inductor")
+
+
 def quadratic_nodes(ringified, length: int) -> list[str]:
     """Nodes of the last call's rewritten graph (and of the regions it outlined) whose value
     on a rank (``meta["val"]``) is S x S or a rank's rows of it: two dims of the sequence's

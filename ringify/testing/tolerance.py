@@ -16,6 +16,7 @@ import torch
 
 EXACT = 1e-10  # a float64 result: rounding only
 FACTOR = 10.0  # the ring reorders more sums than the reference (1.4-2x measured), not 10x
+UNDER_INDUCTOR = 1.5  # the ringified model beside the unmodified one, both under Inductor
 _ROUNDED = 1e-12  # a reference difference above this was rounded in float32 or below
 
 
@@ -70,3 +71,10 @@ def rounding(dtype: torch.dtype) -> float:
     """The least relative tolerance a result held in ``dtype`` can be compared to: ``FACTOR``
     epsilons of it (0 for float64, whose bound is ``EXACT``). The format's, not a machine's."""
     return FACTOR * torch.finfo(dtype).eps if dtype.itemsize < 8 else 0.0
+
+
+def inductor_bound(own: float, dtype: torch.dtype = torch.float64) -> float:
+    """The bound of a result of the ringified model under Inductor: ``UNDER_INDUCTOR`` times
+    the unmodified model's own difference from eager under Inductor (``own``, the test's
+    control, measured beside it), never below rounding in ``dtype`` (``EXACT`` in float64)."""
+    return max(UNDER_INDUCTOR * own, rounding(dtype) or EXACT)
