@@ -162,7 +162,11 @@ def dilated_gpt(world, dilation, backend):
     want = step(twin, twin)
     got = largest(step(run, model), want)
     control = inductor_control(twin, backend)
-    bounds = [inductor_bound(d) for d in largest(step(control, twin), want)] if control else None
+    bounds = (
+        [inductor_bound(d) for d in largest(step(control, twin), want)]
+        if control is not None
+        else None
+    )
     rewritten = ringified.report().rewritten[0]
     return *got, (rewritten.mask, rewritten.dilation), bounds or [1e-10, 1e-10]
 

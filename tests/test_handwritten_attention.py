@@ -144,7 +144,7 @@ def compare(name: str, length: int, backend: str | None = None):
     control = inductor_control(model, backend)  # Inductor's own move: the bound under it
     return {
         "bound": inductor_bound(_largest(_run(model, control, args, kwargs, pick), want))
-        if control
+        if control is not None
         else TOL,
         "exact": _largest(got, exact),
         "unmodified": _largest(got, want),

@@ -63,7 +63,7 @@ def compare(name: str, backend: str | None, sizes: dict | None = None):
     got = _run(model, run, kwargs)
     report = ringified.report()
     control = inductor_control(model, backend)  # Inductor's own move: the bound under it
-    own = _largest(_run(model, control, kwargs), want) if control else (0.0, 0.0)
+    own = _largest(_run(model, control, kwargs), want) if control is not None else (0.0, 0.0)
     return {
         **dict(zip(("out", "grads"), _largest(got, want), strict=True)),
         "bounds": [inductor_bound(d) for d in own],

@@ -67,7 +67,11 @@ def hf_case(model_name, case, world, backend=None, window=0):
 
     want = step(model)
     control = inductor_control(model, backend)  # Inductor's own move: the bound under it
-    own = largest(step(control), want) if control else dict.fromkeys(("logits", "loss", "grads"), 0)
+    own = (
+        largest(step(control), want)
+        if control is not None
+        else dict.fromkeys(("logits", "loss", "grads"), 0)
+    )
     ringified = ringify(model, ring_size=dist.get_world_size())
     torch._dynamo.reset()
     run = torch.compile(ringified, backend=backend) if backend else ringified

@@ -117,7 +117,7 @@ def compare(name: str, length: int, backend: str | None = None, strategy="ring")
     assert set(got[1]) == set(want[1]), "every parameter gets a gradient"
     report = ringified.report()
     control = inductor_control(model, backend)  # Inductor's own move: the bound under it
-    own = _largest(_run(model, control, args, kwargs, pick), want) if control else {}
+    own = _largest(_run(model, control, args, kwargs, pick), want) if control is not None else {}
     return {
         **_largest(got, want),
         "bounds": {k: inductor_bound(own.get(k, 0.0)) for k in ("out", "grads", "inputs")},

@@ -54,7 +54,7 @@ def hf_case(case: str, heads: int, backend=None, hybrid=0, strategy="ulysses", k
 
     want = step(model)
     control = inductor_control(model, backend)  # HF's float32 loss: Inductor's own move
-    own = largest(step(control), want) if control else {"logits": 0.0, "grads": 0.0}
+    own = largest(step(control), want) if control is not None else {"logits": 0.0, "grads": 0.0}
     from ringify import Hybrid
 
     strategy = Hybrid(u=hybrid) if hybrid else strategy

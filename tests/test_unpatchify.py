@@ -79,7 +79,7 @@ def compare(build, sizes: tuple = (), backend: str | None = None):
     got_grads = _gradients(model, got)
     report = ringified.report()
     control = inductor_control(model, backend)  # Inductor's own move: the bound under it
-    own = _largest(model, control, kwargs, want, want_grads) if control else 0.0
+    own = _largest(model, control, kwargs, want, want_grads) if control is not None else 0.0
     return {
         "bound": inductor_bound(own),
         "out": max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)),

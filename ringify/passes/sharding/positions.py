@@ -218,8 +218,22 @@ def _sliced(node: fx.Node, at: At) -> At | None:
     return at.within(shape(node)[at.dim], origin=at.origin - start) if step == 1 else None
 
 
+def _permuted(node: fx.Node, at: At) -> At | None:
+    """``flip``/``roll`` along a dim: its indices permuted, which keeps it the sequence's dim
+    where it holds every position (an exit is the sequence by index, as every op after it
+    reads it); a part of the positions permuted has none of them in known places."""
+    nd = len(shape(node.args[0]))
+    dims = node.args[1] if node.target is aten.flip.default else argument(node, "dims")
+    if at.dim not in [d % nd for d in dims] and dims:
+        return at
+    size = shape(node)[at.dim] if dims else None
+    return at if (at.origin, at.first, at.stop) == (0, 0, size) else None
+
+
 _ALONG_DIM = {
     aten.constant_pad_nd.default: _padded,
     aten.pad.default: _padded,
     aten.slice.Tensor: _sliced,
+    aten.flip.default: _permuted,
+    aten.roll.default: _permuted,
 }
