@@ -212,7 +212,8 @@ def program_mask_op(
     that torch.compile sees one opaque node and never the program's interpreter."""
     program = parse(text)
     mask = evaluate(program, inputs, slice(0, shape[-2]), slice(0, shape[-1]), device)
-    return mask.reshape(mask.shape[4 - len(shape) :]).expand(shape).clone()
+    whole = mask.reshape(mask.shape[4 - len(shape) :]).expand(shape)
+    return whole.clone(memory_format=torch.contiguous_format)  # the fake's strides
 
 
 @program_mask_op.register_fake
