@@ -17,9 +17,7 @@ import torch
 from tabulate import tabulate
 
 import ringify
-from ringify.runtime import Dilation
 from ringify.testing import hf_models, hf_moe
-from ringify.testing.models import NanoGPT
 
 
 def _ids(length: int) -> torch.Tensor:
@@ -45,13 +43,6 @@ def _cases() -> dict:
             {},
             {"strategy": ringify.Hybrid(u=2)},
             4,
-        ),
-        "nanogpt, dilated": (
-            NanoGPT(heads=6, dim=48),
-            (_ids(32),),
-            {},
-            {"dilation": Dilation((4, 8, 16, 32), (1, 2, 2, 4))},
-            2,
         ),
     }
 

@@ -81,6 +81,14 @@ def test_modes_it_cannot_compare_are_refused(option):
         ringify.check(build(POOLED), *example(POOLED), ring_size=2, **{option: "sharded"})
 
 
+def test_dilation_is_refused():
+    """Dilated attention is another attention than the model's: nothing to compare with."""
+    from ringify.runtime import Dilation
+
+    with pytest.raises(ValueError, match="dilation"):
+        ringify.check(build(POOLED), *example(POOLED), ring_size=2, dilation=Dilation((8,), (2,)))
+
+
 @pytest.mark.slow
 def test_compiled_with_inductor():
     spec = ModelSpec("patches", 16, 16, 1, (BlockSpec(hidden=16),), prefix=1, pool="mean")
