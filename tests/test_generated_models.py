@@ -143,6 +143,7 @@ def test_dropout_on_a_sequence_born_by_concatenation(ranks, world):
         assert r["shapes"] and r["agree"] == 0.0, r
 
 
+@pytest.mark.slow  # Inductor: the default pass keeps one case per strategy (conftest)
 @pytest.mark.parametrize("pool", ["first", "mean"])
 def test_class_tokens_under_inductor(ranks, pool):
     """The same under Inductor, the compiler users run: as exact as eager in float64."""
