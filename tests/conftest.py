@@ -23,7 +23,21 @@ def pytest_configure(config):
         torch.zeros(1 << 16, dtype=dtype).exp().log()
 
 
-def pytest_collection_modifyitems(items):
+# parameters that vary how a case runs, not which model code it runs
+_HOW = frozenset({"world", "ring", "ring_size", "layout", "backend", "compiled", "tiles", "dtype"})
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--each-model-once",
+        action="store_true",
+        help="keep one eager case of each test per model and input (the first world size "
+        "and layout): CI's pass on the oldest transformers, which checks that the models' "
+        "code still reads, not the ring again",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
     """Mark ``hf`` every test of a module that runs HF transformers code: CI runs those again
     against the oldest transformers the project supports (``.ci/run``). Mark ``slow`` every
     test compiled with Inductor: on a fresh machine each compiles C++ for half a minute or
@@ -41,6 +55,19 @@ def pytest_collection_modifyitems(items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "inductor" in params.values() and not item.get_closest_marker("inductor_default"):
             item.add_marker(pytest.mark.slow)
+    if config.getoption("--each-model-once"):
+        kept, seen = [], set()
+        for item in items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            key = (item.nodeid.split("[")[0], repr(sorted(
+                (k, v) for k, v in params.items() if k not in _HOW
+            )))  # fmt: skip
+            compiled = any(v in ("aot_eager", "inductor") for v in params.values())
+            if key not in seen and not compiled:
+                seen.add(key)
+                kept.append(item)
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

@@ -109,10 +109,11 @@ def test_llama_masks_are_programs(ranks, world, case):
 
 # compiled on 4 ranks: the slow pass (the eager test covers 4 ranks in the default suite)
 @pytest.mark.parametrize(
-    ("world", "backend"),
-    [(2, "aot_eager"), pytest.param(4, "aot_eager", marks=pytest.mark.slow), (2, "inductor")],
+    ("case", "world", "backend"),
+    [(c, 2, "aot_eager") for c in ("left", "packed")]
+    + [pytest.param(c, 4, "aot_eager", marks=pytest.mark.slow) for c in ("left", "packed")]
+    + [("packed", 2, "inductor")],  # the documents' program under Inductor (the slow pass)
 )
-@pytest.mark.parametrize("case", ["left", "packed"])
 def test_llama_masks_are_programs_compiled(ranks, world, case, backend):
     results = ranks(world).run(hf_case, "llama", case, world, backend, timeout=900)
     check(results)

@@ -196,9 +196,8 @@ FAMILIES = [("vit", 17), ("whisper", 16), ("decoder", 12)]
 @pytest.mark.parametrize(
     ("name", "length", "backend"),
     [
-        *[(n, k, b) for n, k in FAMILIES for b in ("aot_eager", "inductor")],
-        ("wav2vec2", 16, "inductor"),
-        ("dit", 32, "inductor"),
+        *[(n, k, "aot_eager") for n, k in FAMILIES],
+        ("vit", 17, "inductor"),  # the encoders under Inductor; the decoders: test_ringify
     ],
 )
 def test_compiled_matches_unmodified_model(ranks, name, length, backend):

@@ -116,7 +116,7 @@ def test_grid_rows_stay_sharded(ranks, world):
         assert r["same_grads"] and r["gathers"] == [], r
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager"])  # under Inductor: the joint DiT's test
 def test_grid_rows_compiled(ranks, backend):
     for r in ranks(2).run(compare, grid_model, (), backend, timeout=900):
         assert r["out"] <= r["bound"] and r["grads"] <= r["bound"] and r["gathers"] == [], r

@@ -28,8 +28,10 @@ from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.nodes import ancestors, is_tensor, shape, val
 from ringify.passes.graph.op_dims import CASTS_LIKE, KEEPS_POSITIONS, SAME_SHAPE, VIEWS
 from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
+from ringify.passes.sharding.positions import positions_held
 from ringify.passes.sharding.rules import infer_placements
 from ringify.runtime.collectives.layout import padded_length, split_multiple
+from ringify.runtime.masks.program import parse, program_mask
 
 
 @dataclass(frozen=True)
@@ -307,18 +309,41 @@ def _companion_inputs(
 def _mask_inputs(
     graph: fx.Graph, seeds: dict[fx.Node, Seq], geometry: SequenceGeometry
 ) -> dict[fx.Node, Seq]:
-    """Inputs, besides ``seeds``, that some attention's mask is computed from, and their dim
-    as long as this trace's sequence. Masks index their inputs by positions (HF's mask
-    functions), which the rules do not follow: here the length names the dim."""
-    masks = [a.mask for a in find_attention(graph) if a.mask is not None]
+    """Inputs, besides ``seeds``, that some attention's mask is computed from, and the dim
+    whose positions reach the mask's query or key dim, followed through the graph
+    (``positions_held``): a (batch, sequence) mask whose batch is as long is read right."""
     found: dict[fx.Node, Seq] = {}
-    for node in ancestors(masks):
-        if node.op != "placeholder" or node in seeds or not is_tensor(node):
-            continue
-        dims = [d for d, size in enumerate(shape(node)) if size == geometry.length]
-        if dims:  # the last: a (batch, sequence) mask whose batch is as long
-            found[node] = Seq(dims[-1])
+    for mask in [a.mask for a in find_attention(graph) if a.mask is not None]:
+        region = sorted(ancestors([mask]), key=_order(graph))
+        for node in region:
+            if node.op != "placeholder" or node in seeds or not is_tensor(node):
+                continue
+            for d, size in enumerate(shape(node)):
+                held = [] if size != geometry.length else _ends(mask, region, node, d)
+                if any(at.dim == end for end, ats in held if ats for at in ats):
+                    found[node] = Seq(d)
     return found
+
+
+def _ends(mask: fx.Node, region: list[fx.Node], source: fx.Node, dim: int) -> list:
+    """(the query or key dim, the positions held) of the values that end ``mask``'s
+    subgraph, ``source`` holding the sequence on ``dim``: a program's inputs (by role) or
+    the mask itself."""
+    held = positions_held([n for n in region if n.op != "placeholder"], {source: Seq(dim)})
+    if mask.target is not program_mask:
+        ndim = len(shape(mask))
+        return [(ndim - 1, held.get(mask)), (ndim - 2, held.get(mask))]
+    roles = parse(mask.args[0]).roles
+    return [
+        (len(shape(x)) - (1 if role == "k" else 2), held.get(x))
+        for role, x in zip(roles, mask.args[1], strict=True)
+        if role in ("q", "k")
+    ]
+
+
+def _order(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
 
 
 def _geometry(graph: fx.Graph, config: Config, general: bool = False) -> SequenceGeometry:
