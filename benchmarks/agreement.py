@@ -38,10 +38,10 @@ def agreement_costs(seq: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from ringify import ringify
-    from ringify.consistency import check_trace
     from ringify.module import _prepare
     from ringify.testing.models import NanoGPT
-    from ringify.trace import state_of
+    from ringify.tracing.consistency import check_trace
+    from ringify.tracing.trace import state_of
 
     torch.manual_seed(0)
     model = NanoGPT(vocab=512, max_len=seq, dim=256, heads=4, layers=2)

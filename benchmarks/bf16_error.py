@@ -17,7 +17,7 @@ from tabulate import tabulate
 
 from ringify.runtime.collectives.layout import unshard
 from ringify.testing import RankPool
-from ringify.testing.attention import (
+from ringify.testing.ring_vs_sdpa import (
     make_inputs,
     reference,
     ring_forward_backward,

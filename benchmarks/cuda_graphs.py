@@ -32,7 +32,7 @@ from tabulate import tabulate
 
 from benchmarks import op_replay
 from benchmarks.host_overhead import LAYERS, _model_and_inputs
-from ringify.testing.attention import model_layout
+from ringify.testing.ring_vs_sdpa import model_layout
 
 CASES = ("is_causal", "is_causal 8B", "causal", "padded", "packed", "swa")
 HEADERS = (

@@ -24,7 +24,7 @@ from tabulate import tabulate
 
 from ringify.estimate import _module, estimate
 from ringify.estimate.footprint import causal_lm_inputs, footprint
-from ringify.estimate.plan import Mesh, row
+from ringify.estimate.meshes import Mesh, row
 from ringify.passes.sharding.transport_model import GPUS
 from ringify.runtime.collectives.heads import Transport
 from ringify.testing.ranks import RankPool

@@ -4,7 +4,7 @@
 
 On 2 gloo ranks, float32, batch 1, a forward and backward: HF Mamba (2 layers) and Jamba
 (4 layers: Mamba1 mixers, attention and MoE), whose export unrolls the recurrence over the
-positions, traced at small lengths (``ringify.lengths.lift_from_small``); and HF Llama (4
+positions, traced at small lengths (``ringify.tracing.lengths.lift_from_small``); and HF Llama (4
 to 80 layers, hidden 256), whose export does not grow with the length. ``before`` traces
 the Mamba models at ``--before`` positions at their own length, as ringify did before the
 small trace (the per-position cost, times the length, is what it took at ``--seq``). Times
@@ -53,7 +53,8 @@ def first_call(name: str, layers: int, seq: int, small: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ringify import lengths, ringify
+    from ringify import ringify
+    from ringify.tracing import lengths
 
     model = build(name, layers)
     ring = ringify(model, ring_size=dist.get_world_size())

@@ -55,7 +55,7 @@ from tabulate import tabulate
 
 from benchmarks import kernel_stubs, op_replay
 from ringify.testing import RankPool
-from ringify.testing.attention import model_layout
+from ringify.testing.ring_vs_sdpa import model_layout
 
 CASES = ("is_causal", "causal", "padded", "packed", "swa")
 LAYERS, WINDOW, REPEATS = 4, 256, 3

@@ -24,7 +24,7 @@ from tabulate import tabulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.cuda_graphs import _loopback
-from ringify.testing.attention import model_layout
+from ringify.testing.ring_vs_sdpa import model_layout
 
 HEADS, KV, DIM = 32, 8, 128
 HEADERS = (

@@ -44,7 +44,7 @@ from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.tiles import Visibility, all_tiles, shard_tiles, sub_ring_tiles
 from ringify.testing import RankPool
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 
 # document ids equal, key at or before query: HF's packed-sequence mask
 _DOCUMENT_CAUSAL = document_causal_program()

@@ -18,7 +18,7 @@ from ringify.module import RingifiedModule, ringify
 from ringify.passes.graph.report import Report
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.agreement import RankFailed
-from ringify.samplers import RingSampler
+from ringify.stacks.samplers import RingSampler
 
 __all__ = [
     "Checked",

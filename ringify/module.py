@@ -34,12 +34,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from ringify.block_masks import with_flat_block_masks
-from ringify.caches import cache_kwargs
 from ringify.config import Config, Hybrid
-from ringify.consistency import check_call, check_trace
 from ringify.generation import Generation, generate
-from ringify.lengths import (
+from ringify.passes.graph.report import Report
+from ringify.runtime.attention.dilation import Dilation
+from ringify.runtime.collectives.agreement import digest
+from ringify.runtime.collectives.tp_ops import local_state
+from ringify.stacks.block_masks import with_flat_block_masks
+from ringify.stacks.tp_layers import tp_layers
+from ringify.tracing.caches import cache_kwargs
+from ringify.tracing.consistency import check_call, check_trace
+from ringify.tracing.lengths import (
     Lengths,
     NotLiftable,
     family,
@@ -48,13 +53,8 @@ from ringify.lengths import (
     sequence_dims,
     signature,
 )
-from ringify.observers import run_observers
-from ringify.passes.graph.report import Report
-from ringify.runtime.attention.dilation import Dilation
-from ringify.runtime.collectives.agreement import digest
-from ringify.runtime.collectives.tensor_parallel import local_state
-from ringify.tensor_parallel import tp_layers
-from ringify.trace import (
+from ringify.tracing.observers import run_observers
+from ringify.tracing.trace import (
     Rewritten,
     Traced,
     dump,

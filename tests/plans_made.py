@@ -7,7 +7,7 @@ import contextlib
 from unittest import mock
 
 from ringify.runtime.attention import ops
-from ringify.runtime.masks import plan as plan_module
+from ringify.runtime.masks import call_plan as plan_module
 
 
 class MadePlans:

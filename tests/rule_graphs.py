@@ -14,8 +14,8 @@ from torch import fx
 from ringify.passes.folds.shifts import fold_shifts
 from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry
 from ringify.passes.graph.report import GatherReason
-from ringify.passes.sharding.plan import Plan
 from ringify.passes.sharding.rules import infer_placements
+from ringify.passes.sharding.sequence_plan import Plan
 from ringify.passes.sharding.shard_sequence import shard_sequence
 
 S = 8  # the sequence length of every case

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ringify.runtime import shard
 from ringify.runtime.attention.spec import AttentionSpec
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 from ringify.testing.tolerance import EXACT, relative_difference
 
 SEQ = 8192  # ring of 2, zigzag: chunks of 2048 rows, one tile each, cut into 1024-row blocks

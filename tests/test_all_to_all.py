@@ -15,7 +15,7 @@ from ringify.runtime.attention.reference import attention
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.heads import Transport
 from ringify.runtime.masks.program import evaluate, parse
-from ringify.testing.attention import document_causal_program, document_inputs, window_program
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs, window_program
 from ringify.testing.tolerance import EXACT
 
 ROWS = 24  # per rank

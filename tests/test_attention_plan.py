@@ -106,8 +106,8 @@ def test_a_plan_is_a_value_that_says_what_it_decided():
     chunks of 16 (two tiles of 8) sends each rank's last tile one step on (the last rank's,
     seen by no one further, not at all); an unmasked ring sends every rank's keys round it; the two print so."""
     from ringify.runtime.collectives.ring import Ring
-    from ringify.runtime.masks.plan import CallGeometry, plan_for
-    from ringify.testing.attention import window_program
+    from ringify.runtime.masks.call_plan import CallGeometry, plan_for
+    from ringify.testing.ring_vs_sdpa import window_program
 
     window_of_8 = window_program(8)
     ring = Ring(None, 0, 4)
@@ -189,9 +189,9 @@ def test_a_plan_that_reads_its_inputs_is_not_made_inside_a_cuda_graph():
     from unittest import mock
 
     from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import call_plan as plan_module
     from ringify.runtime.masks import captures
-    from ringify.runtime.masks import plan as plan_module
-    from ringify.testing.attention import document_causal_program, document_inputs
+    from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 
     ring, inputs = Ring(None, 0, 2), document_inputs([20, 12])
     geometry = plan_module.CallGeometry(ring.name, 2, 16, True, "contiguous", 32, 2)
@@ -211,9 +211,9 @@ def test_two_masks_of_one_site_are_not_recorded():
     from unittest import mock
 
     from ringify.runtime.collectives.ring import Ring
+    from ringify.runtime.masks import call_plan as plan_module
     from ringify.runtime.masks import captures
-    from ringify.runtime.masks import plan as plan_module
-    from ringify.testing.attention import document_causal_program, document_inputs
+    from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 
     ring, program = Ring(None, 0, 2), document_causal_program()
 

@@ -27,7 +27,7 @@ from ringify.runtime.masks.balance import (
 from ringify.runtime.masks.program import parse
 from ringify.runtime.masks.tile_masks import TileMasks
 from ringify.runtime.tiling.tiles import all_tiles, shard_tiles
-from ringify.testing.attention import document_causal_program, document_inputs, model_layout
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs, model_layout
 
 PER_CHUNK = 4
 # (ring size, document lengths): zigzag leaves these unbalanced at 4 tiles per chunk

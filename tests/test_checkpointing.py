@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from ringify import ringify
-from ringify.runtime.regions import Checkpointed
+from ringify.runtime.region_runs import Checkpointed
 from ringify.testing import outcome, saved_for_backward_bytes
 from ringify.testing.hf_models import llama
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ringify.passes.folds.convs import fold_sequence_convs
 from ringify.runtime import shard
-from ringify.runtime.collectives.along import same_conv1d
+from ringify.runtime.collectives.neighbours import same_conv1d
 
 KERNELS = [(3, 1, 1, 4), (4, 2, 1, 4), (8, 4, 3, 4), (5, 2, 2, 1), (1, 0, 0, 2), (9, 4, 4, 4)]
 
@@ -23,7 +23,7 @@ KERNELS = [(3, 1, 1, 4), (4, 2, 1, 4), (8, 4, 3, 4), (5, 2, 2, 1), (1, 0, 0, 2),
 def ring_conv_matches_full(layout):
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.along import ring_conv1d
+    from ringify.runtime.collectives.neighbours import ring_conv1d
 
     name = dist.group.WORLD.group_name
     padded = 3 * dist.get_world_size() * 2  # chunks of 3: a 9-wide kernel spans two

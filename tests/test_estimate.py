@@ -15,7 +15,7 @@ from torch import nn
 from ringify.estimate import NoMeshFits, estimate
 from ringify.estimate.__main__ import main
 from ringify.estimate.footprint import causal_lm_inputs, footprint
-from ringify.testing.memory import resident_bytes
+from ringify.testing.process_memory import resident_bytes
 from ringify.testing.sizing import CASES, LLAMA_8B, measured_and_estimated
 
 

@@ -219,7 +219,7 @@ class _KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
 def test_decode_attention_reads_the_cache_with_its_own_heads_on_cuda_kernels(dtype, masked):
     """The op's CUDA branch (any non-CPU tensor takes it) on the meta device: with GQA the
     8 query heads reach every kernel as 2 heads of 4 rows, the cache unexpanded."""
-    from ringify.runtime.attention.memory import decode_attention_op
+    from ringify.runtime.attention.memory_attention import decode_attention_op
 
     def t(*shape):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -241,7 +241,7 @@ def test_decode_attention_is_sdpa_over_the_cache_and_the_new_key(own_new, sinks,
     """On one rank, float64: the op equals SDPA with GQA over the cached keys and, where this
     rank stores it, the new key, under a mask that hides some of them; with a sink logit per
     head or soft-capped scores, the definition of both (``reference.attention``)."""
-    from ringify.runtime.attention.memory import decode_attention_op
+    from ringify.runtime.attention.memory_attention import decode_attention_op
     from ringify.runtime.attention.reference import attention
 
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from ringify.runtime.attention.ops import ring_attention_backward_op, ring_atten
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram
 from ringify.runtime.tiling.tiles import MIN_TILE_ROWS
-from ringify.testing.attention import document_causal_program, document_inputs, window_program
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs, window_program
 
 N = 3 * MIN_TILE_ROWS  # three tiles of one 1024-row block each (TILES)
 TILES = 3  # forced: the CPU's own policy would cut these rows into one tile

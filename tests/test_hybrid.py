@@ -21,11 +21,11 @@ import itertools
 import pytest
 import torch
 
-from ringify.lengths import SMALL_FIRST
 from ringify.passes.graph.report import AttentionRun
 from ringify.runtime.selective_scan import ring_selective_scan
 from ringify.testing.runs import ringified_run
 from ringify.testing.tolerance import differences, exceeding, reordering_tolerances
+from ringify.tracing.lengths import SMALL_FIRST
 
 
 def hybrid(family: str):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram
-from ringify.testing.attention import document_causal_program, document_inputs, window_program
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs, window_program
 
 ROWS = 48  # per rank, in tiles of 12 (tiles_per_chunk 2 under zigzag)
 CAUSAL = (("le.Tensor", ({"pos": "k"}, {"pos": "q"}), "bool"),)

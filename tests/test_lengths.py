@@ -1,4 +1,4 @@
-"""Training on batches of varying length: one graph for every length (``ringify/lengths.py``).
+"""Training on batches of varying length: one graph for every length (``ringify/tracing/lengths.py``).
 
 HF Llama trained for 30 steps of random lengths (odd ones among them, which the ring pads),
 against the unmodified model, float64, on 2 and 4 gloo ranks: every step's logits and every
@@ -277,7 +277,7 @@ def test_per_layer_fsdp2_shares_one_graph_for_every_length(ranks):
 
 
 def long_first_call() -> tuple[str, float]:
-    from ringify.lengths import SMALL_FIRST
+    from ringify.tracing.lengths import SMALL_FIRST
 
     torch.manual_seed(0)
     model = llama().double()

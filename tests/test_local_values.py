@@ -14,7 +14,7 @@ import torch
 from torch import fx
 from torch.fx._pytree import tree_flatten_spec
 
-from ringify.trace import state_of
+from ringify.tracing.trace import state_of
 
 
 def _case(name: str, length: int):

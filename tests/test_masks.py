@@ -16,7 +16,7 @@ from ringify.runtime import shard
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.masks.program import MaskProgram, parse
 from ringify.runtime.tiling.tiles import Visibility
-from ringify.testing.attention import window_program
+from ringify.testing.ring_vs_sdpa import window_program
 from ringify.testing.tolerance import relative_difference, rounding
 
 S = 24  # per rank; no other dim of the models has this size times the ring size
@@ -180,7 +180,7 @@ def windowed_ring(world, layout):
     import torch.distributed as dist
 
     from ringify.runtime.collectives.ring import SentBytes, resolve_ring
-    from ringify.runtime.masks.plan import CallGeometry, plan_for
+    from ringify.runtime.masks.call_plan import CallGeometry, plan_for
 
     seq, tiles = 16 * world, 2  # chunks of 16 (contiguous) or 8 (zigzag): tiles of 8 or 4
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from ringify.runtime.collectives.layout import unshard
 from ringify.runtime.collectives.ring import ring_by_name
 from ringify.runtime.tiling import tiles
 from ringify.testing import RankPool
-from ringify.testing.attention import model_layout
+from ringify.testing.ring_vs_sdpa import model_layout
 
 
 def ring_args(seq, *, layout="zigzag", dtype=torch.float64, seed=0):
@@ -89,7 +89,7 @@ def opcheck_beside_the_ring(name: str) -> None:
     tensor parallelism's collectives."""
     import torch.distributed as dist
 
-    from ringify.testing.attention import document_causal_program, document_inputs
+    from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 
     (q, k, v), _ = ring_args(16, layout="contiguous")
     q = q[:, :, :3].detach().requires_grad_()  # a short replicated query set
@@ -390,7 +390,7 @@ def ring_shift_matches_shifted(layout):
     gradients, shifts both ways, scalar and start-token fills, a padded sequence."""
     import torch.distributed as dist
 
-    from ringify.runtime.collectives.along import ring_shift, shifted
+    from ringify.runtime.collectives.neighbours import ring_shift, shifted
 
     name = dist.group.WORLD.group_name
     world = dist.get_world_size()

@@ -12,7 +12,7 @@ from ringify.runtime import ring_attention, shard
 from ringify.runtime.attention.protocol import is_in_dim_order_of
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.collectives.layout import unshard
-from ringify.testing.attention import (
+from ringify.testing.ring_vs_sdpa import (
     make_inputs,
     model_layout,
     reference,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ringify.runtime import gather, shard
 from ringify.runtime.attention.reference import attention
 from ringify.runtime.attention.spec import AttentionSpec
-from ringify.testing.attention import document_causal_program, document_inputs
+from ringify.testing.ring_vs_sdpa import document_causal_program, document_inputs
 from ringify.testing.tolerance import EXACT
 
 SEQ = 24  # per rank

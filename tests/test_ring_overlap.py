@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from ringify.testing.attention import make_inputs, ring_forward_backward
+from ringify.testing.ring_vs_sdpa import make_inputs, ring_forward_backward
 
 
 def backward_events(world_inputs):

@@ -12,7 +12,7 @@ from rule_graphs import S, check_inferred, node_of, targets_after, x3
 
 from ringify.passes.graph.placement import Seq
 from ringify.passes.graph.report import GatherReason
-from ringify.runtime.collectives.along import ring_cumsum, ring_shift, shifted
+from ringify.runtime.collectives.neighbours import ring_cumsum, ring_shift, shifted
 from ringify.runtime.collectives.reduce import copy_to_ring, reduce_from_ring, ring_amax
 
 aten = torch.ops.aten

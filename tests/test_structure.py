@@ -151,3 +151,19 @@ def test_every_module_is_on_the_map():
         and f"`{path.name}`" not in rows.get(f"{path.parent.relative_to(ROOT.parent)}/", "")
     ]
     assert not missing, f"modules missing from CONTRIBUTING.md's map: {missing}"
+
+
+def test_no_file_name_is_used_twice():
+    """One name, one meaning: a module's file name says which it is anywhere it is named."""
+    names: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
+
+
+def test_the_top_floor_holds_the_entry_alone():
+    """``ringify/`` holds the entry (the call, its configuration, the check) beside its
+    folders; the trace and the other stacks' integrations live in folders of their own."""
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert loose == ["check.py", "config.py", "module.py"], loose

@@ -347,7 +347,7 @@ def test_the_varlen_wrappers_take_a_models_layout_as_fa2_does():
     from ringify.runtime.attention.protocol import is_in_dim_order_of
     from ringify.runtime.masks.calls import sequences_call
     from ringify.runtime.tiling.tiles import sequence_rows
-    from ringify.testing.attention import model_layout
+    from ringify.testing.ring_vs_sdpa import model_layout
 
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, h, 48, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]

@@ -4,7 +4,7 @@
     python -m ringify.estimate --config config.json --seq 262144 --gpus 64 --gpu h100-80gb
 
 Memory is read from the model's own graph, run on the meta device at a few small lengths
-(``footprint.py``); time is a paper model of the hardware (``plan.py``). Nothing of the
+(``footprint.py``); time is a paper model of the hardware (``meshes.py``). Nothing of the
 model's size is allocated and no GPU is needed.
 """
 
@@ -21,7 +21,7 @@ from tabulate import tabulate
 from torch import nn
 
 from ringify.estimate.footprint import Footprint, causal_lm_inputs, footprint
-from ringify.estimate.plan import GIB, Row, meshes, row
+from ringify.estimate.meshes import GIB, Row, meshes, row
 from ringify.passes.sharding.transport_model import GPUS, Cluster
 
 logger = logging.getLogger("ringify")

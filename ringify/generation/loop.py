@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringify.caches import cache_field, cache_keyword, cache_of
 from ringify.generation.step import DecodeStep, ShardedCache
 from ringify.passes.decode import SUPPORTED
 from ringify.runtime.collectives.layout import shard_for_rank, split_multiple
 from ringify.runtime.collectives.ring import Ring
+from ringify.tracing.caches import cache_field, cache_keyword, cache_of
 
 # options that change what is generated, at their neutral values: any other value is refused
 _UNSUPPORTED = {

@@ -31,12 +31,12 @@ from torch.export import Dim
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from ringify.caches import cache_keyword, cache_of, exportable_dynamic_cache
-from ringify.observers import hooked
 from ringify.passes.decode import SUPPORTED, NotDecodable, rewrite_decode
 from ringify.passes.pipeline import DECODE_STEP, folded, lift_state
 from ringify.runtime.collectives.ring import Ring
-from ringify.trace import buffers_kept, state_of
+from ringify.tracing.caches import cache_keyword, cache_of, exportable_dynamic_cache
+from ringify.tracing.observers import hooked
+from ringify.tracing.trace import buffers_kept, state_of
 
 log = logging.getLogger("ringify")
 _EXAMPLE_LENGTH = 7  # the cache length the step is traced at (not 0 or 1, which export pins)

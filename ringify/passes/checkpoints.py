@@ -29,8 +29,8 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from ringify.passes.regions import module_span, outline
-from ringify.runtime.regions import Checkpointed
+from ringify.passes.module_regions import module_span, outline
+from ringify.runtime.region_runs import Checkpointed
 
 _CHECKPOINT = inspect.unwrap(checkpoint).__code__
 

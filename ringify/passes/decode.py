@@ -28,7 +28,7 @@ from torch._guards import detect_fake_mode
 
 from ringify.passes.graph.attention_nodes import read_attention
 from ringify.passes.graph.nodes import ancestors, call, erase_unused, evaluate, shape, uses, val
-from ringify.runtime.attention.memory import decode_attention_op
+from ringify.runtime.attention.memory_attention import decode_attention_op
 from ringify.runtime.attention.reference import attention as reference_attention
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 

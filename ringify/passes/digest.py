@@ -24,9 +24,9 @@ import torch
 from torch import fx
 
 from ringify.runtime.collectives.reduce import copy_to_ring
-from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
+from ringify.runtime.collectives.tp_ops import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
+from ringify.runtime.masks.call_plan import attention_plan
 from ringify.runtime.masks.captures import host_inputs
-from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.step_masks import step_masks
 
 # Namespaces of ops that talk to other ranks (and ringify's own functions, which may):

@@ -1,6 +1,6 @@
 """The integers a rewritten graph derives from its sequence length, read at run time.
 
-``ringify/lengths.py`` runs the pass at several lengths; here the graphs are compared node
+``ringify/tracing/lengths.py`` runs the pass at several lengths; here the graphs are compared node
 for node, each integer argument that differs between them is fitted exactly as
 (a L + b Lp + c) / d of the length L and the padded length Lp, and in one of the graphs each
 becomes a node computing it from an input's size (``sym_size``): one graph for every length.

@@ -26,7 +26,6 @@ from torch import fx, nn
 from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
 from ringify.config import Config
-from ringify.parallelized import units_reducing_over_ring
 from ringify.passes.checkpoints import keep_checkpoints
 from ringify.passes.folds.constants import drop_empty_concatenated
 from ringify.passes.folds.convs import fold_sequence_convs
@@ -44,14 +43,15 @@ from ringify.passes.folds.spellings import fold_synonyms
 from ringify.passes.folds.wrapped import inline_autocast_regions, inline_no_grad_regions
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.report import Report
-from ringify.passes.regions import keep_fsdp_units
-from ringify.passes.sharding.plan import Plan, plan_sequence
+from ringify.passes.module_regions import keep_fsdp_units
+from ringify.passes.sharding.sequence_plan import Plan, plan_sequence
 from ringify.passes.sharding.shard_sequence import shard_sequence
-from ringify.passes.tensor_parallel import place_tp_collectives
+from ringify.passes.tp_collectives import place_tp_collectives
 from ringify.passes.values import record_local_values
 from ringify.runtime.collectives.ring import Ring
 from ringify.runtime.topk import opaque_topks
-from ringify.tensor_parallel import TpLayer
+from ringify.stacks.fsdp_units import units_reducing_over_ring
+from ringify.stacks.tp_layers import TpLayer
 
 Fold = Callable[[fx.GraphModule], int]
 

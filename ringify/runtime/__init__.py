@@ -8,7 +8,7 @@
 - ``dilated_attention(q, k, v, dilation=...)``: its single-device definition.
 """
 
-from ringify.runtime.attention import memory as _memory  # noqa: F401  (registers decode_attention)
+from ringify.runtime.attention import memory_attention as _memory  # noqa: F401  (registers decode_attention)
 from ringify.runtime.attention.api import ring_attention
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.attention.reference import dilated_attention

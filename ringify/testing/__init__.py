@@ -4,14 +4,14 @@
   what a rank's call did (``ranks.py``);
 - ``resident_bytes`` / ``reset_peak_memory``: a CPU process's (peak) memory, and
   ``measured_step``: the time and peak memory of one step; ``saved_for_backward_bytes``:
-  what autograd keeps for the backward (``memory.py``);
-- ``ringify.testing.attention``: ring attention against SDPA on the full sequence;
+  what autograd keeps for the backward (``process_memory.py``);
+- ``ringify.testing.ring_vs_sdpa``: ring attention against SDPA on the full sequence;
 - ``ringify.testing.models``: small models written as users write them;
 - ``ringify.testing.runs``: a model ringified over the current group, eager or compiled;
 - ``ringify.testing.rounds``: benchmark configurations run round-robin, the best of each.
 """
 
-from ringify.testing.memory import (
+from ringify.testing.process_memory import (
     measured_step,
     reset_peak_memory,
     resident_bytes,

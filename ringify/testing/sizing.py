@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ringify.testing.memory import measured_step, resident_bytes
+from ringify.testing.process_memory import measured_step, resident_bytes
 
 CASES = {
     # name: (ring size, tp, checkpointed, per-rank positions at two lengths)
@@ -103,7 +103,7 @@ def measured_and_estimated(case: str, length: int) -> dict:
 
     from ringify import ringify
     from ringify.estimate.footprint import footprint, loss_of
-    from ringify.estimate.plan import Mesh, row
+    from ringify.estimate.meshes import Mesh, row
     from ringify.passes.sharding.transport_model import H100
     from ringify.runtime.collectives.heads import Transport
 

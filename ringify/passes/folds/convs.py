@@ -5,7 +5,7 @@ by ``(kernel - 1) / 2`` on each side, or padded more and its output cut back to 
 sequence's length: by ``kernel / 2`` with the last position cut off (Wav2Vec2's positional
 convolution and its ``SamePad``), by ``kernel - 1`` with the first ``S`` kept (a causal
 convolution: Mamba's, in hybrids such as Bamba and Jamba). ``fold_sequence_convs``
-rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/along.py``)
+rewrites each into one call of ``same_conv1d`` (``ringify/runtime/collectives/neighbours.py``)
 before the plan reads the graph. Along the sharded sequence it becomes ``ring_conv1d``:
 a halo exchange of kernel-width rows per chunk, not a gather; along the batch, local.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import replace_by_call, shape, slice_bounds
-from ringify.runtime.collectives.along import same_conv1d
+from ringify.runtime.collectives.neighbours import same_conv1d
 
 aten = torch.ops.aten
 

@@ -22,7 +22,7 @@ from torch import fx
 
 from ringify.passes.graph.losses import LOSSES, MEAN, NONE, loss_arg
 from ringify.passes.graph.nodes import call, evaluate, norm_dim, shape, slice_bounds
-from ringify.runtime.collectives.along import shifted
+from ringify.runtime.collectives.neighbours import shifted
 
 aten = torch.ops.aten
 _PASSING = frozenset({aten.contiguous.default, aten.clone.default})

@@ -28,8 +28,8 @@ from ringify.passes.graph.nodes import ASSERTS, call, shape, val
 from ringify.runtime.attention.blocks import runs_varlen
 from ringify.runtime.attention.protocol import bias_dtype
 from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.masks.call_plan import attention_plan
 from ringify.runtime.masks.captures import host_inputs
-from ringify.runtime.masks.plan import attention_plan
 from ringify.runtime.masks.program import MaskProgram, parse, program_mask
 from ringify.runtime.masks.step_masks import step_masks
 

@@ -4,7 +4,7 @@ A model shifts a sequence by padding it and slicing the padding's length off the
 other end (HF's causal-LM loss: ``pad(labels, (0, 1), value=-100)[..., 1:]``), or
 by putting a start token in front of all but its last positions (a decoder's input:
 ``cat([start, ids[:, :-1]], 1)``). ``fold_shifts`` rewrites each such pair of
-nodes into one call of ``shifted`` (``ringify/runtime/collectives/along.py``), before the
+nodes into one call of ``shifted`` (``ringify/runtime/collectives/neighbours.py``), before the
 plan reads the graph. Off the sequence it stays local; along it, it becomes
 ``ring_shift``: a halo exchange of ``|shift|`` positions per chunk, not a gather.
 
@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, norm_dim, replace_by_call, shape, slice_bounds, val
-from ringify.runtime.collectives.along import shifted
+from ringify.runtime.collectives.neighbours import shifted
 
 aten = torch.ops.aten
 _PADS = (aten.pad.default, aten.constant_pad_nd.default)

@@ -6,7 +6,7 @@ softmax along it, a view that splits it) or drops it. Three readers share it: th
 rules of the ops that move dims (``sharding/dims.py``: the sequence goes where its dim
 goes), the joint walk (``folds/positionwise.py``: an op runs on each part of a joint dim
 it keeps) and the walk from a value back to the input it came from
-(``sharding/plan.py``: labels). The op sets the rules' table also reads (``SAME_SHAPE``,
+(``sharding/sequence_plan.py``: labels). The op sets the rules' table also reads (``SAME_SHAPE``,
 ``CASTS_LIKE``, ``VIEWS``) live here for the same reason.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import argument, norm_dim, norm_dims, shape
-from ringify.runtime.collectives.along import shifted
+from ringify.runtime.collectives.neighbours import shifted
 
 aten = torch.ops.aten
 

@@ -115,7 +115,7 @@ class ReshardedRegion:
 
 @dataclass(frozen=True)
 class TpCollective:
-    """One tensor-parallel collective the pass wrote (``passes/tensor_parallel.py``)."""
+    """One tensor-parallel collective the pass wrote (``passes/tp_collectives.py``)."""
 
     node: str
     layers: str  # the TP layers it serves
@@ -136,11 +136,11 @@ class Report:
     checkpointed: tuple[str, ...] = ()  # modules whose span runs under a checkpoint
     fsdp_units: tuple[str, ...] = ()  # FSDP2 units whose span runs inside their hooks
     # the lengths this graph serves: "this length", or the range one graph holds for; where
-    # a second length was traced anew, why (``ringify/lengths.py``)
+    # a second length was traced anew, why (``ringify/tracing/lengths.py``)
     lengths: str = "this length"
     # regions run on a share of another dim instead of gathered (``passes/sharding/resharded.py``)
     resharded: tuple[ReshardedRegion, ...] = ()
-    # tensor parallelism's collectives, beside the ring (``passes/tensor_parallel.py``)
+    # tensor parallelism's collectives, beside the ring (``passes/tp_collectives.py``)
     tensor_parallel: tuple[TpCollective, ...] = ()
 
     @property

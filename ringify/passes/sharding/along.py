@@ -13,14 +13,14 @@ from ringify.passes.graph.crossings import PassState, Rule
 from ringify.passes.graph.nodes import norm_dim, shape
 from ringify.passes.graph.placement import Fallback, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
-from ringify.runtime.collectives.along import (
+from ringify.runtime.collectives.layout import chunks_per_rank
+from ringify.runtime.collectives.neighbours import (
     ring_conv1d,
     ring_cumsum,
     ring_shift,
     same_conv1d,
     shifted,
 )
-from ringify.runtime.collectives.layout import chunks_per_rank
 from ringify.runtime.selective_scan import ring_selective_scan, selective_scan
 
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from ringify.passes.graph.crossings import PassState, Rule, as_it_is
 from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason
-from ringify.passes.sharding.attention import local_mask, reported
+from ringify.passes.sharding.attention_rule import local_mask, reported
 from ringify.runtime.attention.joint import joint_attention_op, joint_memory_attention_op
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale

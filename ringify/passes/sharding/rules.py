@@ -3,7 +3,7 @@
 Each family of ops keeps its rules beside it, in its module's ``RULES`` (a ``Rule`` holds
 the two halves, ``crossings.py``): ``dims.py`` (views, transposes, ``cat``), ``indexing.py``,
 ``products.py``, ``reductions.py``, ``routing.py`` (mixture-of-experts routing),
-``along.py`` (shifts, convolutions, scans), ``attention.py`` and ``joint_attention.py``.
+``along.py`` (shifts, convolutions, scans), ``attention_rule.py`` and ``joint_attention.py``.
 ``RULES`` below joins them with the rules of the ops every model has (pointwise ops,
 copies and casts, linear layers and norms, embeddings, dropout, tensor parallelism's
 collectives). What an op does with its dims is ``graph/op_dims.py``'s, read here too.
@@ -32,7 +32,7 @@ from ringify.passes.graph.report import GatherReason, strict
 from ringify.passes.graph.token_dispatch import find as find_dispatches
 from ringify.passes.sharding import (
     along,
-    attention,
+    attention_rule,
     dims,
     dispatch,
     indexing,
@@ -43,7 +43,7 @@ from ringify.passes.sharding import (
 )
 from ringify.passes.sharding.indexing import infer_index
 from ringify.passes.sharding.routing import infer_table_rows, is_table_lookup, rewrite_table_rows
-from ringify.runtime.collectives.tensor_parallel import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
+from ringify.runtime.collectives.tp_ops import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
 from ringify.runtime.dropout import sequence_dropout
 
 aten = torch.ops.aten
@@ -155,7 +155,7 @@ RULES: dict[object, Rule] = {
     **routing.RULES,
     **dispatch.RULES,
     **along.RULES,
-    **attention.RULES,
+    **attention_rule.RULES,
     **joint_attention.RULES,
 }
 

@@ -14,7 +14,7 @@ rewrite then walks the graph once and makes each rank compute exactly its part:
   always exact, and reported; unless it and what is computed from it keep another dim
   independent, where they run on a share of that dim instead (``resharded.py``).
 
-A sequence the ring cannot split evenly is padded at the end (``plan.py``
+A sequence the ring cannot split evenly is padded at the end (``sequence_plan.py``
 decides): causal attention never looks at the padding, otherwise the op cuts the
 padded keys off (``key_len``); reductions mask it out, cross-entropy targets are
 padded with ``ignore_index``, and gathers drop it.
@@ -31,10 +31,10 @@ from ringify.passes.graph.attention_nodes import Attention, find_attention
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.placement import Fallback
 from ringify.passes.graph.report import AttentionRun, Report
-from ringify.passes.sharding.attention import reported
-from ringify.passes.sharding.plan import Plan
+from ringify.passes.sharding.attention_rule import reported
 from ringify.passes.sharding.resharded import reshard_plans, rewrite_member
 from ringify.passes.sharding.rules import rule_for
+from ringify.passes.sharding.sequence_plan import Plan
 from ringify.runtime.attention.dilation import Dilation
 from ringify.runtime.collectives.heads import Transport
 

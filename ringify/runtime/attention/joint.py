@@ -23,7 +23,10 @@ probabilities), as the ring does per block.
 from __future__ import annotations
 
 from ringify.runtime.attention.blocks import bias_backward, block_backward, block_forward
-from ringify.runtime.attention.memory import memory_attention_backward_op, memory_attention_op
+from ringify.runtime.attention.memory_attention import (
+    memory_attention_backward_op,
+    memory_attention_op,
+)
 from ringify.runtime.attention.ops import ring_attention_backward_op, ring_attention_op
 from ringify.runtime.attention.protocol import (
     accumulation_dtype,

@@ -3,7 +3,7 @@
 ``torch.ops.ringify.ring_attention(q, k, v, attn_mask, mask_inputs, key_len, spec, plan=None,
 sinks=None, step_masks=None) -> (out, lse)`` and its backward follow the attention ops'
 protocol (``protocol.py``): ``spec`` an ``AttentionSpec``, ``plan`` a ``RingPlan`` from
-``ringify::attention_plan`` (the graph's one plan per program and step, ``masks/plan.py``)
+``ringify::attention_plan`` (the graph's one plan per program and step, ``masks/call_plan.py``)
 or None: made here; ``step_masks`` the plan's masks from ``ringify::step_masks``
 (``masks/step_masks.py``) or None: each masked block's mask evaluated in the call.
 
@@ -59,8 +59,8 @@ from ringify.runtime.attention.sinks import sink_grad, with_sinks
 from ringify.runtime.attention.spec import AttentionSpec
 from ringify.runtime.attention.transport import GradSlots, narrow_rows, transport_for
 from ringify.runtime.collectives.ring import Ring, ring_by_name
+from ringify.runtime.masks.call_plan import CallGeometry, RingPlan, plan_for
 from ringify.runtime.masks.captures import note_captured
-from ringify.runtime.masks.plan import CallGeometry, RingPlan, plan_for
 from ringify.runtime.masks.program import add_program_grads, sum_to
 from ringify.runtime.masks.tile_masks import tile_of
 from ringify.runtime.tiling.tiles import Visibility, capturing
@@ -191,7 +191,7 @@ def _local(ring: Ring, q, attn_mask, key_len, spec: AttentionSpec) -> bool:
 
 
 def _planned(ring: Ring, q, k, attn_mask, inputs, key_len, spec: AttentionSpec, plan, given):
-    """``(transport, CallMasks)`` of this call from its plan (``masks/plan.py``): the step's,
+    """``(transport, CallMasks)`` of this call from its plan (``masks/call_plan.py``): the step's,
     which the graph made once, else one made here (on the ring); ``given``: the step's
     masks (``ringify::step_masks``) or None."""
     call = (ring.name, ring.size, q.shape[2], spec.is_causal, spec.layout, key_len)

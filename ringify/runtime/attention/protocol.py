@@ -12,7 +12,7 @@ forward and backward only:
              sinks=None, step_masks=None, mask_grad=False, input_grads=None)
         -> (dq, dk, dv, d attn_mask, d inputs, d sinks)
 
-``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/plan.py``);
+``spec`` is an ``AttentionSpec`` (``spec.py``); ``plan`` a ``RingPlan`` (``masks/call_plan.py``);
 ``step_masks`` the plan's two tensors from ``ringify::step_masks`` (``masks/step_masks.py``)
 or None. ``inputs`` are the op's further tensors: a mask program's O(S) inputs (the ring),
 the text keys and values (``joint.py``), the new key and value (a decode step).
@@ -41,7 +41,7 @@ import torch
 
 from ringify.runtime.attention.spec import SPEC_TYPE
 from ringify.runtime.attention.transport import ShardRows
-from ringify.runtime.masks.plan import PLAN_TYPE
+from ringify.runtime.masks.call_plan import PLAN_TYPE
 
 # Written out: an optional opaque argument (the plan) is beyond ``infer_schema``.
 _CALL = f"Tensor? attn_mask, Tensor[] inputs, SymInt key_len, {SPEC_TYPE} spec"

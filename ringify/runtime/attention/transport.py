@@ -3,7 +3,7 @@ op's loop and the network.
 
 The loop (``ops.py``) attends each query tile to the K/V tiles it holds at each visit and
 merges the blocks; what it holds, and where its rows come from and go back to, is the
-transport's, chosen by the plan (``masks/plan.py``). Both expose the same members, so the
+transport's, chosen by the plan (``masks/call_plan.py``). Both expose the same members, so the
 loop is written once:
 
 - ``P2PRing``: K/V tiles travel round the ring, one step per visit (``tiles.ring_visits``).
@@ -44,7 +44,7 @@ from ringify.runtime.collectives.ring import (
     strided_ring_name,
     sub_ring_name,
 )
-from ringify.runtime.masks.plan import RingPlan
+from ringify.runtime.masks.call_plan import RingPlan
 from ringify.runtime.tiling.tiles import SubRing, Tiling, ring_visits, sequence_rows
 
 

@@ -1,7 +1,7 @@
 """A plan's host side: its one device-to-host read, and what a CUDA graph's replay needs of it.
 
 ``ringify::host_inputs`` copies a plan's mask-program inputs to the host in one copy, as a
-graph op of its own before ``attention_plan`` (``plan.py``), so that the plan op takes host
+graph op of its own before ``attention_plan`` (``call_plan.py``), so that the plan op takes host
 tensors only. Inductor gives an op's opaque output (the plan) the device of the op's tensor
 arguments, and on a GPU its check of a compiled graph's outputs
 (``_check_triton_bf16_support``) asks each GPU output its dtype, which an opaque output has

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ringify.runtime.masks.plan import PLAN_TYPE, RingPlan
+from ringify.runtime.masks.call_plan import PLAN_TYPE, RingPlan
 from ringify.runtime.masks.program import evaluate
 from ringify.runtime.masks.step_layout import Capacity, GivenMasks
 

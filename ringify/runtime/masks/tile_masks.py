@@ -58,7 +58,7 @@ class TileMasks:
     unless ``working_on`` gives it others (a balanced plan, ``masks/balance.py``).
 
     A program is bounded and its open blocks classified on the host, from ``inputs``:
-    host copies of its inputs (``masks/plan.py`` makes them once per model call), so
+    host copies of its inputs (``masks/call_plan.py`` makes them once per model call), so
     that nothing here reads a device tensor or mixes one with a host tensor. The blocks
     that need their mask evaluate it from the inputs of the call they run in, on its
     device (``CallMasks``): device work, no host read."""

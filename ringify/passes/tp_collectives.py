@@ -1,9 +1,9 @@
 """Tensor parallelism's collectives written into the traced graph, where each TP layer reads
 its weight.
 
-The trace saw one TP rank's local model (``ringify/tensor_parallel.py``): every TP weight
+The trace saw one TP rank's local model (``ringify/stacks/tp_layers.py``): every TP weight
 its local shard, no collective. Here each layer's matmul or lookup gets what its
-placements imply (``runtime/collectives/tensor_parallel.py``), as the style's hooks would
+placements imply (``runtime/collectives/tp_ops.py``), as the style's hooks would
 have done around the module, and as Megatron's layers do:
 
 - column-parallel: ``linear(tp_copy(x), W, b)``, then ``tp_gather`` where the output is
@@ -25,14 +25,14 @@ from torch import fx
 from ringify.passes.graph.nodes import call, evaluate, val
 from ringify.passes.graph.report import TpCollective
 from ringify.runtime.collectives.ring import ring_by_name
-from ringify.runtime.collectives.tensor_parallel import (
+from ringify.runtime.collectives.tp_ops import (
     TP_COPY,
     TP_GATHER,
     TP_REDUCE,
     TP_SPLIT,
     TP_VOCAB_EMBEDDING,
 )
-from ringify.tensor_parallel import TpLayer
+from ringify.stacks.tp_layers import TpLayer
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def place_tp_collectives(gm: fx.GraphModule, layers: dict[str, TpLayer]) -> None
         reads.setdefault(node.target, []).append(node)
     copies: dict[fx.Node, fx.Node] = {}  # one tp_copy per input, however many layers read it
     for path, layer in layers.items():
-        if layer.kind == "titan":  # its collectives were traced (``titan_parallel.py``)
+        if layer.kind == "titan":  # its collectives were traced (``stacks/titan_plans.py``)
             continue
         if layer.kind == "replicated":
             _partial_gradients(gm.graph, reads, path, layer)

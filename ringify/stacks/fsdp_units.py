@@ -6,14 +6,14 @@ module as the root) is kept. Its units' parameters are sharded DTensors between 
 while ringify traces (``unsharded_for_trace``), each unit's sharded parameters are seen
 as fake tensors of their full shape and FSDP's own forward hooks are set aside (the
 model's other hooks run); both are restored after. After the pass, each unit's span of
-the rewritten graph runs inside that unit's FSDP forward hooks (``passes/regions.py``).
+the rewritten graph runs inside that unit's FSDP forward hooks (``passes/module_regions.py``).
 
 A unit grouping several modules (``fully_shard([norm, lm_head])``, as torchtitan shards
 its last layers, or the tied embedding and head) is kept as one span, from its first
 module's first node to its last module's last (``unit_groups``). FSDP mixed precision is
 kept (parameters all-gathered in ``param_dtype``, the blocks' inputs cast as FSDP casts
 them, gradients reduced in ``reduce_dtype``). Refused, naming what composes: DTensor
-parameters outside FSDP and outside tensor-parallel layers (``tensor_parallel.py``), and a
+parameters outside FSDP and outside tensor-parallel layers (``tp_layers.py``), and a
 policy's ``output_dtype``.
 A parameter swapped for a DTensor after a trace changes the state's description
 (``state_kind``), so the cached graph is traced again rather than run on old weights.
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ringify.runtime.collectives.ring import Ring
-from ringify.tensor_parallel import TpLayer, tp_layers, tp_parameters, traced_shape
+from ringify.stacks.tp_layers import TpLayer, tp_layers, tp_parameters, traced_shape
 
 _WORKS = (
     "What composes: FSDP2 per block and on the model or the ringified module (fully_shard(block, "

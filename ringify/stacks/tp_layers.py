@@ -10,14 +10,14 @@ Two ways to parallelize are kept, both on a TP mesh dim beside the ring's:
   ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``). Each style
   replaced the module's ``forward`` by a ``tp_forward`` closure over the style (5.16's
   per-head norms: a backward hook instead).
-- torchtitan 0.3's ``Module.parallelize`` (``titan_parallel.py``): kind ``"titan"``, its
+- torchtitan 0.3's ``Module.parallelize`` (``titan_plans.py``): kind ``"titan"``, its
   states local already, its redistributions traced as ringify's TP ops.
 
 ``tp_layers`` reads each layer's placements into a ``TpLayer``, refusing what it cannot
 keep with what composes; a style it does not know is refused, never run as it is. While ringify traces (``local_for_trace``), each TP weight is a
 fake tensor of its local shard's shape and the styles' hooks and ``tp_forward`` are set
 aside (the model's other hooks run); all restored after. The pass then writes the
-collectives each layer implies where it reads its weight (``passes/tensor_parallel.py``),
+collectives each layer implies where it reads its weight (``passes/tp_collectives.py``),
 and at run time the graph reads each weight's local shard (``local_state``).
 
 Sequence parallelism inside TP (``SequenceParallel``, a ``Shard(1)`` input or output) is
@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ringify.runtime.collectives.ring import ring_by_name
-from ringify.titan_parallel import TitanModule, closure, titan_modules, traced_as_local
+from ringify.stacks.titan_plans import TitanModule, closure, titan_modules, traced_as_local
 
 _COMPOSES = (
     "What composes with ringify: ColwiseParallel and RowwiseParallel on nn.Linear and "

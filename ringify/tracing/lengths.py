@@ -45,8 +45,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringify.config import Config
-from ringify.observers import is_library_hook
-from ringify.parallelized import fsdp_units, unsharded_for_trace
 from ringify.passes.length_integers import (
     NotLiftable,
     check_no_wrapped_regions,
@@ -56,8 +54,10 @@ from ringify.passes.length_integers import (
 )
 from ringify.passes.pipeline import MANY_LENGTHS
 from ringify.runtime.collectives.layout import split_multiple
-from ringify.tensor_parallel import local_for_trace, tp_layers
-from ringify.trace import Rewritten, buffers_kept, rewrite
+from ringify.stacks.fsdp_units import fsdp_units, unsharded_for_trace
+from ringify.stacks.tp_layers import local_for_trace, tp_layers
+from ringify.tracing.observers import is_library_hook
+from ringify.tracing.trace import Rewritten, buffers_kept, rewrite
 
 log = logging.getLogger("ringify")
 

@@ -8,7 +8,7 @@ outlined into a submodule that the graph calls in its place, and what a module's
 carries at run time (a checkpoint, ``checkpoints.py``; an FSDP2 unit's hooks) then wraps
 exactly that span.
 
-The trace saw each FSDP2 unit's parameters at full shape (``parallelized.py``), and
+The trace saw each FSDP2 unit's parameters at full shape (``stacks/fsdp_units.py``), and
 ``lift_state`` made them graph inputs like every parameter. Here each unit's span
 (``module_span``, innermost unit first) is outlined into an ``FsdpUnitRegion``, together
 with what the pass computed from the unit's parameters alone (their ``copy_to_ring``,
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 from torch import fx, nn
 
-from ringify.parallelized import unit_groups, unit_parameters
 from ringify.runtime.collectives.reduce import copy_averaged_outside, copy_to_ring
-from ringify.runtime.regions import FsdpUnitRegion
+from ringify.runtime.region_runs import FsdpUnitRegion
+from ringify.stacks.fsdp_units import unit_groups, unit_parameters
 
 
 def keep_fsdp_units(

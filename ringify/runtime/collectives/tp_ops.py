@@ -1,9 +1,9 @@
 """Tensor parallelism's collectives, as custom ops the pass puts around a layer's matmul.
 
 A model parallelized for TP (``parallelize_module``, or transformers' ``tp_plan``) is traced
-with each TP weight as its local shard (``ringify/tensor_parallel.py``); these ops are what
+with each TP weight as its local shard (``ringify/stacks/tp_layers.py``); these ops are what
 the layer's placements imply, written where the layer reads its weight
-(``passes/tensor_parallel.py``). They are Megatron's pair and its two neighbours, on the TP
+(``passes/tp_collectives.py``). They are Megatron's pair and its two neighbours, on the TP
 group named ``group_name`` (another group than the ring's):
 
 - ``tp_copy``: the input of a column-parallel layer, replicated. Identity forward; the

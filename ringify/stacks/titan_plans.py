@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ringify.runtime.collectives.tensor_parallel import tp_copy, tp_gather, tp_reduce
+from ringify.runtime.collectives.tp_ops import tp_copy, tp_gather, tp_reduce
 
 WRAPPER = "forward_with_redistribution"
 _COMPOSES = (

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from ringify.runtime.collectives.tensor_parallel import local_state
+from ringify.runtime.collectives.tp_ops import local_state
 
 
 class Checkpointed(nn.Module):

@@ -26,11 +26,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from ringify.block_masks import rebuilt
 from ringify.config import Config
-from ringify.export_errors import custom_backward_error, custom_backwards, export_failure
-from ringify.observers import Observed, Observers
-from ringify.parallelized import fsdp_units, state_kind, unsharded_for_trace
 from ringify.passes.checkpoints import CheckpointRecorder
 from ringify.passes.graph.report import Report
 from ringify.passes.pipeline import (
@@ -41,15 +37,19 @@ from ringify.passes.pipeline import (
     runnable,
     sharded,
 )
-from ringify.passes.sharding.plan import sharded_input_dims
-from ringify.passes.tensor_parallel import reported_collectives
-from ringify.tensor_parallel import (
+from ringify.passes.sharding.sequence_plan import sharded_input_dims
+from ringify.passes.tp_collectives import reported_collectives
+from ringify.stacks.block_masks import rebuilt
+from ringify.stacks.fsdp_units import fsdp_units, state_kind, unsharded_for_trace
+from ringify.stacks.tp_layers import (
     TpLayer,
     check_beside,
     is_tp_backward_hook,
     local_for_trace,
     tp_layers,
 )
+from ringify.tracing.export_errors import custom_backward_error, custom_backwards, export_failure
+from ringify.tracing.observers import Observed, Observers
 
 log = logging.getLogger("ringify")
 

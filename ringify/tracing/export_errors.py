@@ -14,7 +14,7 @@ import traceback
 import torch
 from torch.utils import _pytree as pytree
 
-from ringify.caches import cache_hint
+from ringify.tracing.caches import cache_hint
 
 log = logging.getLogger("ringify")
 

@@ -32,7 +32,7 @@ from ringify.passes.graph.nodes import call, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq
 from ringify.passes.graph.report import AttentionRun, GatherReason, MaskKind, ReportedAttention
 from ringify.passes.sharding.strategy import choose_transport, step_bytes
-from ringify.runtime.attention.memory import memory_attention_op
+from ringify.runtime.attention.memory_attention import memory_attention_op
 from ringify.runtime.attention.spec import AttentionSpec, sdpa_scale
 from ringify.runtime.masks.program import program_mask
 
