@@ -18,6 +18,7 @@ import math
 
 from tabulate import tabulate
 
+from ringify.passes.graph.vocabulary import GROUPED_MM
 from ringify.testing import RankPool
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
@@ -27,8 +28,6 @@ def expert_work(gm) -> tuple[int, int]:
     """(rows, FLOPs) of every batched or grouped expert product of ``gm`` and its submodules
     (a grouped product multiplies each row by one expert's (inner x outer) matrix)."""
     import torch
-
-    from ringify.passes.graph.token_dispatch import GROUPED_MM
 
     rows = flops = 0
     for m in gm.modules():

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ringify.passes.graph.vocabulary import GROUPED_MM
 from ringify.testing.models import AttendedRouter
 from ringify.testing.runs import inductor_control, ringified_run
 
@@ -77,7 +78,6 @@ def _tolerances(want: dict, reordered: dict, float64: dict) -> dict[str, float]:
 def _expert_rows(gm: torch.fx.GraphModule) -> list[int]:
     """The rows (token copies) each batched or grouped expert product of a graph multiplies,
     or that it splits by the experts' counts to multiply one by one, from its nodes' values (on a rank, once the pass is done: its local shapes)."""
-    from ringify.passes.graph.token_dispatch import GROUPED_MM
 
     rows = []
     for m in gm.modules():

@@ -167,3 +167,19 @@ def test_the_top_floor_holds_the_entry_alone():
     folders; the trace and the other stacks' integrations live in folders of their own."""
     loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
     assert loose == ["check.py", "config.py", "module.py"], loose
+
+
+def test_each_kind_of_op_is_named_once():
+    """A set of two or more aten ops is written in ``passes/graph/vocabulary.py`` alone:
+    every fold, rule and walk reads its kinds from there (a table of ops to what each does
+    is not a set: ``op_dims.py``'s, the rules')."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "vocabulary.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Set | ast.Tuple | ast.List):
+                ops = [e for e in node.elts if ast.unparse(e).startswith("aten.")]
+                if len(ops) >= 2 and len(ops) == len(node.elts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

@@ -23,6 +23,7 @@ import hashlib
 import torch
 from torch import fx
 
+from ringify.passes.graph.vocabulary import CHECKS
 from ringify.runtime.collectives.reduce import copy_to_ring
 from ringify.runtime.collectives.tp_ops import TP_FEATURE_OPS, TP_VOCAB_EMBEDDING
 from ringify.runtime.masks.call_plan import attention_plan
@@ -115,12 +116,6 @@ def _shape(value: object) -> object:
     return None if value is None else repr(value)
 
 
-_CHECKS = frozenset({
-    torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-})  # fmt: skip
-
-
 def _needs_grad(node: fx.Node) -> bool:
     value = node.meta.get("val")
     return node.op == "placeholder" and getattr(value, "requires_grad", False)
@@ -132,7 +127,7 @@ def _order_matters(node: fx.Node, graded: set[fx.Node]) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target in _CHECKS or target in _RANK_LOCAL:  # where it runs changes nothing computed
+    if target in CHECKS or target in _RANK_LOCAL:  # where it runs changes nothing computed
         return False
     if target is copy_to_ring and node not in graded:  # it talks only in a backward, never run
         return False

@@ -73,7 +73,8 @@ def _in_model(filename: str) -> bool:
     """Whether a frame's file is the model's (or a library's it uses, e.g. transformers)."""
     paths = sysconfig.get_paths()
     libraries = (paths["purelib"], paths["platlib"])
-    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    ringify = os.path.dirname(os.path.dirname(__file__))
+    ours = (os.path.dirname(torch.__file__), ringify)
     if filename.startswith("<") or filename.startswith(tuple(p + os.sep for p in ours)):
         return False  # "<string>": generated code
     return filename.startswith(libraries) or not filename.startswith(paths["stdlib"])

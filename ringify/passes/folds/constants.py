@@ -15,11 +15,9 @@ import operator
 import torch
 from torch import fx
 
-aten = torch.ops.aten
+from ringify.passes.graph.vocabulary import VALUE_PASSING
 
-# ops that pass a constant on unchanged (export reads a lifted constant through them)
-_PASSED_ON = {aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default,
-              aten.alias.default, aten.clone.default}  # fmt: skip
+aten = torch.ops.aten
 
 
 def drop_empty_concatenated(gm: fx.GraphModule) -> int:
@@ -57,7 +55,7 @@ def _dtype(node) -> torch.dtype | None:
 
 
 def _empty_constant(gm: fx.GraphModule, node, dtype) -> bool:
-    while isinstance(node, fx.Node) and node.target in _PASSED_ON:
+    while isinstance(node, fx.Node) and node.target in VALUE_PASSING:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return False
@@ -74,7 +72,7 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and the chain of constant reads behind it, as far as nothing else uses
     them (an in-place ``detach_`` of the chain counts as a use of its input only)."""
     chain = [node]
-    while chain[-1].target in _PASSED_ON:
+    while chain[-1].target in VALUE_PASSING:
         chain.append(chain[-1].args[0])
     for step in chain:  # the detach_ export puts on a copy goes first, if nothing reads it
         for user in [u for u in step.users if u.target is aten.detach_.default and not u.users]:

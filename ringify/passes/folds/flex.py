@@ -30,7 +30,8 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.handwritten import FORM_NOTE, UNREAD_NOTE
-from ringify.passes.graph.nodes import ASSERTS, call, erase_unused, shape, uses, val
+from ringify.passes.graph.nodes import call, erase_unused, shape, uses, val
+from ringify.passes.graph.vocabulary import ASSERTS, RESCALE_PASSING
 from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
@@ -96,14 +97,6 @@ def _fold(gm: fx.GraphModule, node: fx.Node) -> None:
             erase_unused(graph, part)
 
 
-# ops that move or cast a value without mixing its elements (between flex and the rescale)
-_PASSING = frozenset({
-    aten.transpose.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
-    aten._to_copy.default, aten.alias.default,
-})  # fmt: skip
-
-
 @dataclasses.dataclass
 class _Rescale:
     sinks: fx.Node  # the (heads,) sink logits
@@ -112,14 +105,14 @@ class _Rescale:
 
 
 def _passed(x: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
-    """The nodes ``x`` passes through (only user after only user, each in ``_PASSING``) and
+    """The nodes ``x`` passes through (only user after only user, each in ``RESCALE_PASSING``) and
     the first user that is not one (``None`` where there are several)."""
     chain = []
     while True:
         users = [u for u in x.users if u.target not in ASSERTS]
         if len(users) != 1:
             return chain, None
-        if users[0].target not in _PASSING or users[0].args[0] is not x:
+        if users[0].target not in RESCALE_PASSING or users[0].args[0] is not x:
             return chain, users[0]
         x = users[0]
         chain.append(x)
@@ -148,7 +141,7 @@ def _sink_rescale(outputs: dict, heads: int) -> _Rescale | None:
     if sub is None or sub.target is not aten.sub.Tensor or sub.args[0] is not lse_chain[-1]:
         return None
     sinks = sub.args[1]
-    while isinstance(sinks, fx.Node) and sinks.target in _PASSING and len(shape(sinks)) > 1:
+    while isinstance(sinks, fx.Node) and sinks.target in RESCALE_PASSING and len(shape(sinks)) > 1:
         sinks = sinks.args[0]
     viewed = shape(sub.args[1]) if isinstance(sub.args[1], fx.Node) else None
     if not isinstance(sinks, fx.Node) or shape(sinks) != [heads] or viewed != [1, 1, heads]:

@@ -27,9 +27,9 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, shape, uses, val
+from ringify.passes.graph.vocabulary import SELECTING_VIEWS
 
 aten = torch.ops.aten
-_VIEWS = frozenset({aten.slice.Tensor, aten.select.int, aten.alias.default})
 
 
 def functionalize_writes(gm: fx.GraphModule) -> int:
@@ -124,7 +124,7 @@ def _view_path(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
     first tensor on the way that is not one (another view, as a ``permute``, is the base,
     which ``_made_here`` then judges)."""
     path = []
-    while x.op == "call_function" and x.target in _VIEWS:
+    while x.op == "call_function" and x.target in SELECTING_VIEWS:
         path.append(x)
         x = x.args[0]
     return list(reversed(path)), x

@@ -21,10 +21,10 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import shape
+from ringify.passes.graph.vocabulary import SIZED_VIEWS
 from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 def fold_repeated_kv(gm: fx.GraphModule) -> int:
@@ -77,7 +77,7 @@ def _unrepeated(x: fx.Node) -> tuple[fx.Node | None, int]:
         if len(shape(y)) == 4 and dim in (1, -3) and isinstance(n, int):
             return y, n
         return None, 0
-    if not (isinstance(x, fx.Node) and x.target in _RESHAPES):
+    if not (isinstance(x, fx.Node) and x.target in SIZED_VIEWS):
         return None, 0
     expanded = x.args[0]
     if not (isinstance(expanded, fx.Node) and expanded.target is aten.expand.default):

@@ -37,9 +37,6 @@ import torch
 from torch import fx
 
 from ringify.passes.folds.spellings import (
-    CASTS,
-    PRODUCTS,
-    WHERES,
     capped,
     constant,
     einsum,
@@ -52,14 +49,19 @@ from ringify.passes.folds.spellings import (
     untransposed,
 )
 from ringify.passes.graph.nodes import call, erase_unused, shape, slice_bounds, uses, val
+from ringify.passes.graph.vocabulary import (
+    ANY_CAST,
+    BATCHED_MATMULS,
+    MASKED_FILLS,
+    SIZED_VIEWS,
+    SOFTMAXES,
+    WHERES,
+)
 from ringify.runtime.attention.reference import attention as reference_attention
 
 aten = torch.ops.aten
 FORM_NOTE = "ringify_form"  # node.meta key of an SDPA node this pass wrote: how it was spelled
 UNREAD_NOTE = "ringify_unread"  # node.meta key: why a softmax (or flex node) is not attention
-
-_SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
-_RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
 class _NotAttention(Exception):
@@ -71,7 +73,7 @@ def fold_handwritten_attention(gm: fx.GraphModule) -> int:
     graph = gm.graph
     folded = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _SOFTMAXES:
+        if node.op != "call_function" or node.target not in SOFTMAXES:
             continue
         try:
             _fold(graph, node)
@@ -137,14 +139,14 @@ class _Scores:
             elif scales(x):
                 self.scale *= factor(x)
                 x = x.args[0]
-            elif target in _RESHAPES and self.heads is None and splits_heads(x):
+            elif target in SIZED_VIEWS and self.heads is None and splits_heads(x):
                 self.heads = shape(x)[:2]
                 x = x.args[0]
             elif target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args[:2]):
                 side = 0 if reaches_product(x.args[0]) else 1
                 self._mask("add", x.args[1 - side], None)
                 x = x.args[side]
-            elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            elif target in MASKED_FILLS:
                 self._mask("hide", x.args[1], _fill(x.args[2], x))
                 x = x.args[0]
             elif target in WHERES:
@@ -157,7 +159,7 @@ class _Scores:
                 self.scale *= float(x.kwargs.get("alpha", 1))
                 self._read_product(x.args[1], x.args[2])
                 break
-            elif target in PRODUCTS:
+            elif target in BATCHED_MATMULS:
                 self._read_product(*x.args[:2])
                 break
             elif (e := einsum(x)) is not None and e.scores:  # "bhid,bhjd->bhij", any order
@@ -277,9 +279,9 @@ def _probabilities(softmax: fx.Node, scores: _Scores) -> tuple[list[fx.Node], fl
 
 def _passes_probabilities(node: fx.Node, scores: _Scores, sink_dropped: bool) -> bool:
     """Whether ``node`` carries the probabilities on towards v unchanged in value."""
-    if node.target in CASTS or node.target is aten.dropout.default:
+    if node.target in ANY_CAST or node.target is aten.dropout.default:
         return True
-    if node.target in _RESHAPES:  # back to (B * H, S, S), as the scores were
+    if node.target in SIZED_VIEWS:  # back to (B * H, S, S), as the scores were
         return scores.heads is not None and len(shape(node)) == 3
     if node.target is aten.slice.Tensor and not sink_dropped:  # probs[..., :-1]
         ndim, columns = len(shape(node.args[0])), shape(node.args[0])[-1]
@@ -301,7 +303,7 @@ def _times(node: fx.Node) -> tuple | None:
     """``(probabilities, v)`` if ``node`` multiplies them (``matmul``, ``bmm``, or an einsum
     whose first operand is laid out (batch, i, j): "bhij,bhjd->bhid", v and the result in any
     order), else None."""
-    if node.target in PRODUCTS:
+    if node.target in BATCHED_MATMULS:
         return tuple(node.args[:2])
     e = einsum(node)
     if e is None or e.order(e.a, e.batch + e.i + e.c) is not None:

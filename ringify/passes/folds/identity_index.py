@@ -17,15 +17,9 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, shape, val
+from ringify.passes.graph.vocabulary import ADDS_AND_SUBS, ARANGES, INDEX_PASSING
 
 aten = torch.ops.aten
-_ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
-# ops an index passes through unchanged in value: casts, and dims of size 1 added
-_KEEPING = frozenset({
-    aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.clone.default, aten.contiguous.default, aten.alias.default, aten._to_copy.default,
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-})  # fmt: skip
 
 
 def fold_identity_indexing(gm: fx.GraphModule) -> int:
@@ -93,9 +87,9 @@ def _arange_dim(index: fx.Node, length, width: int) -> int | bool | None:
     if not long and length != 1:
         return False
     source = index
-    while source.op == "call_function" and (source.target in _KEEPING or _adds_zero(source)):
+    while source.op == "call_function" and (source.target in INDEX_PASSING or _adds_zero(source)):
         source = source.args[0]
-    if source.op != "call_function" or source.target not in _ARANGES:
+    if source.op != "call_function" or source.target not in ARANGES:
         return False
     if list(val(source).shape) != [length] or not _starts_at_zero(source):
         return False
@@ -104,7 +98,7 @@ def _arange_dim(index: fx.Node, length, width: int) -> int | bool | None:
 
 def _adds_zero(node: fx.Node) -> bool:
     """``x + 0`` or ``x - 0`` (HF offsets its positions by the cache's, 0 without one)."""
-    if node.target not in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+    if node.target not in ADDS_AND_SUBS:
         return False
     other = node.args[1] if len(node.args) > 1 else None
     alpha = node.kwargs.get("alpha", 1)

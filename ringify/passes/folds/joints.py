@@ -34,7 +34,6 @@ from torch import fx
 from ringify.passes.folds.positionwise import Items, Joint, distributed
 from ringify.passes.graph.attention_nodes import read_attention
 from ringify.passes.graph.nodes import (
-    ASSERTS,
     ancestors,
     call,
     erase_unused,
@@ -44,13 +43,12 @@ from ringify.passes.graph.nodes import (
     slice_bounds,
     val,
 )
+from ringify.passes.graph.vocabulary import ANDS, ASSERTS, NARROWS, SPLITS_BY_SIZE
 from ringify.runtime.attention.reference import joint_attention
 from ringify.runtime.zero_grads import with_zero_grads
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-_SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
-_ANDS = frozenset({aten.mul.Tensor, aten.logical_and.default, aten.bitwise_and.Tensor})
 
 
 @dataclass
@@ -187,9 +185,9 @@ def _fold(graph: fx.Graph, node: fx.Node, joints: dict, carried: _Carried):
         return _cat(graph, node, joints)
     if target is _SDPA:
         return _attention(graph, node, joints, carried)
-    along = target in (aten.slice.Tensor, aten.narrow.default)
+    along = target in NARROWS
     dim = norm_dim(args[1] if len(args) > 1 else 0, len(shape(args[0]))) if along else None
-    if (along and dim == first.dim) or (target in _SPLITS and _split_dim(node) == first.dim):
+    if (along and dim == first.dim) or (target in SPLITS_BY_SIZE and _split_dim(node) == first.dim):
         if target is aten.slice.Tensor:
             start, end, step = slice_bounds(node, first.bounds()[-1])
             split = _slice(first, start, end) if step == 1 else None
@@ -327,7 +325,7 @@ def _rows_and_keys(mask: fx.Node | None) -> tuple[fx.Node | None, fx.Node | None
     (Chroma's token mask times itself) as ``(rows, keys)``: SDPA under it is SDPA under the
     keys' factor, with the rows ``rows`` leaves no key made zero, as SDPA makes a row with
     no key. Any other mask: ``(None, mask)``."""
-    if mask is None or mask.target not in _ANDS or val(mask).dtype != torch.bool:
+    if mask is None or mask.target not in ANDS or val(mask).dtype != torch.bool:
         return None, mask
     factors = mask.args[:2]
     if not all(isinstance(f, fx.Node) and is_tensor(f) and len(shape(f)) >= 2 for f in factors):

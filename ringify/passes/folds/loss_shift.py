@@ -22,11 +22,10 @@ from torch import fx
 
 from ringify.passes.graph.losses import LOSSES, MEAN, NONE, loss_arg
 from ringify.passes.graph.nodes import call, evaluate, norm_dim, shape, slice_bounds
+from ringify.passes.graph.vocabulary import COPIES, SIZED_VIEWS
 from ringify.runtime.collectives.neighbours import shifted
 
 aten = torch.ops.aten
-_PASSING = frozenset({aten.contiguous.default, aten.clone.default})
-_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
 
 
 def fold_sliced_loss(gm: fx.GraphModule) -> int:
@@ -62,7 +61,7 @@ def _path(x: fx.Node) -> list[fx.Node] | None:
         path.append(x)
         if x.target is aten.slice.Tensor:
             return path
-        if (x.target in _RESHAPES and list(x.args[1]).count(-1) == 1) or x.target in _PASSING:
+        if (x.target in SIZED_VIEWS and list(x.args[1]).count(-1) == 1) or x.target in COPIES:
             x = x.args[0]
         else:
             return None

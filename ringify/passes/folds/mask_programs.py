@@ -24,7 +24,8 @@ from torch import fx
 from ringify.passes.folds.mask_reader import NotAProgram, read_program, writes_only_a_temporary
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.crossings import PassState
-from ringify.passes.graph.nodes import ASSERTS, call, shape, val
+from ringify.passes.graph.nodes import call, shape, val
+from ringify.passes.graph.vocabulary import ASSERTS
 from ringify.runtime.attention.blocks import runs_varlen
 from ringify.runtime.attention.protocol import bias_dtype
 from ringify.runtime.collectives.heads import Transport

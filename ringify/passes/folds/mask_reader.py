@@ -14,24 +14,16 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, is_tensor, shape, slice_bounds, val
+from ringify.passes.graph.vocabulary import ANY_CAST, MASK_PASSING, PADS, TRIANGLES
 from ringify.runtime.masks.program import DIFFERENTIABLE, ELEMENTWISE, MaskProgram
 
 aten = torch.ops.aten
-_IDENTITY = frozenset({
-    aten.expand.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-})  # fmt: skip
-_CASTS = frozenset({
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
-    aten.type_as.default,
-})  # fmt: skip
 _FILLED = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
 _CONSTANT = {  # creation ops of a fixed value
     aten.ones.default: 1, aten.new_ones.default: 1, aten.ones_like.default: 1,
     aten.zeros.default: 0, aten.new_zeros.default: 0, aten.zeros_like.default: 0,
 }  # fmt: skip
 _CREATION = _FILLED.keys() | _CONSTANT.keys()  # read only their input's dtype and device
-_PADS = frozenset({aten.pad.default, aten.constant_pad_nd.default})
 
 
 class NotAProgram(Exception):
@@ -120,7 +112,7 @@ class _Reader:
 
     def _instruction(self, node: fx.Node) -> dict:
         target, args = node.target, node.args
-        if target in _IDENTITY:
+        if target in MASK_PASSING:
             before, after = [1, 1, *shape(args[0])][-2:], shape(node)[-2:]
             broadcast = target is aten.expand.default and all(
                 b in (1, a) for b, a in zip(before, after, strict=True)
@@ -128,7 +120,7 @@ class _Reader:
             if before != list(after) and not broadcast:
                 raise NotAProgram(f"{node.name} ({target}) reshapes the queries x keys dims")
             return self.visit(args[0])
-        if target in _CASTS:
+        if target in ANY_CAST:
             return self._emit("cast", [self.visit(args[0])], node)
         if target in _CONSTANT:
             return self._emit("const", [_CONSTANT[target]], node)
@@ -141,13 +133,13 @@ class _Reader:
         if target is aten.slice.Tensor and (diagonal := _triangle_buffer(node)) is not None:
             kind, offset = diagonal  # nanoGPT's mask: a crop of a registered tril of ones
             return self._emit(kind, [self._emit("const", [1], node), self._shifted(offset)], node)
-        if target in (aten.tril.default, aten.triu.default):
+        if target in TRIANGLES:
             diagonal = args[1] if len(args) > 1 else node.kwargs.get("diagonal", 0)
             kind = target.__name__.split(".")[0]
             return self._emit(kind, [self.visit(args[0]), self._shifted(diagonal)], node)
         if target is aten.slice.Tensor:
             return self._cropped(node)
-        if target in _PADS:
+        if target in PADS:
             return self._padded(node)
         name = _functional(node)
         if getattr(target, "namespace", None) != "aten" or name not in ELEMENTWISE:

@@ -17,7 +17,15 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, is_tensor, norm_dim, shape
-from ringify.passes.graph.op_dims import CASTS_LIKE, SIZED_VIEWS, SPLITS, SQUEEZES, result_dim
+from ringify.passes.graph.op_dims import result_dim
+from ringify.passes.graph.vocabulary import (
+    CASTS_LIKE,
+    EXPANDS,
+    JOINS,
+    SIZED_VIEWS,
+    SPLITS,
+    SQUEEZES,
+)
 
 aten = torch.ops.aten
 
@@ -63,7 +71,7 @@ def distributed(graph: fx.Graph, node: fx.Node, joints: dict):
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return _broadcast(graph, node, found, bounds, seeds)
-    if target in (aten.cat.default, aten.stack.default):
+    if target in JOINS:
         return _joined(graph, node, found, bounds, seeds)
     x = node.args[0]
     if x not in found or len(found) > 1:
@@ -88,7 +96,7 @@ def _part_sizes(node: fx.Node, out: int, length: int) -> tuple:
         sizes = list(shape(node))
         sizes[out] = length
         return (sizes, *rest[1:])
-    if node.target in (aten.expand.default, aten.broadcast_to.default):
+    if node.target in EXPANDS:
         sizes = list(rest[0])
         sizes[out] = length
         return (sizes, *rest[1:])

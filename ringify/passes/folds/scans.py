@@ -35,7 +35,6 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
-from ringify.passes.folds.spellings import CASTS
 from ringify.passes.graph.nodes import (
     call,
     erase_unused,
@@ -45,11 +44,11 @@ from ringify.passes.graph.nodes import (
     uses,
     val,
 )
+from ringify.passes.graph.vocabulary import ANY_CAST, ZEROS
 from ringify.runtime.selective_scan import selective_scan
 
 aten = torch.ops.aten
-_ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
-_WRITTEN_THROUGH = CASTS | {aten.clone.default}  # what a write into a buffer reads a state by
+_WRITTEN_THROUGH = ANY_CAST | {aten.clone.default}  # what a write into a buffer reads a state by
 
 
 def fold_selective_scans(gm: fx.GraphModule) -> int:
@@ -95,7 +94,7 @@ def _scan_of(stack: fx.Node) -> tuple | None:
     batch, _, length, state = shape(first.a)
     if shape(first.c) != [batch, length, state]:
         return None
-    if any(s[:3] != first[:3] for s in steps) or first.before.target not in _ZEROS:
+    if any(s[:3] != first[:3] for s in steps) or first.before.target not in ZEROS:
         return None
     for before, after in itertools.pairwise(steps):
         if after.before is not before.after and _alias_of(after.before) is not before.after:
@@ -116,7 +115,7 @@ def _step(y: fx.Node, i: int) -> _Step | None:
     if product.target is not aten.matmul.default or norm_dim(y.args[1], 3) != 2:
         return None
     state, column = product.args
-    h = state.args[0] if state.target in CASTS else state
+    h = state.args[0] if state.target in ANY_CAST else state
     c = _position(column.args[0], i) if column.target is aten.unsqueeze.default else None
     if c is None or c[1] != 1 or norm_dim(column.args[1], 3) != 2 or len(shape(c[0])) != 3:
         return None
@@ -156,14 +155,14 @@ def _position(node, i: int) -> tuple[fx.Node, int] | None:
 
 def _alias_of(node: fx.Node) -> fx.Node | None:
     """The state a same-dtype cast returns (``h.to(h.dtype)``, ``h.to(device)`` are ``h``)."""
-    cast = node.target in CASTS or node.target is aten.to.dtype_layout
+    cast = node.target in ANY_CAST or node.target is aten.to.dtype_layout
     return node.args[0] if cast and val(node).dtype == val(node.args[0]).dtype else None
 
 
 def _read_only_by(h: fx.Node, readers: set) -> bool:
     """Whether ``readers`` alone read the state ``h``, directly or through its cast."""
     for user in uses(h):
-        if user.target in CASTS and user not in readers:
+        if user.target in ANY_CAST and user not in readers:
             if not all(u in readers for u in uses(user)):
                 return False
         elif user not in readers:
@@ -215,7 +214,7 @@ def _recurrence_of(last: fx.Node) -> tuple | None:
         writes.append(writes[-1].args[0])
     writes.reverse()
     buffer, length = writes[0].args[0], len(writes)
-    if buffer.target not in _ZEROS or len(shape(buffer)) != 3 or shape(buffer)[1] != length:
+    if buffer.target not in ZEROS or len(shape(buffer)) != 3 or shape(buffer)[1] != length:
         return None
     steps, chains = [], []  # each write's step, and what its value is read through
     for i, w in enumerate(writes):
@@ -230,7 +229,7 @@ def _recurrence_of(last: fx.Node) -> tuple | None:
         steps.append(step)
         chains.append(chain)
     a, x, first = steps[0][:3]
-    if any(s[:2] != (a, x) for s in steps) or (_alias_of(first) or first).target not in _ZEROS:
+    if any(s[:2] != (a, x) for s in steps) or (_alias_of(first) or first).target not in ZEROS:
         return None
     if shape(a) != shape(buffer) or shape(x) != shape(buffer):
         return None
@@ -246,4 +245,4 @@ def _recurrence_of(last: fx.Node) -> tuple | None:
 
 
 def _uncast(node):
-    return node.args[0] if isinstance(node, fx.Node) and node.target in CASTS else node
+    return node.args[0] if isinstance(node, fx.Node) and node.target in ANY_CAST else node

@@ -20,10 +20,10 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import call, norm_dim, replace_by_call, shape, slice_bounds, val
+from ringify.passes.graph.vocabulary import PADS
 from ringify.runtime.collectives.neighbours import shifted
 
 aten = torch.ops.aten
-_PADS = (aten.pad.default, aten.constant_pad_nd.default)
 
 
 def fold_shifts(gm: fx.GraphModule) -> int:
@@ -69,7 +69,7 @@ def _shift_of(node: fx.Node) -> tuple | None:
     """``(x, dim, shift, fill)`` if ``node`` ends a shift of ``x``, else None."""
     if node.op != "call_function":
         return None
-    if node.target is aten.slice.Tensor and node.args[0].target in _PADS:
+    if node.target is aten.slice.Tensor and node.args[0].target in PADS:
         return _pad_then_slice(node, node.args[0])
     if node.target is aten.cat.default:
         return _start_then_slice(node)

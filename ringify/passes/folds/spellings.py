@@ -32,12 +32,19 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import shape, val
+from ringify.passes.graph.vocabulary import (
+    ANY_CAST,
+    BATCHED_MATMULS,
+    CAT_SYNONYMS,
+    LAST_TWO_SWAPS,
+    MOVEDIMS,
+    SCALINGS,
+    SWAPS,
+    VALUE_PASSING,
+    WHERES,
+)
 
 aten = torch.ops.aten
-PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default})
-CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default})
-# casts to another tensor's dtype (and device): that tensor is read for them alone
-WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 
 
 @dataclass(frozen=True)
@@ -94,13 +101,13 @@ def _scores_einsum(x: fx.Node) -> bool:
 
 
 def skip_casts(x: fx.Node) -> fx.Node:
-    while isinstance(x, fx.Node) and x.target in CASTS:
+    while isinstance(x, fx.Node) and x.target in ANY_CAST:
         x = x.args[0]
     return x
 
 
 def scales(x: fx.Node) -> bool:
-    return x.target in (aten.mul.Tensor, aten.div.Tensor) and constant(x.args[1]) is not None
+    return x.target in SCALINGS and constant(x.args[1]) is not None
 
 
 def factor(x: fx.Node) -> float:
@@ -124,7 +131,7 @@ def reaches_product(x, depth: int = 8) -> bool:
     for _ in range(depth):
         if not isinstance(x, fx.Node) or x.op != "call_function":
             return False
-        if x.target in PRODUCTS or x.target is aten.baddbmm.default or _scores_einsum(x):
+        if x.target in BATCHED_MATMULS or x.target is aten.baddbmm.default or _scores_einsum(x):
             return True
         x = x.args[1] if x.target in WHERES else x.args[0]
     return False
@@ -148,7 +155,7 @@ def row_max_subtracted(x: fx.Node) -> bool:
     if x.target is not aten.sub.Tensor or not isinstance(x.args[1], fx.Node):
         return False
     a, m = x.args[:2]
-    m = m.args[0] if m.target in (aten.detach.default, aten.alias.default) else m
+    m = m.args[0] if m.target in VALUE_PASSING else m
     if m.target is operator.getitem and m.args[1] == 0:
         m = m.args[0]
         return m.target is aten.max.dim and m.args[0] is a and last_keepdim(m, a, 1)
@@ -188,16 +195,11 @@ def splits_heads(x: fx.Node) -> bool:
 
 
 aten = torch.ops.aten
-_CATS = (aten.concat.default, aten.concatenate.default)
 _AS = {
     aten.expand_as.default: aten.expand.default,
     aten.view_as.default: aten.reshape.default,
     aten.reshape_as.default: aten.reshape.default,
 }
-
-
-_LAST_TWO = frozenset({aten.mT.default, aten.mH.default, aten.adjoint.default})
-_SWAPS = frozenset({aten.swapaxes.default, aten.swapdims.default})
 
 
 def _as_transpose(node: fx.Node) -> tuple | None:
@@ -207,15 +209,15 @@ def _as_transpose(node: fx.Node) -> tuple | None:
     if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor):
         return None
     ndim, real = val(x).dim(), not val(x).is_complex()
-    if node.target in _LAST_TWO and ndim >= 2 and (real or node.target is aten.mT.default):
+    if node.target in LAST_TWO_SWAPS and ndim >= 2 and (real or node.target is aten.mT.default):
         return aten.transpose.int, (x, ndim - 2, ndim - 1)
     if node.target is aten.matrix_H.default and real:
         return aten.transpose.int, (x, 0, 1)
-    if node.target in _SWAPS:
+    if node.target in SWAPS:
         return aten.transpose.int, (x, *node.args[1:3])
     if node.target is aten.numpy_T.default:
         return aten.permute.default, (x, list(reversed(range(ndim))))
-    if node.target in (aten.movedim.int, aten.movedim.intlist):
+    if node.target in MOVEDIMS:
         sources, targets = node.args[1:3]
         sources = [sources] if isinstance(sources, int) else sources
         targets = [targets] if isinstance(targets, int) else targets
@@ -231,7 +233,7 @@ def fold_synonyms(gm: fx.GraphModule) -> int:
     """Rewrite each op above in its one spelling, in place; how many."""
     folded = 0
     for node in gm.graph.nodes:
-        if node.target in _CATS:
+        if node.target in CAT_SYNONYMS:
             node.target, folded = aten.cat.default, folded + 1
         elif node.target in _AS:
             x, other = node.args[:2]

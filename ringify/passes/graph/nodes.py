@@ -15,6 +15,8 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from ringify.passes.graph.vocabulary import ASSERTS
+
 
 def val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -84,9 +86,6 @@ def evaluate(node: fx.Node, like: fx.Node | None = None):
         raise RuntimeError(f"no fake value among the arguments of {node.target}")
     with mode:
         return node.target(*values[0], **values[1])
-
-
-ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -19,49 +19,30 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.nodes import argument, norm_dim, norm_dims, shape
-from ringify.runtime.collectives.neighbours import shifted
+from ringify.passes.graph.vocabulary import (
+    ALONG,
+    CASTS_LIKE,
+    EXPANDS,
+    IN_PLACE,
+    NORMS,
+    REDUCTIONS,
+    ROW_PRODUCTS,
+    SAME_SHAPE,
+    SPLITS,
+    SQUEEZES,
+    TOTALS,
+    VIEWS,
+)
 
 aten = torch.ops.aten
 
 DimMap = Callable[[fx.Node, int, int], "int | None"]
 
-# ops of one tensor whose result has its input's shape (copies, casts, dropout)
-SAME_SHAPE = frozenset({
-    aten.dropout.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
-    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
-    aten.to.device, aten.lift_fresh_copy.default,
-})  # fmt: skip
-# casts to another tensor's dtype and device: the second tensor is read for those alone
-CASTS_LIKE = frozenset({aten.type_as.default, aten.to.other})
-# views by sizes; and those whose arguments name dims, the same for any length
-SIZED_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
-VIEWS = SIZED_VIEWS | {aten.flatten.using_ints, aten.unflatten.int}
-# ops that keep a dim's positions in order, some cut or padded at its ends
-KEEPS_POSITIONS = frozenset({
-    aten.slice.Tensor, aten.constant_pad_nd.default, aten.pad.default, shifted,
-})  # fmt: skip
-SPLITS = frozenset({aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default})
 # ops that select, slice or split along one dim: op -> position of its dim argument
 INDEXING = {
     aten.select.int: 1, aten.slice.Tensor: 1, aten.unbind.int: 1,
     aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2,
 }  # fmt: skip
-SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
-_REDUCTIONS = frozenset({
-    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-    aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim, aten.logsumexp.default,
-    aten.any.dim, aten.all.dim,
-})  # fmt: skip
-_ALONG = frozenset({
-    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-    aten.cumsum.default,
-})  # fmt: skip
-# ops that read across a dim but keep every index of every dim where it was (scans, masks)
-_IN_PLACE = _ALONG | {
-    aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default,
-    aten.tril.default, aten.triu.default,
-}  # fmt: skip
-_TOTALS = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
 DROPPED = "dropped"  # ``kept_dim``: the op reduces the dim or selects along it
 
 
@@ -80,9 +61,9 @@ def kept_dim(node: fx.Node, d: int, nd: int) -> int | str | None:
     landed = result_dim(node, d, nd)
     if landed is not None:
         return landed
-    if node.target in _IN_PLACE:
+    if node.target in IN_PLACE:
         return d
-    if node.target in _REDUCTIONS | _TOTALS or node.target is aten.select.int:
+    if node.target in REDUCTIONS | TOTALS or node.target is aten.select.int:
         return DROPPED
     return None
 
@@ -139,7 +120,7 @@ DIM_MAPS: dict[object, DimMap] = {
     **dict.fromkeys(SAME_SHAPE | CASTS_LIKE, _same),
     **dict.fromkeys(VIEWS, lambda node, d, nd: view_dim(shape(node.args[0]), shape(node), d)),
     **dict.fromkeys(
-        (aten.expand.default, aten.broadcast_to.default),
+        EXPANDS,
         lambda node, d, nd: d + len(node.args[1]) - nd,
     ),
     aten.transpose.int: _transpose,
@@ -149,10 +130,10 @@ DIM_MAPS: dict[object, DimMap] = {
     **dict.fromkeys(SQUEEZES, _squeeze),
     aten.select.int: _select,
     aten.slice.Tensor: lambda node, d, nd: None if norm_dim(argument(node, "dim"), nd) == d else d,
-    **dict.fromkeys(_REDUCTIONS, _reduction),
-    **dict.fromkeys(_ALONG, lambda node, d, nd: None if norm_dim(node.args[1], nd) == d else d),
+    **dict.fromkeys(REDUCTIONS, _reduction),
+    **dict.fromkeys(ALONG, lambda node, d, nd: None if norm_dim(node.args[1], nd) == d else d),
     **dict.fromkeys(
-        (aten.layer_norm.default, aten.rms_norm.default),
+        NORMS,
         lambda node, d, nd: d if d < nd - len(node.args[1]) else None,
     ),
     aten.outer.default: _same,
@@ -160,7 +141,7 @@ DIM_MAPS: dict[object, DimMap] = {
         None if (k := argument(node, "dim")) is None or norm_dim(k, nd) == d else d
     ),
     **dict.fromkeys(
-        (aten.linear.default, aten.matmul.default, aten.mm.default),
+        ROW_PRODUCTS,
         lambda node, d, nd: d if d < nd - 1 and len(shape(node.args[1])) <= 2 else None,
     ),
     **dict.fromkeys(SPLITS, _split),

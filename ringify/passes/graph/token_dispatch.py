@@ -32,27 +32,27 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ringify.passes.graph.nodes import ASSERTS, argument, shape
-from ringify.passes.graph.op_dims import CASTS_LIKE, INDEXING, SAME_SHAPE, SIZED_VIEWS
+from ringify.passes.graph.nodes import argument, shape
+from ringify.passes.graph.op_dims import INDEXING
+from ringify.passes.graph.vocabulary import (
+    ARGSORTS,
+    ASSERTS,
+    BLANK_LIKE,
+    CASTS_LIKE,
+    COUNTS,
+    GROUPED_MM,
+    INDEX_PUTS,
+    ITEMS,
+    ROW_PRODUCTS,
+    ROWS_CARRIED,
+    SCATTER_BACK,
+    SLOT_MARKS,
+    SORTS,
+    TITAN_SCATTER_ADD,
+)
 
 aten = torch.ops.aten
-ARGSORTS = frozenset({aten.argsort.default, aten.argsort.stable})
-SORTS = frozenset({aten.sort.default, aten.sort.stable})
-# the ops that carry a value's rows as they are: views, copies and casts (dropout left out)
-CARRY = (
-    SIZED_VIEWS | SAME_SHAPE | CASTS_LIKE
-    | {aten.flatten.using_ints, aten.unsqueeze.default, aten.expand.default}
-) - {aten.dropout.default}  # fmt: skip
-# ops known by name: their libraries (torchtitan, transformers) are not ringify's imports
-GROUPED_MM = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
-SCATTER_BACK = frozenset({"aten.scatter_add.default", "aten.index_add.default",
-                          "torchtitan.deterministic_scatter_add.default"})  # fmt: skip
-INDEX_PUTS = frozenset({aten.index_put.default, aten.index_put_.default})
-NEW_LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default})
-COUNTS = frozenset({aten.histc.default, aten.bincount.default})
 SPLIT = aten.split_with_sizes.default
-PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.matmul.default})
-ITEMS = frozenset({aten.item.default, aten._local_scalar_dense.default})  # a count's number
 # ops that act on each row alone, given a dim other than the rows' (the op -> its dim argument)
 ALONG_ROWS = {**INDEXING, aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten._softmax.default: 1,
               aten.softmax.int: 1, aten.cat.default: 1}  # fmt: skip
@@ -139,9 +139,9 @@ def _user_kind(user: fx.Node, node: fx.Node, kind: str, top_k: int, slots: int):
     target, name = user.target, str(user.target)
     if name in SCATTER_BACK:
         return "combine"
-    if (target in CASTS_LIKE and user.args[0] is not node) or target in NEW_LIKE:
+    if (target in CASTS_LIKE and user.args[0] is not node) or target in BLANK_LIKE:
         return "like"  # read for its dtype (and shape) alone
-    if (target in CARRY and user.args[0] is node) or target is operator.getitem:
+    if (target in ROWS_CARRIED and user.args[0] is node) or target is operator.getitem:
         return kind
     if target in INDEX_PUTS:  # the inverse permutation: inv[perm] = arange(slots)
         return INVERSE if kind == SLOTS and _inverse(user, node, slots) else None
@@ -175,7 +175,7 @@ def _user_kind(user: fx.Node, node: fx.Node, kind: str, top_k: int, slots: int):
         return ROWS
     if name in GROUPED_MM and user.args[0] is node:
         return ROWS
-    if target in PRODUCTS and user.args[0] is node and len(shape(user.args[1])) == 2:
+    if target in ROW_PRODUCTS and user.args[0] is node and len(shape(user.args[1])) == 2:
         return ROWS  # rows times a weight
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return ROWS
@@ -187,7 +187,7 @@ def _inverse(node: fx.Node, perm: fx.Node, slots: int) -> bool:
     base, indices, values = node.args[:3]
     return (
         indices == [perm]
-        and getattr(base, "target", None) in NEW_LIKE
+        and getattr(base, "target", None) in BLANK_LIKE
         and base.args[0] is perm
         and getattr(values, "target", None) is aten.arange.default
         and list(values.args) == [slots]
@@ -210,7 +210,7 @@ def _feedsoffsets(count: fx.Node, grouped: set) -> bool:
     if count.target is aten.cumsum.default:
         return all(u in grouped and offsets(u) is count for u in readers)
     return bool(readers) and all(
-        (u.target in CARRY or u.target is aten.cumsum.default) and _feedsoffsets(u, grouped)
+        (u.target in ROWS_CARRIED or u.target is aten.cumsum.default) and _feedsoffsets(u, grouped)
         for u in readers
     )
 
@@ -221,7 +221,7 @@ def _combine_ok(node: fx.Node, kinds: dict) -> bool:
     picked by the inverse permutation."""
     if node.target is aten.index.Tensor:
         return kinds.get(node.args[0]) == ROWS and kinds.get(node.args[1][0]) == INVERSE
-    if str(node.target) == "torchtitan.deterministic_scatter_add.default":
+    if str(node.target) == TITAN_SCATTER_ADD:
         base, index, src = node.args[:3]
     else:
         base, dim, index, src = node.args[:4]
@@ -297,7 +297,7 @@ def _outputs(sort: fx.Node) -> tuple:
 
 def _through(node: fx.Node) -> fx.Node:
     """``node`` back through views and casts."""
-    while isinstance(node, fx.Node) and node.target in CARRY:
+    while isinstance(node, fx.Node) and node.target in ROWS_CARRIED:
         node = node.args[0]
     return node
 
@@ -358,7 +358,7 @@ def _counts_of(counts: fx.Node, ids: fx.Node, topk: fx.Node) -> bool:
         mark = _through(counts.args[0])
         dims = sorted(d % len(shape(mark)) for d in counts.args[1])
         return (
-            mark.target in (aten.scatter.value, aten.scatter_.value, aten.scatter.src)
+            mark.target in SLOT_MARKS
             and mark.args[1] in (-1, len(shape(mark)) - 1)
             and _topk(mark.args[2]) is topk
             and dims == list(range(len(shape(mark)) - 1))

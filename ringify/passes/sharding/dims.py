@@ -8,17 +8,12 @@ import torch
 
 from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadcast, fit_whole
 from ringify.passes.graph.nodes import norm_dim, shape, val
-from ringify.passes.graph.op_dims import VIEWS, result_dim
+from ringify.passes.graph.op_dims import result_dim
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first, view_placement
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.vocabulary import COMPLEX_VIEWS, EXPANDS, MOVED, VIEWS
 
 aten = torch.ops.aten
-
-# ops whose output keeps the sequence where its dim goes (``infer_moved``)
-MOVED = frozenset({
-    aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-})  # fmt: skip
 
 
 def rewrite_local_size(node, out: Seq, state: PassState) -> None:
@@ -121,12 +116,10 @@ RULES = {
     aten.repeat.default: Rule(infer_repeat, as_it_is),
     aten.stack.default: Rule(infer_stack, as_it_is),
     **dict.fromkeys(VIEWS, Rule(infer_view, rewrite_local_size)),
-    **dict.fromkeys(
-        (aten.expand.default, aten.broadcast_to.default), Rule(infer_moved, rewrite_local_size)
-    ),
+    **dict.fromkeys(EXPANDS, Rule(infer_moved, rewrite_local_size)),
     **dict.fromkeys(MOVED, Rule(infer_moved, fit_whole)),
     **dict.fromkeys(
-        (aten.view_as_complex.default, aten.view_as_real.default),
+        COMPLEX_VIEWS,
         Rule(infer_complex_view, as_it_is),
     ),
 }

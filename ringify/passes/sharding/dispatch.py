@@ -27,17 +27,15 @@ from ringify.passes.graph.nodes import argument, call, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq
 from ringify.passes.graph.report import GatherReason
 from ringify.passes.graph.token_dispatch import (
-    GROUPED_MM,
-    INDEX_PUTS,
     INVERSE,
     ROWS,
     SLOTS,
-    SORTS,
     SPLIT,
     TOKENS,
     Dispatch,
     offsets,
 )
+from ringify.passes.graph.vocabulary import GROUPED_MM, INDEX_PUTS, SORTS, TITAN_SCATTER_ADD
 from ringify.passes.sharding.indexing import infer_indexing
 
 aten = torch.ops.aten
@@ -220,7 +218,7 @@ def _on_numbers(node: fx.Node) -> bool:
 def infer_combine(node: fx.Node, place: Placements):
     """A dispatch's scatter back at its tokens (or slots): positional again, as the base; a
     replicated base (``zeros``) that lines up with them is sliced, made at a rank's size."""
-    named = str(node.target) == "torchtitan.deterministic_scatter_add.default"
+    named = str(node.target) == TITAN_SCATTER_ADD
     base, index, src = node.args[:3] if named else (node.args[0], *node.args[2:4])
     p = place[index]
     d = place.dispatches.get(getattr(p, "order", None))
@@ -260,7 +258,7 @@ def rewrite_inverse(node: fx.Node, out: Seq, state: PassState) -> None:
 
 NAMED = {
     **dict.fromkeys(GROUPED_MM, Rule(infer_grouped_mm, rewrite_grouped_mm)),
-    "torchtitan.deterministic_scatter_add.default": Rule(infer_combine, fit_broadcast),
+    TITAN_SCATTER_ADD: Rule(infer_combine, fit_broadcast),
 }
 RULES = {
     aten.index_add.default: Rule(infer_combine, fit_broadcast),

@@ -19,6 +19,7 @@ from ringify.passes.graph.nodes import norm_dim, shape, slice_bounds, val
 from ringify.passes.graph.op_dims import INDEXING
 from ringify.passes.graph.placement import Fallback, Placement, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.vocabulary import SELECTS_AND_SLICES, SLICE_SCATTERS
 from ringify.runtime.collectives.reduce import ring_take
 
 aten = torch.ops.aten
@@ -33,7 +34,7 @@ def infer_indexing(node, place, p: Seq, ndim: int):
     if k == p.dim:
         if t is aten.slice.Tensor and list(out.shape) == shape(node.args[0]):
             return p  # the whole sequence: the end index clamps to the local length
-        if t in (aten.select.int, aten.slice.Tensor):
+        if t in SELECTS_AND_SLICES:
             return _taken(node, place, p, k)
         return Fallback(GatherReason.ALONG_SEQUENCE)
     if t is aten.select.int or t is aten.unbind.int:
@@ -114,7 +115,7 @@ def _taken(node, place, p: Seq, dim: int) -> Fallback | None:
 
 def _picked_count(user, dim: int) -> int:
     """The positions ``user`` picks along ``dim`` of its input (0 if it picks none there)."""
-    if user.target not in (aten.select.int, aten.slice.Tensor, aten.index_select.default):
+    if user.target not in SELECTS_AND_SLICES | {aten.index_select.default}:
         return 0
     x = user.args[0]
     at = user.args[1] if len(user.args) > 1 else 0
@@ -203,14 +204,14 @@ def rewrite_scatter(node, out: Seq, state: PassState) -> None:
 
 RULES = {
     **dict.fromkeys(  # (a split by an MoE's counts: ``dispatch.py``)
-        INDEXING.keys() - {aten.select.int, aten.slice.Tensor, aten.split_with_sizes.default},
+        INDEXING.keys() - SELECTS_AND_SLICES - {aten.split_with_sizes.default},
         Rule(infer_indexing, fit_whole),
     ),
-    **dict.fromkeys((aten.select.int, aten.slice.Tensor), Rule(infer_indexing, rewrite_indexing)),
+    **dict.fromkeys(SELECTS_AND_SLICES, Rule(infer_indexing, rewrite_indexing)),
     aten.index_select.default: Rule(infer_index_select, rewrite_indexing),
     aten.gather.default: Rule(infer_gather, fit_broadcast),
     **dict.fromkeys(
-        (aten.slice_scatter.default, aten.select_scatter.default),
+        SLICE_SCATTERS,
         Rule(infer_scatter, rewrite_scatter),
     ),
 }

@@ -20,19 +20,14 @@ from torch import fx
 from ringify.passes.graph.nodes import argument, is_tensor, shape, slice_bounds, val
 from ringify.passes.graph.op_dims import DROPPED, kept_dim
 from ringify.passes.graph.placement import Seq
+from ringify.passes.graph.vocabulary import LIKE, MATMULS, NEW_TENSORS, SLICE_SCATTERS
 from ringify.passes.sharding.rules import POINTWISE, rule_for
 
 aten = torch.ops.aten
 
 FREE = frozenset()  # a value that holds no position: reduced, selected or contracted away
-_MATMULS = frozenset({aten.matmul.default, aten.bmm.default, aten.mm.default})
 # tensors made like another, none of its values read
-_FRESH = frozenset({
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
-    aten.new_empty.default, aten.new_full.default,
-})  # fmt: skip
-_SCATTERS = frozenset({aten.select_scatter.default, aten.slice_scatter.default})
+_FRESH = LIKE | NEW_TENSORS
 
 
 @dataclass(frozen=True)
@@ -84,9 +79,9 @@ def positions_held(nodes: list[fx.Node], place) -> dict:
             ats = FREE
         elif n.target is aten.cat.default:
             ats = _joined(n, carried, of)
-        elif n.target in _SCATTERS:
+        elif n.target in SLICE_SCATTERS:
             ats = _scattered(n, of(n.args[0]), of(n.args[1]))
-        elif n.target in _MATMULS and len(n.args) == 2:
+        elif n.target in MATMULS and len(n.args) == 2:
             ats = _multiplied(n, of(n.args[0]), of(n.args[1]))
         elif rule_for(n.target) is POINTWISE:
             ats = _merged([_aligned(n, a, of(a)) for a in carried])

@@ -17,6 +17,7 @@ from ringify.passes.graph.crossings import PassState, Rule
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.placement import Fallback, Placements
 from ringify.passes.graph.report import GatherReason, InsertedGather
+from ringify.passes.graph.vocabulary import MATMULS
 
 aten = torch.ops.aten
 
@@ -130,7 +131,7 @@ def _einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str] | 
 
 RULES = {
     **dict.fromkeys(
-        (aten.mm.default, aten.matmul.default, aten.bmm.default),
+        MATMULS,
         Rule(infer_matmul, rewrite_product),
     ),
     # addmm's bias broadcasts against the output

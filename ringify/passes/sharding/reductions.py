@@ -20,6 +20,13 @@ from ringify.passes.graph.losses import LOSSES, MEAN, NONE, SUM, loss_arg
 from ringify.passes.graph.nodes import norm_dim, norm_dims, shape, val
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
+from ringify.passes.graph.vocabulary import (
+    LOCAL_REDUCTIONS,
+    MEANS,
+    SOFTMAX_INTS,
+    SUMS_AND_MEANS,
+    TOTALS,
+)
 from ringify.runtime.collectives.reduce import (
     copy_to_ring,
     reduce_from_ring,
@@ -30,22 +37,15 @@ from ringify.runtime.collectives.reduce import (
 aten = torch.ops.aten
 ringify_ops = torch.ops.ringify
 
-REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim})
-SOFTMAXES = frozenset({aten.softmax.int, aten.log_softmax.int})
 # max-like reduction -> +1 for a maximum, -1 for a minimum (min(x) = -max(-x))
 EXTREMA = {aten.amax.default: 1, aten.max.default: 1, aten.amin.default: -1, aten.min.default: -1}
 # loss op -> positions of (reduction, ignore_index) in its arguments
 
 
 def _reduced_dims(node: fx.Node, ndim: int) -> list[int]:
-    if len(node.args) < 2 or node.target in _WHOLE or not node.args[1]:
+    if len(node.args) < 2 or node.target in TOTALS or not node.args[1]:
         return list(range(ndim))
     return norm_dims(node.args[1], ndim)
-
-
-_WHOLE = frozenset({aten.sum.default, aten.mean.default, aten.max.default, aten.min.default})
-# reductions with no ring form, whose arguments are sum's (x, dims, keepdim)
-LOCAL_REDUCTIONS = frozenset({aten.logsumexp.default, aten.max.dim, aten.min.dim})
 
 
 def infer_reduction(node: fx.Node, place: Placements) -> Placement:
@@ -84,7 +84,7 @@ def rewrite_reduction(node: fx.Node, out: Placement, state: PassState) -> None:
             aten.sum.dim_IntList, (local, dims, keep), {"dtype": dtype} if dtype else {}
         )
         total = g.call_function(reduce_from_ring, (partial, state.group_name))
-        if node.target in (aten.mean.default, aten.mean.dim):
+        if node.target in MEANS:
             count = math.prod(shape(x)[d] for d in dims)
             total = g.call_function(aten.div.Tensor, (total, count))
     state.replace(node, total, None)
@@ -270,10 +270,10 @@ def _first_sharded(infer):
 
 
 RULES = {
-    **dict.fromkeys(REDUCTIONS, Rule(_first_sharded(infer_reduction), rewrite_reduction)),
+    **dict.fromkeys(SUMS_AND_MEANS, Rule(_first_sharded(infer_reduction), rewrite_reduction)),
     **dict.fromkeys(LOCAL_REDUCTIONS, Rule(infer_local_reduction, fit_broadcast)),
     **dict.fromkeys(EXTREMA, Rule(_first_sharded(infer_reduction), rewrite_extremum)),
-    **dict.fromkeys(SOFTMAXES, Rule(_infer_softmax, rewrite_softmax)),
+    **dict.fromkeys(SOFTMAX_INTS, Rule(_infer_softmax, rewrite_softmax)),
     aten.argmax.default: Rule(_first_sharded(infer_argmax), rewrite_argmax),
     **dict.fromkeys(LOSSES, Rule(_first_sharded(infer_loss), rewrite_loss)),
 }

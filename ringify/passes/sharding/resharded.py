@@ -27,12 +27,13 @@ import torch
 from torch import fx
 
 from ringify.passes.graph.crossings import PassState
-from ringify.passes.graph.nodes import ASSERTS, is_tensor, shape, val
+from ringify.passes.graph.nodes import is_tensor, shape, val
 from ringify.passes.graph.placement import Fallback, Seq, SequenceGeometry
 from ringify.passes.graph.report import ReshardedRegion, strict
+from ringify.passes.graph.vocabulary import ASSERTS, SHAPED
 from ringify.passes.sharding.positions import FREE, positions_held, whole_sequence
 from ringify.passes.sharding.rules import infer_placements
-from ringify.passes.sharding.shares import SHAPED, Resharded, mesh_of, nbytes, propagated
+from ringify.passes.sharding.shares import Resharded, mesh_of, nbytes, propagated
 from ringify.runtime.collectives.ring import ring_by_name
 
 aten = torch.ops.aten

@@ -30,24 +30,13 @@ from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadc
 from ringify.passes.graph.nodes import argument, call, norm_dim, shape, val
 from ringify.passes.graph.placement import Fallback, Placements, Seq, sharded_first
 from ringify.passes.graph.report import GatherReason
-from ringify.passes.graph.token_dispatch import ARGSORTS, SORTS
+from ringify.passes.graph.vocabulary import ARGSORTS, DRAWS, LIKE, SCATTERS, SORTS
 from ringify.passes.sharding import dispatch
 from ringify.passes.sharding.reductions import masked_padding
 from ringify.runtime.collectives.reduce import reduce_from_ring
 
 aten = torch.ops.aten
 SELECTIONS = frozenset({aten.topk.default, *SORTS, *ARGSORTS})
-LIKE = frozenset({
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default,
-})  # fmt: skip
-# random draws shaped like their input, whatever its values (a sampling router's noise)
-DRAWS = frozenset({
-    aten.rand_like.default, aten.randn_like.default, aten.exponential.default,
-    aten.uniform.default,
-})  # fmt: skip
-SCATTERS = frozenset({aten.scatter.value, aten.scatter.src, aten.scatter.reduce,
-                      aten.scatter.value_reduce})  # fmt: skip
 
 
 @sharded_first

@@ -26,10 +26,16 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ringify.passes.graph.crossings import PassState, Rule, as_it_is, fit_broadcast, fit_whole
 from ringify.passes.graph.nodes import shape, val
-from ringify.passes.graph.op_dims import CASTS_LIKE, SAME_SHAPE
 from ringify.passes.graph.placement import Fallback, Placement, Placements, Seq, SequenceGeometry
 from ringify.passes.graph.report import GatherReason, strict
 from ringify.passes.graph.token_dispatch import find as find_dispatches
+from ringify.passes.graph.vocabulary import (
+    CASTS_LIKE,
+    NEW_TENSORS,
+    PER_POSITION,
+    SAME_SHAPE,
+    UNTAGGED_POINTWISE,
+)
 from ringify.passes.sharding import (
     along,
     attention_rule,
@@ -47,16 +53,6 @@ from ringify.runtime.collectives.tp_ops import TP_FEATURE_OPS, TP_VOCAB_EMBEDDIN
 from ringify.runtime.dropout import sequence_dropout
 
 aten = torch.ops.aten
-
-# elementwise with broadcasting, as the pointwise tag's ops, but their overloads are untagged
-UNTAGGED_POINTWISE = frozenset({
-    aten.log_sigmoid.default, aten.hardswish.default, aten.rsub.Tensor, aten.masked_fill.Tensor,
-    aten.where.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.floor_divide.default,
-})  # fmt: skip
-# new tensors that take only their input's dtype and device: replicated
-NEW_TENSORS = frozenset({
-    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-})  # fmt: skip
 
 
 def _infer_broadcast(node, place: Placements):
@@ -141,7 +137,7 @@ RULES: dict[object, Rule] = {
     ),
     **dict.fromkeys(NEW_TENSORS, Rule(lambda node, place: None, as_it_is)),
     **dict.fromkeys(
-        (aten.linear.default, aten.layer_norm.default, aten.rms_norm.default),
+        PER_POSITION,
         Rule(_infer_per_position, fit_whole),
     ),
     aten.embedding.default: Rule(_infer_embedding, fit_whole),

@@ -26,8 +26,8 @@ from ringify.config import Config
 from ringify.passes.folds.handwritten import UNREAD_NOTE
 from ringify.passes.graph.attention_nodes import find_attention
 from ringify.passes.graph.nodes import ancestors, is_tensor, shape, val
-from ringify.passes.graph.op_dims import CASTS_LIKE, KEEPS_POSITIONS, SAME_SHAPE, VIEWS
 from ringify.passes.graph.placement import Seq, SequenceGeometry, view_placement
+from ringify.passes.graph.vocabulary import CASTS_LIKE, KEEPS_POSITIONS, SAME_SHAPE, VIEWS
 from ringify.passes.sharding.positions import positions_held
 from ringify.passes.sharding.rules import infer_placements
 from ringify.runtime.collectives.layout import padded_length, split_multiple

@@ -21,7 +21,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import _pytree as pytree
 
-from ringify.passes.graph.nodes import ASSERTS, is_tensor, shape, val
+from ringify.passes.graph.nodes import is_tensor, shape, val
+from ringify.passes.graph.vocabulary import ASSERTS, DIM_VIEWS, SHAPED, TRIANGLES
 from ringify.runtime.collectives.ring import ring_by_name
 
 aten = torch.ops.aten
@@ -82,7 +83,7 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
     if node.target is aten.einsum.default:
         equation, operands = node.args
         return _einsum(node, equation, operands, [spec(a) for a in operands], plan)
-    if node.target in (aten.tril.default, aten.triu.default):  # no DTensor rule: batch dims
+    if node.target in TRIANGLES:  # no DTensor rule: batch dims
         d = spec(node.args[0]) and _shard_dim(spec(node.args[0]))
         return d if d is None or d < len(shape(node)) - 2 else False
     if node.target is aten.matmul.default:
@@ -93,7 +94,7 @@ def _node_placed(node: fx.Node, members: set, plan: Resharded, mesh: DeviceMesh)
         (node.args, node.kwargs), lambda a: spec(a) if isinstance(a, fx.Node) and is_tensor(a) else a
     )  # fmt: skip
     target = node.target
-    if target in (aten.flatten.using_ints, aten.unflatten.int):  # no DTensor rule: asked as
+    if target in DIM_VIEWS:  # no DTensor rule: asked as
         target, args = aten.reshape.default, (args[0], shape(node))  # the view each one is
     try:
         out = ask(target, tuple(args), dict(kwargs))
@@ -224,8 +225,3 @@ def _refused(op: torch._ops.OpOverload) -> bool:
 
 # ops with sizes that neither DTensor nor ``SHAPED`` makes local
 UNSIZED = frozenset({aten.as_strided.default})
-# the ops whose argument 1 is a shape: its sharded dim becomes the local size
-SHAPED = frozenset({
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-})  # fmt: skip
