@@ -72,7 +72,7 @@ class P2PRing:
         return 0, 1
 
     def visits(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple]:
-        """``(own, step, src, held, kv)`` per visit (``schedule.ring_visits``)."""
+        """``(own, step, src, held, kv)`` per visit (``tiles.ring_visits``)."""
         return ring_visits(self.ring, k, v, self.plan.home, self.plan.masks.last_steps)
 
     def grad_trip(self, own, k, v, dk, dv, acc) -> GradTrip:

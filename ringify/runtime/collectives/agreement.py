@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from ringify.runtime.collectives.ring import Ring, served_devices
 
+# one side stream per device for the process: an agreement runs at every call, and a new
+# stream each time would cost a CUDA stream's creation on the step's critical path (a stream
+# holds no state of a call, so sharing it across modules is safe)
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 

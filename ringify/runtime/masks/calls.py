@@ -160,7 +160,7 @@ def as_varlen(block: Block) -> Block | None:
     """A top-left causal block (square, or its last keys cut off: fewer keys than rows) as one
     FA2 sequence: FA2's window is bottom-right aligned, so ``(-1, s - t)`` on s rows and t
     keys is top-left causal. None where FA2 would not take that window as given
-    (``varlen.fa2_takes``), or the block is no such one."""
+    (``fa2_takes``), or the block is no such one."""
     s, t = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
     causal = block.seen is Visibility.DIAGONAL and block.bias is None and block.cols.start == 0
     if not causal or not 0 < t <= s or not fa2_takes((-1, s - t), t):

@@ -51,7 +51,7 @@ def open_pair(
 ) -> OpenPair:  # fmt: skip
     """The pair's blocks of ``MIN_TILE_ROWS`` bounded under ``program`` (its host ``inputs``),
     those left open evaluated on the host and classified; with ``varlen``, each row's run
-    of visible keys gathered into FA2 varlen calls (``varlen.RowSpans``)."""
+    of visible keys gathered into FA2 varlen calls (``calls.RowSpans``)."""
     step = MIN_TILE_ROWS
     q_blocks = [
         Tile(slice(q_tile.rows.start + a, q_tile.rows.start + min(a + step, q_tile.length)),

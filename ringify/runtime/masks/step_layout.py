@@ -15,7 +15,7 @@ FlexAttention's ``BlockMask`` travels into ``flex_attention``:
 
 The layout is a pure function of the plan's host answers, the rank and the calls' bias
 dtype and varlen use: ``step_layout`` walks the steps this rank's ring calls will visit
-(``schedule.ring_visits``' order) and asks each for its blocks, as the calls do. The two
+(``tiles.ring_visits``' order) and asks each for its blocks, as the calls do. The two
 tensors have fixed sizes (``Capacity``): ``KEPT_BYTES_PER_ROW`` bytes of biases and
 ``SEQUENCES_PER_ROW`` sequence columns per query row of the rank, O(S) per rank, so that a
 traced graph knows them (sizes that follow from a step's content would be unbacked symbols,
