@@ -25,8 +25,8 @@ from tabulate import tabulate
 from ringify.estimate import _module, estimate
 from ringify.estimate.footprint import causal_lm_inputs, footprint
 from ringify.estimate.meshes import Mesh, row
-from ringify.passes.sharding.transport_model import GPUS
 from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.collectives.transport_costs import GPUS
 from ringify.testing.ranks import RankPool
 from ringify.testing.sizing import CASES, LLAMA_8B, measured_and_estimated
 

@@ -6,11 +6,11 @@ One Llama-3 layer (8B: hidden 4096, 32 heads, 8 K/V heads; 70B: hidden 8192, 64 
 heads; head dim 128, bf16, causal, batch 1), one training step (forward + backward) per GPU,
 on nodes of 8 H100 (NVLink 450 GB/s inside a node, 50 GB/s per GPU between nodes, 400
 TFLOP/s achieved by every kernel). The attention's time per transport is
-``ringify.passes.sharding.transport_model.seconds`` (the ring's steps hidden behind their kernels
+``ringify.runtime.collectives.transport_costs.seconds`` (the ring's steps hidden behind their kernels
 where shorter, an all-to-all not hidden); the layer's projections and MLP (6 FLOPs per
 parameter and token) are the same for every transport and hide nothing. eff = the layer's
 compute time / its modelled time. "auto" is what ``strategy="auto"`` picks for the same
-shape (``transport_model.fastest``).
+shape (``transport_costs.fastest``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 
 from tabulate import tabulate
 
-from ringify.passes.sharding.transport_model import H100, Shape, fastest, seconds, transports
 from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.collectives.transport_costs import H100, Shape, fastest, seconds, transports
 
 HEAD_DIM, PER_HOST = 128, 8
 # heads, K/V heads, parameters of one layer (q, k, v, o and the MLP)

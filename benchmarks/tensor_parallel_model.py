@@ -8,7 +8,7 @@ inside each node (NVLink 450 GB/s) and the ring of CP across nodes (50 GB/s per 
 kernel at 400 TFLOP/s. Per GPU: S / CP tokens, 64 / 8 heads on one K/V head.
 
 - the projections and MLP: 6 FLOPs per parameter and token, over TP;
-- the attention on the ring: ``ringify.passes.sharding.transport_model.seconds`` (each step's K/V and
+- the attention on the ring: ``ringify.runtime.collectives.transport_costs.seconds`` (each step's K/V and
   dK/dV hidden behind its kernels where shorter, a CP rank per node);
 - TP's collectives as ringify writes them: per layer, two all-reduces forward (after o_proj
   and down_proj) and two backward (the attention's and the MLP's input), each of the
@@ -26,8 +26,8 @@ import sys
 from tabulate import tabulate
 
 from benchmarks.strategies import shape
-from ringify.passes.sharding.transport_model import H100, seconds, sent_bytes
 from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.collectives.transport_costs import H100, seconds, sent_bytes
 
 HIDDEN, HEADS, KV_HEADS = 8192, 64, 8
 PARAMS = HIDDEN * (2 * HIDDEN + 2 * 1024) + 3 * HIDDEN * 28672  # one layer's

@@ -133,7 +133,7 @@ def test_the_hybrid_matches_the_model(ranks, case):
 def test_auto_keeps_the_ring_on_cpu_ranks(ranks):
     """The default, ``strategy="auto"``: on CPU ranks the ring (gloo's all-to-all ran no
     faster here), the report saying so; on GPUs, the paper model's pick
-    (``tests/test_transport_model.py``)."""
+    (``tests/test_transport_costs.py``)."""
     for r in ranks(2).run(hf_case, "packed", 4, False, 0, "auto"):
         assert r["runs"] == [AttentionRun.RING] * 2, r
         assert all("the ring on CPU ranks" in n for n in r["notes"]), r["notes"]

@@ -22,7 +22,7 @@ from torch import nn
 
 from ringify.estimate.footprint import Footprint, causal_lm_inputs, footprint
 from ringify.estimate.meshes import GIB, Row, meshes, row
-from ringify.passes.sharding.transport_model import GPUS, Cluster
+from ringify.runtime.collectives.transport_costs import GPUS, Cluster
 
 logger = logging.getLogger("ringify")
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from ringify.estimate import estimate
-from ringify.passes.sharding.transport_model import GPUS
+from ringify.runtime.collectives.transport_costs import GPUS
 
 
 def main(argv: list[str] | None = None) -> int:

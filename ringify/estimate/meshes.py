@@ -3,7 +3,7 @@
 A mesh is ``dp x tp x cp`` GPUs, TP innermost (inside a host), then the ring, then data
 parallelism; FSDP2 shards the state over ``dp x cp`` (torchtitan's "loss" mesh), the ring
 or the all-to-all shards the sequence over ``cp``. Memory is counted, time is a paper model
-(``passes/sharding/transport_model.py``): no GPU has run it.
+(``runtime/collectives/transport_costs.py``): no GPU has run it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringify.estimate.footprint import Footprint
-from ringify.passes.sharding.transport_model import Cluster, Shape, fastest, seconds, transports
 from ringify.runtime.collectives.heads import Transport, kv_repeats
+from ringify.runtime.collectives.transport_costs import Cluster, Shape, fastest, seconds, transports
 
 GIB = 2**30
 # Bytes per parameter of the state FSDP2 shards: float32 master weights, float32 gradients

@@ -104,8 +104,8 @@ def measured_and_estimated(case: str, length: int) -> dict:
     from ringify import ringify
     from ringify.estimate.footprint import footprint, loss_of
     from ringify.estimate.meshes import Mesh, row
-    from ringify.passes.sharding.transport_model import H100
     from ringify.runtime.collectives.heads import Transport
+    from ringify.runtime.collectives.transport_costs import H100
 
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 65536)
     ring, tp, checkpointed, lengths = CASES[case]

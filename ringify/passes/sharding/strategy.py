@@ -4,7 +4,7 @@
 all-to-all gives each rank every row of its share of the heads (DeepSpeed-Ulysses; (P-1)/P
 of one shard each of q, K/V and the output), for each attention it can serve; ``Hybrid(u)``,
 the all-to-all inside groups of u ranks and K/V round the groups; ``"auto"``, chosen per
-attention by the paper model of ``passes/sharding/transport_model.py`` from its shape, the ring's size
+attention by the paper model of ``runtime/collectives/transport_costs.py`` from its shape, the ring's size
 and which ranks share a host (the ring on CPU ranks, where gloo's all-to-all is no faster).
 The attentions none serves keep the ring, and the report says why. Both byte counts go into
 the report.
@@ -20,9 +20,9 @@ from ringify.config import Auto
 from ringify.passes.graph.crossings import PassState
 from ringify.passes.graph.nodes import shape, val
 from ringify.passes.graph.placement import Seq
-from ringify.passes.sharding.transport_model import Shape, fastest, sent_bytes
 from ringify.runtime.attention.protocol import accumulation_dtype
 from ringify.runtime.collectives.heads import Transport, kv_repeats
+from ringify.runtime.collectives.transport_costs import Shape, fastest, sent_bytes
 from ringify.runtime.masks.program import parse, program_mask
 
 
@@ -103,6 +103,6 @@ def _reads_positions(mask) -> bool:
 
 
 def step_bytes(att, state: PassState) -> tuple[int, int]:
-    """Bytes one rank sends in a step, ``(ring, all-to-all)`` (``transport_model.sent_bytes``):
+    """Bytes one rank sends in a step, ``(ring, all-to-all)`` (``transport_costs.sent_bytes``):
     the forward, and the backward in training."""
     return sent_bytes(attention_shape(att, state), state.geo.ring_size)

@@ -1,4 +1,4 @@
-"""The paper model ``strategy="auto"`` picks from (``passes/sharding/transport_model.py``): its bytes,
+"""The paper model ``strategy="auto"`` picks from (``runtime/collectives/transport_costs.py``): its bytes,
 its ring hidden behind the kernels, the picks ``benchmarks/strategies.py`` tabulates for
 Llama-3 layers on nodes of 8 GPUs, and "auto" itself: that pick on GPUs, the ring on CPU
 ranks."""
@@ -12,8 +12,14 @@ import torch
 
 from benchmarks.strategies import shape
 from ringify.passes.sharding.strategy import auto_transport
-from ringify.passes.sharding.transport_model import Shape, fastest, seconds, sent_bytes, transports
 from ringify.runtime.collectives.heads import Transport
+from ringify.runtime.collectives.transport_costs import (
+    Shape,
+    fastest,
+    seconds,
+    sent_bytes,
+    transports,
+)
 
 
 def test_sent_bytes():
