@@ -63,12 +63,7 @@ def plan_per_step(backend: str | None, checkpointing: bool, first: int):
         return max((a[n] - b[n]).abs().max().item() for n in b)
 
     want = unmodified(model)
-    tolerance = 1e-10
-    if backend == "inductor":  # HF's float32 loss fused otherwise: measured (see test_ringify)
-        from ringify.testing.tolerance import FACTOR
-
-        tolerance = max(tolerance, FACTOR * largest(unmodified(torch.compile(model)), want))
-    error = largest(grads, want) / tolerance
+    error = largest(grads, want) / 1e-10
     graph = next(iter(ringified._traced.values())).module
     nodes = [
         n for m in graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
@@ -87,8 +82,8 @@ def _is_region_input(arg) -> bool:
 
 @pytest.mark.parametrize(
     ("backend", "checkpointing", "first"),
-    [(None, False, 1), (None, True, 2), ("aot_eager", False, 3), ("inductor", False, 4)],
-    ids=["eager", "checkpointed", "aot_eager", "inductor"],
+    [(None, False, 1), (None, True, 2), ("aot_eager", False, 3)],  # Inductor: test_ringify's
+    ids=["eager", "checkpointed", "aot_eager"],
 )
 def test_one_plan_per_step_whatever_the_layers(ranks, backend, checkpointing, first):
     calls = 2 * LAYERS + LAYERS * checkpointing  # forward, backward, a checkpoint's recompute

@@ -68,7 +68,7 @@ def test_sliced_loss_without_gathers(ranks, world, length, reduction):
         assert r["loss"] <= TOL and r["grads"] <= TOL, r
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager"])  # under Inductor: HF's shift, test_ringify
 def test_compiled(ranks, backend):
     for r in ranks(2).run(compare, 16, "mean", backend):
         assert r["gathers"] == [], r["gathers"]

@@ -221,7 +221,8 @@ def eager_and_compiled(backend):
 
 
 @pytest.mark.parametrize(
-    ("world", "backend"), [(1, "aot_eager"), (2, "aot_eager"), (2, "inductor")]
+    ("world", "backend"),
+    [(1, "aot_eager"), (2, "aot_eager")],  # Inductor: every model case
 )
 def test_compiled_matches_eager(ranks, world, backend):
     per_rank = (
